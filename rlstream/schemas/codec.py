@@ -1,0 +1,137 @@
+"""Avro single-object encoding for every rlstream record, with fastavro.
+
+Each value is ``C3 01`` + the writer schema's CRC-64-AVRO fingerprint (8 bytes,
+little-endian) + the Avro binary body. Every frozen version of every schema
+lives in ``history/``, so a reader resolves any old record against the current
+schema without a registry.
+"""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from fastavro import parse_schema, schemaless_reader, schemaless_writer
+from fastavro.schema import fingerprint, load_schema, to_parsing_canonical_form
+
+AVRO_DIR = Path(__file__).parent / "avro"
+HISTORY_DIR = Path(__file__).parent / "history"
+MARKER = b"\xc3\x01"
+HEADER_LEN = 10
+
+#: The records that travel on topics (their nested types are not top level).
+RECORDS = ("Task", "Episode", "Trajectory", "ScoredTrajectory", "TeacherFeedback", "PolicyVersion", "DeadLetter")
+
+
+class DecodeError(ValueError):
+    """A value that cannot be decoded; ``reason`` is the dead-letter reason code."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def load_current(name: str) -> dict:
+    """The current schema of a record, with its named types expanded."""
+    return load_schema(AVRO_DIR / f"rlstream.{name}.avsc", _write_hint=False)
+
+
+def schema_fingerprint(schema: dict) -> bytes:
+    """The 8-byte little-endian CRC-64-AVRO fingerprint of a schema's canonical form."""
+    canonical = to_parsing_canonical_form(parse_schema(schema, _write_hint=False))
+    return int(fingerprint(canonical, "CRC-64-AVRO"), 16).to_bytes(8, "big")[::-1]
+
+
+@dataclass(frozen=True)
+class _Writer:
+    name: str
+    version: int
+    schema: dict  # parsed
+
+
+class Codec:
+    """Encodes current-schema records and decodes any known version of any record."""
+
+    def __init__(self, avro_dir: Path = AVRO_DIR, history_dir: Path = HISTORY_DIR):
+        self._current: dict[str, tuple[bytes, dict]] = {}
+        self._writers: dict[bytes, _Writer] = {}
+        for name in RECORDS:
+            schema = parse_schema(load_schema(avro_dir / f"rlstream.{name}.avsc", _write_hint=False))
+            fp = schema_fingerprint(schema)
+            self._current[name] = (fp, schema)
+            self._writers[fp] = _Writer(name, 0, schema)
+        for name, version, path in iter_history(history_dir):
+            schema = parse_schema(json.loads(path.read_text()))
+            fp = schema_fingerprint(schema)
+            # The current schema wins when it equals a frozen version.
+            self._writers.setdefault(fp, _Writer(name, version, schema))
+
+    def fingerprint(self, name: str) -> bytes:
+        """The fingerprint the current schema of ``name`` writes."""
+        return self._current[name][0]
+
+    def encode(self, name: str, record: dict) -> bytes:
+        """Single-object encode a dict that follows the current schema of ``name``."""
+        fp, schema = self._current[name]
+        buf = io.BytesIO()
+        buf.write(MARKER)
+        buf.write(fp)
+        schemaless_writer(buf, schema, record)
+        return buf.getvalue()
+
+    def record_name(self, data: bytes) -> str:
+        """Which record a value holds, read from its fingerprint alone."""
+        return self._writer_of(data).name
+
+    def decode(self, data: bytes, expect: str | None = None) -> tuple[str, dict]:
+        """Decode a value into (record name, dict in the current schema's shape)."""
+        writer = self._writer_of(data)
+        if expect is not None and writer.name != expect:
+            raise DecodeError("wrong_record", f"expected a {expect} record, got {writer.name}")
+        _, reader = self._current[writer.name]
+        buf = io.BytesIO(data)
+        buf.seek(HEADER_LEN)
+        try:
+            # Resolution is only needed when the writer was an older version.
+            value = schemaless_reader(buf, writer.schema, None if writer.version == 0 else reader)
+        except Exception as exc:  # fastavro raises many types on corrupt bodies
+            raise DecodeError("malformed", f"corrupt {writer.name} body: {type(exc).__name__}: {exc}") from None
+        if buf.tell() != len(data):
+            raise DecodeError("malformed", f"{len(data) - buf.tell()} trailing bytes after a {writer.name} record")
+        return writer.name, value
+
+    def _writer_of(self, data: bytes) -> _Writer:
+        if data is None or len(data) < HEADER_LEN or data[:2] != MARKER:
+            raise DecodeError("malformed", "not an Avro single-object encoded value (bad marker or too short)")
+        writer = self._writers.get(bytes(data[2:HEADER_LEN]))
+        if writer is None:
+            raise DecodeError("unknown_schema", f"unknown schema fingerprint {bytes(data[2:HEADER_LEN]).hex()}")
+        return writer
+
+
+def iter_history(history_dir: Path = HISTORY_DIR):
+    """Yield (record name, version, path) for every frozen schema version."""
+    for folder in sorted(p for p in history_dir.iterdir() if p.is_dir()):
+        for path in sorted(folder.glob("v*.avsc"), key=lambda p: int(p.stem[1:])):
+            yield folder.name, int(path.stem[1:]), path
+
+
+@lru_cache(maxsize=1)
+def default_codec() -> Codec:
+    """The process-wide codec (schemas are parsed once)."""
+    return Codec()
+
+
+def encode(name: str, record: Any) -> bytes:
+    """Encode a typed record or a dict with the default codec."""
+    return default_codec().encode(name, record if isinstance(record, dict) else record.to_dict())
+
+
+def decode(data: bytes, expect: str | None = None) -> tuple[str, dict]:
+    """Decode a value with the default codec."""
+    return default_codec().decode(data, expect)
+
+

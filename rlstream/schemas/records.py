@@ -1,0 +1,234 @@
+"""Typed Python records mirroring the .avsc schemas (a test keeps them in step).
+
+``to_dict`` / ``from_dict`` convert to and from the dicts fastavro reads and
+writes; token arrays are passed through as lists, not copied element-wise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Optional
+
+
+class Record:
+    """Base of every typed record: dict conversion driven by the field types."""
+
+    def to_dict(self) -> dict:
+        """The fastavro-ready dict of this record (nested records converted)."""
+        out = {}
+        for name, kind, _ in _plan(type(self)):
+            value = getattr(self, name)
+            if kind == "record":
+                value = None if value is None else value.to_dict()
+            elif kind == "records":
+                value = [v.to_dict() for v in value]
+            out[name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        """Build the typed record from a decoded dict."""
+        kwargs = {}
+        for name, kind, sub in _plan(cls):
+            if name not in data:
+                continue
+            value = data[name]
+            if kind == "record":
+                value = None if value is None else sub.from_dict(value)
+            elif kind == "records":
+                value = [sub.from_dict(v) for v in value]
+            kwargs[name] = value
+        return cls(**kwargs)
+
+
+@lru_cache(maxsize=None)
+def _plan(cls) -> tuple[tuple[str, str, Any], ...]:
+    """Per field: (name, 'plain' | 'record' | 'records', nested record class)."""
+    hints = typing.get_type_hints(cls)
+    plan = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        origin = typing.get_origin(hint)
+        if isinstance(hint, type) and issubclass(hint, Record):
+            plan.append((f.name, "record", hint))
+        elif origin is typing.Union and args and isinstance(args[0], type) and issubclass(args[0], Record):
+            plan.append((f.name, "record", args[0]))
+        elif origin is list and args and isinstance(args[0], type) and issubclass(args[0], Record):
+            plan.append((f.name, "records", args[0]))
+        else:
+            plan.append((f.name, "plain", None))
+    return tuple(plan)
+
+
+@dataclass(slots=True)
+class SamplingParams(Record):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Task(Record):
+    task_id: str
+    group_id: str
+    task_name: str
+    env_name: str
+    env_version: str
+    prompt: str
+    sampling: SamplingParams
+    created_at: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+    answer: Optional[str] = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    group_size: int = 8
+    split: str = "train"
+    max_turns: int = 1
+    trace_id: str = ""
+
+
+@dataclass(slots=True)
+class ToolCall(Record):
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class ToolResult(Record):
+    output: str
+    exit_code: int = 0
+    duration_ms: float = 0.0
+    truncated: bool = False
+    failure_class: Optional[str] = None
+
+
+@dataclass(slots=True)
+class Failure(Record):
+    failure_class: str
+    message: str
+    stage: str
+
+
+@dataclass(slots=True)
+class Turn(Record):
+    role: str
+    text: str
+    token_start: int
+    token_end: int
+    policy_version: int = -1
+    finish_reason: str = ""
+    tool_call: Optional[ToolCall] = None
+    tool_result: Optional[ToolResult] = None
+    started_at: int = 0
+    finished_at: int = 0
+
+
+@dataclass(slots=True)
+class Episode(Record):
+    episode_id: str
+    group_id: str
+    sample_index: int
+    task: Task
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    behaviour_logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    done: bool = False
+    failure: Optional[Failure] = None
+    stage_times: dict[str, int] = field(default_factory=dict)
+    trace_id: str = ""
+
+
+@dataclass(slots=True)
+class Trajectory(Record):
+    trajectory_id: str
+    group_id: str
+    sample_index: int
+    task: Task
+    response: str
+    min_policy_version: int
+    max_policy_version: int
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    behaviour_logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    status: str = "ok"
+    failure: Optional[Failure] = None
+    stage_times: dict[str, int] = field(default_factory=dict)
+    trace_id: str = ""
+
+
+@dataclass(slots=True)
+class Reward(Record):
+    total: float
+    reward_version: str
+    breakdown: dict[str, float] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    verifier_version: str = ""
+    judge_version: str = ""
+    latency_ms: float = 0.0
+    failure_class: Optional[str] = None
+    scored_at: int = 0
+
+
+@dataclass(slots=True)
+class ScoredTrajectory(Record):
+    trajectory: Trajectory
+    reward: Reward
+
+
+@dataclass(slots=True)
+class TeacherFeedback(Record):
+    scored: ScoredTrajectory
+    teacher_version: str
+    teacher_logprobs: list[float] = field(default_factory=list)
+    teacher_model: str = ""
+    latency_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class PolicyVersion(Record):
+    policy: str
+    version: int
+    weights_uri: str
+    created_at: int
+    published_at: int
+    step: int = 0
+    parent_version: int = -1
+    samples_trained: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    trainer_id: str = ""
+    tokenizer_hash: str = ""
+
+
+@dataclass(slots=True)
+class DeadLetter(Record):
+    stage: str
+    reason: str
+    error: str
+    topic: str
+    partition: int
+    offset: int
+    failed_at: int
+    key: Optional[bytes] = None
+    value: Optional[bytes] = None
+    headers: dict[str, bytes] = field(default_factory=dict)
+    trace_id: str = ""
+
+
+#: Record name -> typed class, for every record that travels on a topic.
+RECORD_TYPES: dict[str, type[Record]] = {
+    cls.__name__: cls
+    for cls in (Task, Episode, Trajectory, ScoredTrajectory, TeacherFeedback, PolicyVersion, DeadLetter)
+}
+#: Every typed class, nested ones included (the mirror test walks these).
+ALL_TYPES: dict[str, type[Record]] = {
+    cls.__name__: cls
+    for cls in (SamplingParams, Task, ToolCall, ToolResult, Failure, Turn, Episode, Trajectory, Reward,
+                ScoredTrajectory, TeacherFeedback, PolicyVersion, DeadLetter)
+}
