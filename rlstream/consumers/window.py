@@ -105,7 +105,7 @@ class _PartitionOffsets:
             released.discard(held.popleft())
 
     def committable(self) -> int:
-        return self.highest + 1
+        return self.held[0] if self.held else self.highest + 1
 
 
 class WindowedFIFO:

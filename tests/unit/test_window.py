@@ -210,6 +210,7 @@ class WindowMachine(RuleBasedStateMachine):
         self.win: WindowedFIFO | None = None
         self.next_offset = {0: 0, 1: 0, 2: 0}
         self.added: list[WindowItem] = []  # unique positions only
+        self.arrival: dict[tuple, int] = {}
         # Reference model of the FIFO: open groups in first-arrival order.
         self.order: list[str] = []
         self.size: dict[str, int] = {}
@@ -233,6 +234,7 @@ class WindowMachine(RuleBasedStateMachine):
         self.next_offset[partition] = off + 1
         item = WindowItem(gid, size, (TOPIC, partition, off), self.clock.now, payload=off)
         assert self.win.add(item) is True
+        self.arrival[item.position] = len(self.added)
         self.added.append(item)
         if gid in self.closed:
             self.late[gid] = self.late.get(gid, 0) + 1
@@ -301,9 +303,8 @@ class WindowMachine(RuleBasedStateMachine):
             assert g.complete and not g.late
             assert len(g) == self.count[g.group_id]
             assert all(it.group_id == g.group_id for it in g.items)
-            offs = [it.position for it in g.items]
-            assert offs == sorted(offs, key=lambda p: self.added.index(next(
-                i for i in self.added if i.position == p)))
+            arrival = [self.arrival[it.position] for it in g.items]
+            assert arrival == sorted(arrival), "items not in arrival order"
         self._record(got, self.taken)
         for gid in got_ids:
             self._close(gid)
