@@ -1,0 +1,163 @@
+"""The ``rlstream`` command line: what users type and what tests and benchmarks drive."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+from . import config
+from .config import KafkaSettings
+
+#: Stage name -> (module, stage class, settings class or None). Imported lazily: torch is slow to load.
+STAGES: dict[str, tuple[str, str, str | None]] = {
+    "reward": ("rlstream.streams.reward", "RewardStage", "RewardSettings"),
+    "env": ("rlstream.streams.env", "EnvStage", "EnvSettings"),
+    "rollout": ("rlstream.streams.rollout", "RolloutStage", "RolloutSettings"),
+    "teacher": ("rlstream.streams.teacher", "TeacherStage", "TeacherSettings"),
+    "trainer": ("rlstream.trainer.service", "TrainerService", "TrainerSettings"),
+    "archive": ("rlstream.consumers.archive", "ArchiveSink", "ArchiveSettings"),
+    "monitor": ("rlstream.consumers.monitor", "Monitor", "MonitorSettings"),
+}
+
+
+class UsageError(Exception):
+    """A mistake the user can fix; printed without a traceback."""
+
+
+def settings(cls, args: argparse.Namespace):
+    """Typed settings from flags and RLSTREAM_* variables; a bad value is a usage error."""
+    try:
+        return config.from_sources(cls, args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _home() -> Path:
+    return Path(os.environ.get("RLSTREAM_HOME", ".rlstream"))
+
+
+def cmd_up(args: argparse.Namespace) -> None:
+    from .infra import broker
+    print(broker.up(_home(), brokers=args.brokers))
+
+
+def cmd_down(args: argparse.Namespace) -> None:
+    from .infra import broker
+    broker.down(_home())
+    print("broker stopped (data kept under", _home(), ")")
+
+
+def cmd_topics(args: argparse.Namespace) -> None:
+    from .infra.topics import TOPICS, create_topics, topic_name
+    kafka = settings(KafkaSettings, args)
+    created = create_topics(kafka.client_config(), kafka.run, replication=args.replication)
+    for logical in TOPICS:
+        name = topic_name(kafka.run, logical)
+        print(("created " if name in created else "exists  ") + name)
+
+
+def _stage_parts(stage: str):
+    module_name, cls_name, settings_name = STAGES[stage]
+    module = importlib.import_module(module_name)
+    settings_cls = getattr(module, settings_name) if settings_name else None
+    return getattr(module, cls_name), settings_cls
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from .streams import metrics
+    from .streams.runtime import RuntimeSettings, StageRunner
+    kafka = settings(KafkaSettings, args)
+    runtime = settings(RuntimeSettings, args)
+    stage_cls, settings_cls = _stage_parts(args.stage)
+    stage_settings = settings(settings_cls, args) if settings_cls else None
+    try:
+        stage = stage_cls(stage_settings) if settings_cls else stage_cls()
+    except ValueError as exc:  # stages validate their settings on construction
+        raise UsageError(str(exc)) from None
+    metrics.serve(runtime.metrics_port)
+    if hasattr(stage, "serve"):
+        stage.serve(kafka, runtime)  # services with their own loop (trainer, archive, monitor)
+    else:
+        StageRunner(stage, kafka, runtime).run()
+    # The transaction is closed; a user handler still hung in a thread must not keep the process alive.
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlstream", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("up", help="start a local Kafka broker (data under .rlstream/); prints the bootstrap")
+    p.add_argument("--brokers", type=int, default=1, choices=(1, 3), help="1, or 3 for a replicated cluster")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("down", help="stop the local Kafka broker (data kept)")
+    p.set_defaults(func=cmd_down)
+
+    p = sub.add_parser("topics", help="create the run's topics")
+    config.add_arguments(p, KafkaSettings)
+    p.add_argument("--replication", type=int, default=1, help="replication factor (3 on a 3-broker cluster)")
+    p.set_defaults(func=cmd_topics)
+
+    p = sub.add_parser("run", help="run one stage process: " + ", ".join(STAGES))
+    p.add_argument("stage", choices=sorted(STAGES), metavar="STAGE", help="one of " + ", ".join(STAGES))
+    config.add_arguments(p, KafkaSettings)
+    from .streams.runtime import RuntimeSettings
+    config.add_arguments(p, RuntimeSettings)
+    if stage in STAGES:
+        _, settings_cls = _stage_parts(stage)
+        if settings_cls:
+            config.add_arguments(p, settings_cls)
+    p.set_defaults(func=cmd_run)
+
+    for extra in ("rlstream.producers.prompts", "rlstream.consumers.query", "rlstream.producers.replay",
+                  "rlstream.consumers.report", "rlstream.demo"):
+        try:
+            module = importlib.import_module(extra)
+        except ModuleNotFoundError as exc:
+            if exc.name != extra:
+                raise
+            continue
+        module.add_command(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``rlstream`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # A stage's own flags are only known once the stage is named.
+    stage = argv[argv.index("run") + 1] if "run" in argv and argv.index("run") + 1 < len(argv) else None
+    try:
+        parser = build_parser(stage)
+    except ValueError as exc:
+        print(f"rlstream: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        args.func(args)
+    except UsageError as exc:
+        print(f"rlstream {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # the broker's and the archive's own errors carry what to do
+        if type(exc).__name__ in ("BrokerError", "ArchiveError", "KafkaException"):
+            print(f"rlstream {args.command}: {exc}", file=sys.stderr)
+            return 1
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The run's topics: names, partition counts, retention and compaction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from confluent_kafka.admin import AdminClient, NewTopic
+
+#: Large enough for a long multi-turn trajectory with per-token log-probs.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    record: str
+    partitions: int
+    config: dict
+
+
+_FOREVER = {"retention.ms": "-1"}
+_WEEK = {"retention.ms": str(7 * 24 * 3600 * 1000)}
+
+#: Logical topic -> spec. Partitions bound how many consumers of a group can share the work.
+TOPICS: dict[str, TopicSpec] = {t.name: t for t in (
+    TopicSpec("prompts", "Task", 8, _WEEK),
+    TopicSpec("actions", "Episode", 8, _WEEK),
+    TopicSpec("observations", "Episode", 8, _WEEK),
+    # The loop's data is the asset: samples are kept until the user deletes them (replay).
+    TopicSpec("trajectories", "Trajectory", 8, _FOREVER),
+    TopicSpec("rewards", "ScoredTrajectory", 8, _FOREVER),
+    TopicSpec("feedback", "TeacherFeedback", 8, _FOREVER),
+    # Compacted: the newest version of each policy is always readable.
+    TopicSpec("policy-versions", "PolicyVersion", 1, {"cleanup.policy": "compact", "retention.ms": "-1"}),
+    TopicSpec("dead-letters", "DeadLetter", 4, _FOREVER),
+)}
+
+
+def topic_name(run: str, logical: str) -> str:
+    """The physical topic of a logical topic in a run: ``<run>.<topic>``."""
+    if logical not in TOPICS:
+        raise ValueError(f"unknown topic {logical!r}; known: {', '.join(TOPICS)}")
+    return f"{run}.{logical}"
+
+
+def logical_name(run: str, physical: str) -> str:
+    """Inverse of topic_name."""
+    prefix = run + "."
+    if not physical.startswith(prefix):
+        raise ValueError(f"topic {physical!r} is not in run {run!r}")
+    return physical[len(prefix):]
+
+
+def create_topics(admin_config: dict, run: str, replication: int = 1, partitions: int | None = None,
+                  timeout: float = 30.0) -> list[str]:
+    """Create the run's missing topics; return the names created (existing ones are kept)."""
+    admin = AdminClient(admin_config)
+    existing = set(admin.list_topics(timeout=timeout).topics)
+    new = []
+    for spec in TOPICS.values():
+        name = topic_name(run, spec.name)
+        if name in existing:
+            continue
+        count = spec.partitions if partitions is None or spec.name == "policy-versions" else partitions
+        config = {"max.message.bytes": str(MAX_MESSAGE_BYTES), **spec.config}
+        if replication > 1:
+            config["min.insync.replicas"] = str(min(2, replication))
+        new.append(NewTopic(name, num_partitions=count, replication_factor=replication, config=config))
+    if not new:
+        return []
+    for name, future in admin.create_topics(new, operation_timeout=timeout).items():
+        try:
+            future.result()
+        except Exception as exc:  # a concurrent creator is fine
+            if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                raise
+    return [t.topic for t in new]

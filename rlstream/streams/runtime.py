@@ -1,0 +1,455 @@
+"""The exactly-once stage runtime every stage process runs on.
+
+A stage only decodes nothing and produces nothing itself: it gets typed input
+records and returns typed outputs. This module owns the Kafka plumbing once:
+transactions that commit input offsets with the outputs, dead letters,
+timeouts, pause/resume, SIGTERM and metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+
+from ..config import KafkaSettings, knob
+from ..infra.topics import MAX_MESSAGE_BYTES, TOPICS, logical_name, topic_name
+from ..schemas import headers as hdr
+from ..schemas.codec import DecodeError, default_codec
+from ..schemas.records import RECORD_TYPES, DeadLetter, Record
+from . import metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """Knobs of the shared stage runtime."""
+
+    batch_size: int = knob(256, "Most records consumed and committed in one transaction")
+    poll_timeout_s: float = knob(0.2, "How long one poll waits for records")
+    handler_timeout_s: float = knob(30.0, "A record whose handler runs longer goes to dead-letters")
+    concurrency: int = knob(64, "Records of one batch handled concurrently (threads for sync handlers)")
+    instance: str = knob("", "Stable worker id; a restarted worker with the same id fences its zombie at once "
+                             "(default: a random id, whose open transaction the broker aborts on timeout)")
+    transaction_timeout_ms: int = knob(30000, "Broker-side timeout of an open transaction")
+    metrics_port: int = knob(0, "Prometheus /metrics port (0 picks a free port)")
+    max_record_bytes: int = knob(MAX_MESSAGE_BYTES, "Outputs larger than this are dead-lettered as oversized")
+
+
+class InvalidRecord(ValueError):
+    """Raised by a stage's handler for input that decodes but is not acceptable (dead-letter reason ``invalid``)."""
+
+
+@dataclass
+class Incoming:
+    """One decoded input record, as a stage handler sees it."""
+
+    topic: str  # logical name
+    partition: int
+    offset: int
+    key: bytes | None
+    headers: dict[str, bytes]
+    policy_version: int
+    record: Record
+
+    @property
+    def traceparent(self) -> bytes | None:
+        return self.headers.get(hdr.TRACEPARENT)
+
+    @property
+    def reward_version(self) -> str | None:
+        raw = self.headers.get(hdr.REWARD_VERSION)
+        return raw.decode() if raw is not None else None
+
+
+@dataclass
+class Output:
+    """A record a handler wants produced; headers default to the input's."""
+
+    topic: str  # logical name
+    key: str | bytes | None
+    record: Record
+    policy_version: int | None = None
+    reward_version: str | None = None
+
+
+class Stage:
+    """A stream processor: override ``handle`` (per record) or ``handle_batch``.
+
+    ``handle`` may be sync (run in a thread) or ``async``; both get a timeout.
+    """
+
+    name: str = "stage"
+    inputs: tuple[str, ...] = ()
+    #: Whether records without a policy_version header are accepted (sources outside the loop).
+    require_policy_version: bool = True
+
+    def handle(self, item: Incoming) -> list[Output]:
+        raise NotImplementedError
+
+    def handle_batch(self, items: list[Incoming]) -> list[list[Output]] | None:
+        """Handle a whole batch at once (e.g. batched generation); None means per record."""
+        return None
+
+    def before_poll(self, ctx: "StageContext") -> None:
+        """Called between batches, outside any transaction: reload weights, pause, resume."""
+
+    def close(self) -> None:
+        """Release what the stage holds (engines, pools)."""
+
+
+class StageContext:
+    """What a stage may do to its own consumption: pause and resume partitions."""
+
+    def __init__(self, runner: "StageRunner"):
+        self._runner = runner
+
+    def pause(self, logical_topic: str) -> None:
+        """Stop fetching a topic (backpressure); records wait in Kafka."""
+        self._runner.set_paused(logical_topic, True)
+
+    def resume(self, logical_topic: str) -> None:
+        self._runner.set_paused(logical_topic, False)
+
+    def is_paused(self, logical_topic: str) -> bool:
+        return logical_topic in self._runner.paused_topics
+
+    @property
+    def run(self) -> str:
+        return self._runner.kafka.run
+
+
+class _Rejected(Exception):
+    """A record that goes to dead-letters with a reason."""
+
+    def __init__(self, reason: str, error: str):
+        super().__init__(error)
+        self.reason = reason
+
+
+class StageRunner:
+    """Consumes, handles and produces one batch per Kafka transaction."""
+
+    def __init__(self, stage: Stage, kafka: KafkaSettings, settings: RuntimeSettings = RuntimeSettings()):
+        self.stage = stage
+        self.kafka = kafka
+        self.settings = settings
+        self.codec = default_codec()
+        self.paused_topics: set[str] = set()
+        self._stopping = False
+        instance = settings.instance or uuid.uuid4().hex[:12]
+        base = kafka.client_config()
+        self.group_id = f"{kafka.run}.{stage.name}"
+        self.consumer = Consumer({
+            **base,
+            "group.id": self.group_id,
+            "client.id": f"{self.group_id}.{instance}",
+            # Downstream of a transactional stage, only committed records exist.
+            "isolation.level": "read_committed",
+            # Offsets move only inside our transactions, never on their own.
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "max.partition.fetch.bytes": MAX_MESSAGE_BYTES,
+            "fetch.max.bytes": 4 * MAX_MESSAGE_BYTES,
+            "session.timeout.ms": 10000,
+            "heartbeat.interval.ms": 2000,
+            "max.poll.interval.ms": 600000,
+        })
+        self.producer = Producer({
+            **base,
+            "transactional.id": f"{self.group_id}.{instance}",
+            "transaction.timeout.ms": settings.transaction_timeout_ms,
+            "message.max.bytes": MAX_MESSAGE_BYTES + 65536,
+            "linger.ms": 5,
+            "compression.type": "lz4",
+        })
+        self._pool = ThreadPoolExecutor(max_workers=max(1, settings.concurrency),
+                                        thread_name_prefix=f"{stage.name}-handler")
+        self._loop = asyncio.new_event_loop()
+        self.ctx = StageContext(self)
+        self._assigned: list[TopicPartition] = []
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def request_stop(self, *_: Any) -> None:
+        """Finish (commit or abort) the open transaction, then exit the loop."""
+        self._stopping = True
+
+    def run(self, max_batches: int | None = None, idle_exit_s: float | None = None) -> None:
+        """Run until SIGTERM/SIGINT (or the limits, for tests and benchmarks)."""
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        self.producer.init_transactions(30)
+        topics = [topic_name(self.kafka.run, t) for t in self.stage.inputs]
+        self.consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke)
+        log.info("%s consuming %s as group %s", self.stage.name, topics, self.group_id)
+        batches, idle_since = 0, time.monotonic()
+        try:
+            while not self._stopping:
+                self.stage.before_poll(self.ctx)
+                msgs = self.consumer.consume(self.settings.batch_size, self.settings.poll_timeout_s)
+                msgs = [m for m in msgs if self._usable(m)]
+                if not msgs:
+                    if idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
+                        break
+                    continue
+                idle_since = time.monotonic()
+                self._process_batch(msgs)
+                batches += 1
+                if max_batches is not None and batches >= max_batches:
+                    break
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.stage.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.consumer.close()
+        finally:
+            self._loop.close()
+
+    def set_paused(self, logical_topic: str, paused: bool) -> None:
+        physical = topic_name(self.kafka.run, logical_topic)
+        parts = [tp for tp in self._assigned if tp.topic == physical]
+        if paused and logical_topic not in self.paused_topics:
+            self.paused_topics.add(logical_topic)
+            if parts:
+                self.consumer.pause(parts)
+        elif not paused and logical_topic in self.paused_topics:
+            self.paused_topics.discard(logical_topic)
+            if parts:
+                self.consumer.resume(parts)
+        metrics.PAUSED.labels(self.stage.name).set(
+            sum(1 for tp in self._assigned if logical_name(self.kafka.run, tp.topic) in self.paused_topics))
+
+    def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+        self._assigned = list(parts)
+        # A rebalance resumes everything; re-apply the stage's backpressure.
+        paused = [tp for tp in parts if logical_name(self.kafka.run, tp.topic) in self.paused_topics]
+        if paused:
+            consumer.pause(paused)
+
+    def _on_revoke(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+        # No transaction is open here: revocation only happens inside consume().
+        self._assigned = [tp for tp in self._assigned if tp not in parts]
+
+    def _usable(self, msg: Message) -> bool:
+        err = msg.error()
+        if err is None:
+            return True
+        if err.code() != KafkaError._PARTITION_EOF:
+            log.warning("%s consume error: %s", self.stage.name, err)
+            if err.fatal():
+                raise KafkaException(err)
+        return False
+
+    # -- one transaction -----------------------------------------------------------
+
+    def _process_batch(self, msgs: list[Message]) -> None:
+        started = time.monotonic()
+        self.producer.begin_transaction()
+        try:
+            self._handle_and_produce(msgs)
+            # Do not advance committed offsets outside of the transaction: the
+            # outputs and the input positions become visible together or not at all.
+            self.producer.send_offsets_to_transaction(
+                _next_offsets(msgs), self.consumer.consumer_group_metadata(), 30)
+            self.producer.commit_transaction(60)
+        except KafkaException as exc:
+            self._recover(exc, msgs)
+            return
+        except BaseException:
+            # Anything else (including a crash in the stage) aborts: the batch is redone.
+            self._abort_and_rewind(msgs)
+            raise
+        metrics.TRANSACTIONS.labels(self.stage.name, "committed").inc()
+        metrics.BATCH_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
+
+    def _recover(self, exc: KafkaException, msgs: list[Message]) -> None:
+        err = exc.args[0]
+        if err.txn_requires_abort() or err.retriable():
+            log.warning("%s transaction failed (%s); aborting and redoing the batch", self.stage.name, err)
+            self._abort_and_rewind(msgs)
+            return
+        # Fatal (e.g. fenced by a newer instance with our transactional.id): exit, let the supervisor restart.
+        metrics.TRANSACTIONS.labels(self.stage.name, "fatal").inc()
+        raise exc
+
+    def _abort_and_rewind(self, msgs: list[Message]) -> None:
+        metrics.TRANSACTIONS.labels(self.stage.name, "aborted").inc()
+        try:
+            self.producer.abort_transaction(30)
+        except KafkaException as exc:
+            log.error("%s abort failed: %s", self.stage.name, exc)
+            raise
+        # The aborted outputs are gone, so the inputs must be read again.
+        first: dict[tuple[str, int], int] = {}
+        for m in msgs:
+            first.setdefault((m.topic(), m.partition()), m.offset())
+        for (topic, partition), offset in first.items():
+            try:
+                self.consumer.seek(TopicPartition(topic, partition, offset))
+            except KafkaException:
+                pass  # partition was revoked meanwhile; its new owner starts from the committed offset
+
+    def _handle_and_produce(self, msgs: list[Message]) -> None:
+        items: list[Incoming] = []
+        sources: list[Message] = []
+        now = hdr.now_ms()
+        for m in msgs:
+            logical = logical_name(self.kafka.run, m.topic())
+            metrics.RECORDS_IN.labels(self.stage.name, logical).inc()
+            try:
+                items.append(self._decode(m, logical, now))
+                sources.append(m)
+            except _Rejected as rej:
+                self._dead_letter(m, rej.reason, str(rej))
+        for msg, item, result in zip(sources, items, self._handle_all(items)):
+            if isinstance(result, _Rejected):
+                self._dead_letter(msg, result.reason, str(result))
+                continue
+            try:
+                encoded = [self._encode(item, out) for out in result]
+            except _Rejected as rej:
+                self._dead_letter(msg, rej.reason, str(rej))
+                continue
+            for out, (topic, key, value, headers) in zip(result, encoded):
+                self._produce(topic, key, value, headers)
+                metrics.RECORDS_OUT.labels(self.stage.name, out.topic).inc()
+
+    def _decode(self, m: Message, logical: str, now: int) -> Incoming:
+        headers = hdr.as_dict(m.headers())
+        try:
+            version = hdr.policy_version(headers)
+        except hdr.HeaderError as exc:
+            if self.stage.require_policy_version or hdr.POLICY_VERSION in headers:
+                raise _Rejected("bad_header", str(exc)) from None
+            version = -1
+        produced = headers.get(hdr.PRODUCED_AT)
+        if produced is not None and produced.isdigit():
+            metrics.QUEUE_DELAY.labels(self.stage.name).observe(max(0, now - int(produced)) / 1000)
+        try:
+            name, value = self.codec.decode(m.value(), expect=TOPICS[logical].record)
+            record = RECORD_TYPES[name].from_dict(value)
+        except DecodeError as exc:
+            raise _Rejected(exc.reason, str(exc)) from None
+        return Incoming(logical, m.partition(), m.offset(), m.key(), headers, version, record)
+
+    def _encode(self, item: Incoming, out: Output) -> tuple[str, Any, bytes, list]:
+        value = self.codec.encode(TOPICS[out.topic].record, out.record.to_dict())
+        if len(value) > self.settings.max_record_bytes:
+            raise _Rejected("oversized", f"{out.topic} record of {len(value)} bytes exceeds "
+                                         f"{self.settings.max_record_bytes}")
+        reward_version = out.reward_version if out.reward_version is not None else item.reward_version
+        headers = hdr.build(out.policy_version if out.policy_version is not None else item.policy_version,
+                            hdr.child_traceparent(item.traceparent), reward_version)
+        return topic_name(self.kafka.run, out.topic), out.key, value, headers
+
+    def _produce(self, topic: str, key: Any, value: bytes, headers: list) -> None:
+        while True:
+            try:
+                self.producer.produce(topic, value=value, key=key, headers=headers)
+                return
+            except BufferError:
+                self.producer.poll(0.05)  # local queue full: let deliveries drain
+
+    def _dead_letter(self, m: Message, reason: str, error: str) -> None:
+        headers = hdr.as_dict(m.headers())
+        letter = DeadLetter(stage=self.stage.name, reason=reason, error=error[:4000], topic=m.topic(),
+                            partition=m.partition(), offset=m.offset(), failed_at=hdr.now_ms(), key=m.key(),
+                            value=m.value(), headers=headers, trace_id=hdr.trace_id(headers.get(hdr.TRACEPARENT)))
+        try:
+            version = hdr.policy_version(headers)
+        except hdr.HeaderError:
+            version = -1
+        self._produce(topic_name(self.kafka.run, "dead-letters"), m.key(), self.codec.encode("DeadLetter", letter.to_dict()),
+                      hdr.build(version, hdr.child_traceparent(headers.get(hdr.TRACEPARENT))))
+        metrics.DEAD_LETTERS.labels(self.stage.name, reason).inc()
+        log.warning("%s dead-lettered %s[%d]@%d: %s: %s", self.stage.name, m.topic(), m.partition(), m.offset(),
+                    reason, error[:200])
+
+    # -- handlers ------------------------------------------------------------------
+
+    def _handle_all(self, items: list[Incoming]) -> list[list[Output] | _Rejected]:
+        if not items:
+            return []
+        batch = self._run_timed(self._call_batch, items, len(items))
+        if isinstance(batch, list):
+            return batch
+        if batch is not None:
+            # The batch failed as a whole: handle records one by one to isolate the bad one.
+            return [self._as_outputs(self._run_timed(self._call_batch, [it], 1), single=True) for it in items]
+        return self._loop.run_until_complete(self._handle_each(items))
+
+    def _call_batch(self, items: list[Incoming]):
+        result = self.stage.handle_batch(items)
+        if result is not None and len(result) != len(items):
+            raise TypeError(f"handle_batch returned {len(result)} results for {len(items)} records")
+        return result
+
+    def _run_timed(self, fn, items: list[Incoming], n: int):
+        """Run a batch handler in the pool with a timeout scaled to the batch; errors become _Rejected."""
+        async def go():
+            return await asyncio.wait_for(self._loop.run_in_executor(self._pool, fn, items),
+                                          self.settings.handler_timeout_s * max(1, math.ceil(n / 8)))
+        try:
+            return self._loop.run_until_complete(go())
+        except asyncio.TimeoutError:
+            return _Rejected("handler_timeout", f"handler exceeded {self.settings.handler_timeout_s}s")
+        except InvalidRecord as exc:
+            return _Rejected("invalid", str(exc))
+        except Exception as exc:
+            return _Rejected("handler_error", f"{type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _as_outputs(result, single: bool):
+        if isinstance(result, _Rejected):
+            return result
+        return result[0]
+
+    async def _handle_each(self, items: list[Incoming]) -> list[list[Output] | _Rejected]:
+        sem = asyncio.Semaphore(max(1, self.settings.concurrency))
+        handler = self.stage.handle
+        is_async = asyncio.iscoroutinefunction(handler)
+
+        async def one(item: Incoming):
+            async with sem:
+                started = time.monotonic()
+                try:
+                    if is_async:
+                        result = await asyncio.wait_for(handler(item), self.settings.handler_timeout_s)
+                    else:
+                        result = await asyncio.wait_for(self._loop.run_in_executor(self._pool, handler, item),
+                                                        self.settings.handler_timeout_s)
+                    if not isinstance(result, list) or not all(isinstance(o, Output) for o in result):
+                        raise TypeError(f"handler returned {type(result).__name__}, expected list[Output]")
+                    return result
+                except asyncio.TimeoutError:
+                    return _Rejected("handler_timeout", f"handler exceeded {self.settings.handler_timeout_s}s")
+                except InvalidRecord as exc:
+                    return _Rejected("invalid", str(exc))
+                except Exception as exc:
+                    return _Rejected("handler_error", f"{type(exc).__name__}: {exc}")
+                finally:
+                    metrics.HANDLER_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
+
+        return list(await asyncio.gather(*(one(it) for it in items)))
+
+
+def _next_offsets(msgs: Sequence[Message]) -> list[TopicPartition]:
+    """The offsets to commit: one past the last consumed record of each partition."""
+    last: dict[tuple[str, int], int] = {}
+    for m in msgs:
+        key = (m.topic(), m.partition())
+        last[key] = max(last.get(key, -1), m.offset())
+    return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]

@@ -1,0 +1,102 @@
+"""The stage runtime against the real broker: exactly once across SIGKILL, and dead letters."""
+from __future__ import annotations
+
+import collections
+import signal
+import time
+
+import pytest
+
+from kafka_util import make_trajectory, produce, read_all
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import default_codec
+from stage_proc import start_stage, stop
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sigkill_mid_batch_loses_and_duplicates_nothing(bootstrap, run_name, tmp_path):
+    """(a) Kill -9 a stage inside a transaction, restart it: every input appears exactly once downstream."""
+    n = 400
+    produce(bootstrap, run_name, "trajectories",
+            [(f"g{i % 50}".encode(), make_trajectory(i, group=i % 50), None) for i in range(n)])
+    args = ["--reward", "reward_fns:slow", "--batch-size", "25", "--concurrency", "1", "--instance", "w0"]
+    log = tmp_path / "stage.log"
+    proc = start_stage("reward", bootstrap, run_name, *args, log_path=log)
+    # Let it commit a few transactions, then kill it while a batch is being handled.
+    _wait_for(lambda: len(read_all(bootstrap, run_name, "rewards", idle=0.5, timeout=5)) >= 50, 90,
+              "first committed rewards")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    partial = len(read_all(bootstrap, run_name, "rewards", idle=0.5, timeout=5))
+    assert partial < n, "the stage finished before it could be killed; raise n"
+    proc = start_stage("reward", bootstrap, run_name, *args, log_path=log)
+    try:
+        rewards = read_all(bootstrap, run_name, "rewards", expect=n, timeout=120)
+        time.sleep(2)  # anything duplicated would show up right after the last record
+        rewards = read_all(bootstrap, run_name, "rewards", idle=1.0)
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+    counts = collections.Counter(r["record"].trajectory.trajectory_id for r in rewards)
+    assert len(counts) == n, f"lost {n - len(counts)} records"
+    assert max(counts.values()) == 1, f"duplicated: {[k for k, c in counts.items() if c > 1][:5]}"
+    assert all(r["headers"]["reward_version"] == b"v1" for r in rewards)
+    assert read_all(bootstrap, run_name, "dead-letters", idle=0.5) == []
+
+
+def test_bad_records_go_to_dead_letters_and_good_ones_flow(bootstrap, run_name, tmp_path):
+    """(b) Every kind of bad input ends in dead-letters with its reason; the good records still get rewards."""
+    codec = default_codec()
+    good = [make_trajectory(i, response="cba") for i in range(10)]
+    unknown_fp = b"\xc3\x01" + b"\x13" * 8 + codec.encode("Trajectory", good[0].to_dict())[10:]
+    ok_headers = lambda: hdr.build(0, hdr.new_traceparent())  # noqa: E731
+    bad = [
+        (b"malformed", b"\x00\x01garbage", ok_headers(), "malformed"),
+        (b"truncated", codec.encode("Trajectory", good[0].to_dict())[:40], ok_headers(), "malformed"),
+        (b"unknown", unknown_fp, ok_headers(), "unknown_schema"),
+        (b"no-version", make_trajectory(100), [("traceparent", hdr.new_traceparent().encode())], "bad_header"),
+        (b"text-version", make_trajectory(101), [("policy_version", b"seven")], "bad_header"),
+        (b"wrong-record", codec.encode("Task", good[0].task.to_dict()), ok_headers(), "wrong_record"),
+        (b"raises", make_trajectory(102, response="raise"), None, "handler_error"),
+        (b"hangs", make_trajectory(103, response="hang"), None, "handler_timeout"),
+        (b"nan", make_trajectory(104, response="nan"), None, "invalid"),
+        (b"inf", make_trajectory(105, response="inf"), None, "invalid"),
+        (b"wrongtype", make_trajectory(106, response="wrongtype"), None, "handler_error"),
+    ]
+    items = []
+    for i, g in enumerate(good):
+        items.append((b"good", g, None))
+        if i < len(bad):
+            key, value, headers, _ = bad[i]
+            items.append((key, value, headers))
+    items += [(k, v, h) for k, v, h, _ in bad[len(good):]]
+    produce(bootstrap, run_name, "trajectories", items)
+    log = tmp_path / "stage.log"
+    proc = start_stage("reward", bootstrap, run_name, "--reward", "reward_fns:picky", "--handler-timeout-s", "2",
+                       "--batch-size", "8", log_path=log)
+    try:
+        rewards = read_all(bootstrap, run_name, "rewards", expect=len(good), timeout=90)
+        letters = read_all(bootstrap, run_name, "dead-letters", expect=len(bad), timeout=60)
+    finally:
+        # SIGTERM ends cleanly even with a handler thread still hung.
+        assert stop(proc, timeout=20) == 0, log.read_text()[-3000:]
+    assert sorted(r["record"].trajectory.trajectory_id for r in rewards) == sorted(g.trajectory_id for g in good)
+    assert all(r["record"].reward.total == 1.0 for r in rewards)
+    by_key = {l["key"]: l["record"] for l in letters}
+    assert {k: v.reason for k, v in by_key.items()} == {k: reason for k, _, _, reason in bad}
+    for key, value, _, _ in bad:
+        letter = by_key[key]
+        assert letter.stage == "reward" and letter.topic.endswith(".trajectories")
+        raw = value if isinstance(value, bytes) else codec.encode("Trajectory", value.to_dict())
+        assert letter.value == raw, "the dead letter keeps the original bytes"
+        assert letter.error

@@ -1,0 +1,26 @@
+"""Reward functions that tests load by dotted path (tests/ is on PYTHONPATH for stage subprocesses)."""
+import time
+
+from rlstream.streams.reward import exact_match
+
+
+def slow(trajectory):
+    """Exact match after a short sleep, so a SIGKILL lands in the middle of a batch."""
+    time.sleep(0.05)
+    return exact_match(trajectory)
+
+
+def picky(trajectory):
+    """Misbehaves on demand, keyed by the response text."""
+    response = trajectory.response
+    if response == "raise":
+        raise RuntimeError("judge crashed")
+    if response == "hang":
+        time.sleep(3600)
+    if response == "nan":
+        return float("nan")
+    if response == "inf":
+        return {"exact": float("inf")}
+    if response == "wrongtype":
+        return "one point"
+    return exact_match(trajectory)
