@@ -24,7 +24,7 @@ HOST = "127.0.0.1"
 DEFAULT_PORT = 9092
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 JVM_HEAP = ["-Xmx512m", "-Xms256m"]
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 60.0  # per node: three JVMs starting on two cores take their turns
 STOP_TIMEOUT_S = 30.0
 
 KAFKA_DIR = Path(__file__).resolve().parents[2] / "infra" / "kafka"
@@ -120,21 +120,31 @@ def _pid_file(home: Path, node_id: int) -> Path:
 
 def _pid_alive(pid: int) -> bool:
     child = _children.get(pid)
-    if child is not None and child.poll() is not None:
+    if child is not None:
+        if child.poll() is None:
+            return True
         del _children[pid]
         return False
+    if not Path("/proc/self").exists():  # no procfs (macOS): existence is all we can check
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
     # The cmdline check guards against a stale pid file whose pid was reused by another process.
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    if b"kafka.Kafka" not in cmdline:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    # Just after exec the kernel briefly reports an empty cmdline, so an empty one is read again.
+    for _ in range(20):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        if cmdline or state == "Z":
+            break
+        time.sleep(0.05)
+    return b"kafka.Kafka" in cmdline and state != "Z"
 
 
 def _node_pid(home: Path, node_id: int) -> int | None:
@@ -229,8 +239,8 @@ def _server_properties(home: Path, layout: dict, node_id: int) -> str:
         "transaction.state.log.min.isr": min_isr,
         "share.coordinator.state.topic.replication.factor": replicas,
         "share.coordinator.state.topic.min.isr": min_isr,
-        # Fewer internal partitions than the default 50 make the first group or transaction
-        # start in well under a second on a small machine.
+        # Fewer internal partitions than the default 50: the first group or transaction
+        # otherwise waits for 50 partitions to be created on a small machine.
         "offsets.topic.num.partitions": 8,
         "transaction.state.log.num.partitions": 8,
         "group.initial.rebalance.delay.ms": 0,
@@ -304,20 +314,25 @@ def _launch(home: Path, node_id: int, java: str, lib: Path) -> int:
     return proc.pid
 
 
-def _log_tail(home: Path, node_id: int, lines: int = 20) -> str:
+def _log_tail(home: Path, node_id: int, lines: int = 10) -> str:
+    """The node's errors from server.log and the end of its console output, for error messages."""
     logs = _node_dir(home, node_id) / "logs"
-    text = ""
-    for name in ("stdout.log", "server.log"):
-        with contextlib.suppress(OSError):
-            text += "".join((logs / name).read_text(errors="replace").splitlines(True)[-lines:])
-    return text.strip()
+    text = []
+    with contextlib.suppress(OSError):
+        errors = [ln for ln in (logs / "server.log").read_text(errors="replace").splitlines()
+                  if "] ERROR " in ln or "] FATAL " in ln]
+        text += errors[-lines:]
+    with contextlib.suppress(OSError):
+        text += (logs / "stdout.log").read_text(errors="replace").splitlines()[-lines:]
+    return "\n".join(text)
 
 
-def _wait_ready(home: Path, layout: dict, node_ids: list[int], timeout: float = START_TIMEOUT_S) -> None:
+def _wait_ready(home: Path, layout: dict, node_ids: list[int]) -> None:
     """Wait until the given nodes answer metadata requests and the cluster sees all of them."""
     from confluent_kafka.admin import AdminClient
 
     port = layout["port"]
+    timeout = START_TIMEOUT_S * len(node_ids)
     deadline = time.monotonic() + timeout
     want = set(node_ids)
     while True:
@@ -494,3 +509,31 @@ def start_node(home: Path | str | None, node_id: int, wait: bool = True) -> None
         _start_nodes(home, layout, [node_id])
         if wait:
             _wait_ready(home, layout, [node_id])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m rlstream.infra.broker up|down|status [--brokers N] [--port P]."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m rlstream.infra.broker", description=main.__doc__)
+    parser.add_argument("action", choices=["up", "down", "status"])
+    parser.add_argument("--home", default=None, help="default $RLSTREAM_HOME or .rlstream")
+    parser.add_argument("--brokers", type=int, default=1, choices=[1, 3])
+    parser.add_argument("--port", type=int, default=None, help="default $RLSTREAM_KAFKA_PORT or 9092")
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "up":
+            print(up(args.home, brokers=args.brokers, port=args.port))
+        elif args.action == "down":
+            down(args.home)
+        else:
+            print(json.dumps(status(args.home), indent=2))
+    except BrokerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
