@@ -31,3 +31,6 @@ def serve(port: int, addr: str = "127.0.0.1") -> int:
     actual = server.server_address[1]
     log.info("metrics on http://%s:%d/metrics", addr, actual)
     return actual
+PUBLISH_LATENCY = Histogram("rlstream_policy_publish_latency_seconds",
+                            "From weights in the store to this process generating with them", buckets=_LATENCY_BUCKETS)
+GENERATED_TOKENS = Counter("rlstream_generated_tokens_total", "Tokens sampled by the inference engine", ["backend"])

@@ -123,8 +123,9 @@ class StageContext:
         return logical_topic in self._runner.paused_topics
 
     @property
-    def run(self) -> str:
-        return self._runner.kafka.run
+    def kafka(self) -> KafkaSettings:
+        """The process's Kafka settings, for stages that open clients of their own (policy watchers)."""
+        return self._runner.kafka
 
 
 class _Rejected(Exception):
@@ -364,16 +365,8 @@ class StageRunner:
                 self.producer.poll(0.05)  # local queue full: let deliveries drain
 
     def _dead_letter(self, m: Message, reason: str, error: str) -> None:
-        headers = hdr.as_dict(m.headers())
-        letter = DeadLetter(stage=self.stage.name, reason=reason, error=error[:4000], topic=m.topic(),
-                            partition=m.partition(), offset=m.offset(), failed_at=hdr.now_ms(), key=m.key(),
-                            value=m.value(), headers=headers, trace_id=hdr.trace_id(headers.get(hdr.TRACEPARENT)))
-        try:
-            version = hdr.policy_version(headers)
-        except hdr.HeaderError:
-            version = -1
-        self._produce(topic_name(self.kafka.run, "dead-letters"), m.key(), self.codec.encode("DeadLetter", letter.to_dict()),
-                      hdr.build(version, hdr.child_traceparent(headers.get(hdr.TRACEPARENT))))
+        value, headers = dead_letter(self.stage.name, m, reason, error)
+        self._produce(topic_name(self.kafka.run, "dead-letters"), m.key(), value, headers)
         metrics.DEAD_LETTERS.labels(self.stage.name, reason).inc()
         log.warning("%s dead-lettered %s[%d]@%d: %s: %s", self.stage.name, m.topic(), m.partition(), m.offset(),
                     reason, error[:200])
@@ -444,6 +437,20 @@ class StageRunner:
                     metrics.HANDLER_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
 
         return list(await asyncio.gather(*(one(it) for it in items)))
+
+
+def dead_letter(stage: str, m: Message, reason: str, error: str) -> tuple[bytes, list]:
+    """The encoded DeadLetter value and headers for an input record a stage could not use."""
+    headers = hdr.as_dict(m.headers())
+    letter = DeadLetter(stage=stage, reason=reason, error=error[:4000], topic=m.topic(), partition=m.partition(),
+                        offset=m.offset(), failed_at=hdr.now_ms(), key=m.key(), value=m.value(), headers=headers,
+                        trace_id=hdr.trace_id(headers.get(hdr.TRACEPARENT)))
+    try:
+        version = hdr.policy_version(headers)
+    except hdr.HeaderError:
+        version = -1
+    return (default_codec().encode("DeadLetter", letter.to_dict()),
+            hdr.build(version, hdr.child_traceparent(headers.get(hdr.TRACEPARENT))))
 
 
 def _next_offsets(msgs: Sequence[Message]) -> list[TopicPartition]:

@@ -1,0 +1,164 @@
+"""The rollout stage: prompts and observations in, one model turn per episode out to ``actions``.
+
+Rollout owns tokenization: it tokenizes prompts and the env's observation text,
+so environments stay tokenizer-agnostic. New policy versions are picked up
+between generation steps; each action turn records the version that made it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..config import knob
+from ..consumers.policy_watch import PolicyWatcher
+from ..consumers.staleness import rollout_should_pause
+from ..producers.weights import WeightStore, local_path
+from ..schemas.headers import now_ms
+from ..schemas.records import Episode, Failure, SamplingParams, Task, Turn
+from . import metrics
+from .inference import make_backend
+from .runtime import Incoming, Output, Stage, StageContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The rollout stage's knobs."""
+
+    policy: str = knob("policy", "Policy name to follow on policy-versions")
+    backend: str = knob("auto", "Inference engine: auto (vLLM if installed, else transformers), transformers, "
+                                "vllm, openai", choices=("auto", "transformers", "vllm", "openai"))
+    engine_url: str = knob("", "Base URL of an OpenAI-compatible server (backend openai)")
+    engine_model: str = knob("", "Model name to send to the OpenAI-compatible server")
+    eta: int = knob(2, "Staleness bound: pause prompts while more than eta versions behind the newest policy")
+    threads: int = knob(1, "Torch / engine threads for this process (small machines: give each stage a budget)")
+    max_context: int = knob(64, "Longest prompt + response the engine takes; longer episodes fail as prompt_too_long")
+    wait_policy_s: float = knob(600.0, "How long to wait at start for the first announced policy")
+
+
+class RolloutStage(Stage):
+    """Generates the next action turn of every episode in a batch, batched on the engine."""
+
+    name = "rollout"
+    inputs = ("prompts", "observations")
+    # Prompts come from outside the loop; a source may not know any policy version yet.
+    require_policy_version = False
+
+    def __init__(self, settings: RolloutSettings = RolloutSettings()):
+        self.settings = settings
+        self.backend = None
+        self.version = -1
+        self.watcher: PolicyWatcher | None = None
+
+    # -- policy following ----------------------------------------------------------------
+
+    def _ensure_started(self, ctx: StageContext) -> None:
+        if self.watcher is not None:
+            return
+        kafka = ctx.kafka
+        self.watcher = PolicyWatcher(kafka.client_config(), kafka.run, self.settings.policy)
+        log.info("rollout waiting for the first %s policy version", self.settings.policy)
+        if not self.watcher.wait_for(0, self.settings.wait_policy_s):
+            raise RuntimeError(f"no {self.settings.policy} policy announced within {self.settings.wait_policy_s}s; "
+                               "is the trainer running?")
+        pv = self.watcher.latest
+        folder = local_path(pv.weights_uri)
+        self.backend = make_backend(self.settings.backend, folder, threads=self.settings.threads,
+                                    url=self.settings.engine_url, model=self.settings.engine_model)
+        self.tokenizer = getattr(self.backend, "tokenizer", None)
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.version = pv.version
+        metrics.POLICY_VERSION.labels(self.name).set(self.version)
+        log.info("rollout generating with %s v%d on %s", pv.policy, pv.version, self.backend.name)
+
+    def before_poll(self, ctx: StageContext) -> None:
+        self._ensure_started(ctx)
+        latest = self.watcher.latest
+        if latest is not None and latest.version > self.version:
+            try:
+                self.backend.load_weights(local_path(latest.weights_uri), latest.version)
+                self.version = latest.version
+                metrics.POLICY_VERSION.labels(self.name).set(self.version)
+                metrics.PUBLISH_LATENCY.observe(max(0, now_ms() - latest.published_at) / 1000)
+            except (OSError, ValueError) as exc:
+                # Weights not readable (pruned, partial copy): keep the old ones and let η decide.
+                log.warning("could not load v%d: %s", latest.version, exc)
+        # AReaL's rule: do not start new episodes that will only be thrown away as stale.
+        if rollout_should_pause(self.watcher.version, self.version, self.settings.eta):
+            ctx.pause("prompts")
+        elif ctx.is_paused("prompts"):
+            ctx.resume("prompts")
+
+    # -- generation ------------------------------------------------------------------------
+
+    def handle_batch(self, items: list[Incoming]) -> list[list[Output]]:
+        episodes: list[tuple[int, Episode]] = []  # (item index, episode)
+        for idx, item in enumerate(items):
+            if item.topic == "prompts":
+                episodes += [(idx, ep) for ep in self._start_episodes(item.record)]
+            else:
+                episodes.append((idx, self._with_observation(item.record)))
+        results: list[list[Output]] = [[] for _ in items]
+        by_params: dict[tuple, list[tuple[int, Episode]]] = defaultdict(list)
+        for idx, ep in episodes:
+            limit = self.settings.max_context - ep.task.sampling.max_tokens
+            if len(ep.task.prompt_token_ids) + len(ep.token_ids) > limit:
+                ep.failure = Failure("prompt_too_long", f"context of {len(ep.task.prompt_token_ids) + len(ep.token_ids)}"
+                                     f" tokens leaves no room for {ep.task.sampling.max_tokens} new tokens "
+                                     f"(max_context {self.settings.max_context})", self.name)
+                ep.done = True
+                results[idx].append(self._output(ep))
+                continue
+            s = ep.task.sampling
+            by_params[(s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed)].append((idx, ep))
+        for key, group in by_params.items():
+            params = SamplingParams(temperature=key[0], top_p=key[1], top_k=key[2], max_tokens=key[3], seed=key[4])
+            started = now_ms()
+            gens = self.backend.generate([ep.task.prompt_token_ids + ep.token_ids for _, ep in group], params)
+            finished = now_ms()
+            metrics.GENERATED_TOKENS.labels(self.backend.name).inc(sum(len(g.token_ids) for g in gens))
+            for (idx, ep), gen in zip(group, gens):
+                start = len(ep.token_ids)
+                ep.token_ids += gen.token_ids
+                ep.loss_mask += [1] * len(gen.token_ids)
+                ep.behaviour_logprobs += gen.logprobs
+                text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+                ep.turns.append(Turn("action", text, start, len(ep.token_ids), policy_version=self.version,
+                                     finish_reason=gen.finish_reason, started_at=started, finished_at=finished))
+                ep.stage_times.setdefault("rollout.start", started)
+                ep.stage_times["rollout.end"] = finished
+                results[idx].append(self._output(ep))
+        return results
+
+    def _start_episodes(self, task: Task) -> list[Episode]:
+        if not task.prompt_token_ids:
+            task.prompt_token_ids = self.tokenizer(task.prompt)["input_ids"]
+        return [Episode(episode_id=f"{task.group_id}:{i}", group_id=task.group_id, sample_index=i, task=task,
+                        stage_times={"prompt.created": task.created_at}, trace_id=task.trace_id)
+                for i in range(max(1, task.group_size))]
+
+    def _with_observation(self, ep: Episode) -> Episode:
+        turn = ep.turns[-1]
+        if turn.role == "observation" and turn.token_end == turn.token_start and turn.text:
+            ids = self.tokenizer(turn.text, add_special_tokens=False)["input_ids"]
+            turn.token_start = len(ep.token_ids)
+            ep.token_ids += ids
+            ep.loss_mask += [0] * len(ids)  # environment tokens are context, never trained on
+            ep.behaviour_logprobs += [0.0] * len(ids)
+            turn.token_end = len(ep.token_ids)
+        return ep
+
+    def _output(self, ep: Episode) -> Output:
+        versions = [t.policy_version for t in ep.turns if t.role == "action"]
+        return Output("actions", ep.episode_id, ep, policy_version=min(versions) if versions else self.version)
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+        if self.backend is not None:
+            self.backend.close()

@@ -1,0 +1,268 @@
+"""The trainer process: windowed-FIFO consumption, staleness filter, updates, and versioned publish.
+
+A training step is a transaction: the checkpoint is written to the weight store
+first, then the PolicyVersion record and the offsets of the samples used are
+committed together. A crash in between redoes the step; no version is announced
+whose samples were not consumed, and a restart resumes from the last announced one.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+
+from ..config import KafkaSettings, knob
+from ..consumers.staleness import StalenessCounter, StalenessFilter
+from ..consumers.window import WindowedFIFO, WindowItem
+from ..infra.topics import MAX_MESSAGE_BYTES, TOPICS, topic_name
+from ..producers.weights import WeightStore, local_path, tokenizer_hash
+from ..schemas import headers as hdr
+from ..schemas.codec import DecodeError, default_codec
+from ..schemas.records import RECORD_TYPES, PolicyVersion
+from ..streams import metrics
+from ..streams.runtime import RuntimeSettings, dead_letter
+from .update import UpdateConfig, build_batch, policy_update
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The trainer's knobs (defaults train the demo's tiny model)."""
+
+    policy: str = knob("policy", "Policy name announced on policy-versions")
+    weights: str = knob(".rlstream/weights", "Weight store URI (file:// or a local path)")
+    source: str = knob("rewards", "Topic to train from: rewards, or feedback (teacher log-probs)",
+                       choices=("rewards", "feedback"))
+    reward_version: str = knob("", "Train only on this reward version ('' = any)")
+    task: str = knob("reverse", "Task whose tiny model and warm-up start a new policy")
+    eta: int = knob(2, "Staleness bound: train on a sample only if version - its policy_version <= eta")
+    window_groups: int = knob(32, "Windowed FIFO size W in groups")
+    head_timeout_s: float = knob(120.0, "Evict (and record) an incomplete head group older than this")
+    groups_per_step: int = knob(16, "Complete groups per update (G samples each)")
+    advantage: str = knob("grpo", "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp")
+    loss: str = knob("ppo", "ppo (decoupled PPO-clip) or opd (on-policy distillation)", choices=("ppo", "opd"))
+    lr: float = knob(2e-4, "AdamW learning rate")
+    clip_eps: float = knob(0.2, "PPO clip range")
+    is_cap: float = knob(5.0, "Truncation of the behaviour importance weight")
+    kl_coef: float = knob(0.0, "KL-to-reference coefficient (0 disables the reference model)")
+    warmup_seconds: float = knob(15.0, "Supervised warm-up of a new policy (0 = none)")
+    warmup_fraction: float = knob(0.005, "Fraction of training pairs used by the warm-up")
+    max_steps: int = knob(0, "Stop after this many updates (0 = run until stopped)")
+    threads: int = knob(1, "Torch threads for this process")
+    seed: int = knob(0, "Seed of the initial model and warm-up")
+
+
+class TrainerService:
+    """``rlstream run trainer``: consumes scored samples and publishes policy versions."""
+
+    def __init__(self, settings: TrainerSettings = TrainerSettings()):
+        if settings.groups_per_step > settings.window_groups:
+            raise ValueError("--groups-per-step cannot exceed --window-groups: a batch comes from inside the window")
+        self.settings = settings
+        self.store = WeightStore(settings.weights)
+        self.filter = StalenessFilter(settings.eta)
+        self.counter = StalenessCounter()
+        self.evicted = 0
+        self.version = -1
+        self._stopping = False
+        self.update_cfg = UpdateConfig(loss=settings.loss, clip_eps=settings.clip_eps, is_cap=settings.is_cap,
+                                       kl_coef=settings.kl_coef)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def serve(self, kafka: KafkaSettings, runtime: RuntimeSettings = RuntimeSettings()) -> None:
+        """Train until SIGTERM or max_steps; every step ends in a committed transaction."""
+        torch.set_num_threads(max(1, self.settings.threads))
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stopping", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stopping", True))
+        self.kafka = kafka
+        base = kafka.client_config()
+        self.group_id = f"{kafka.run}.trainer"
+        self.producer = Producer({**base, "transactional.id": f"{kafka.run}.trainer.{self.settings.policy}",
+                                  "transaction.timeout.ms": runtime.transaction_timeout_ms,
+                                  "message.max.bytes": MAX_MESSAGE_BYTES + 65536})
+        # A restarted trainer fences its predecessor here, aborting any half-done step.
+        self.producer.init_transactions(30)
+        self.consumer = Consumer({**base, "group.id": self.group_id, "isolation.level": "read_committed",
+                                  "enable.auto.commit": False, "enable.auto.offset.store": False,
+                                  "auto.offset.reset": "earliest", "max.partition.fetch.bytes": MAX_MESSAGE_BYTES,
+                                  "session.timeout.ms": 10000, "max.poll.interval.ms": 600000})
+        self.window = WindowedFIFO(self.settings.window_groups, self.settings.head_timeout_s)
+        self._load_or_create()
+        self.consumer.subscribe([topic_name(kafka.run, self.settings.source)],
+                                on_revoke=lambda c, parts: self.window.clear(),
+                                on_assign=lambda c, parts: self.window.clear())
+        steps = 0
+        try:
+            while not self._stopping:
+                self._consume_once(runtime)
+                self.evicted += sum(len(g.items) for g in self.window.evict_expired())
+                while self.window.complete_in_window() >= self.settings.groups_per_step and not self._stopping:
+                    self._step(self.window.take(max_groups=self.settings.groups_per_step))
+                    steps += 1
+                    if self.settings.max_steps and steps >= self.settings.max_steps:
+                        self._stopping = True
+        finally:
+            self.consumer.close()
+
+    # -- resume / create -------------------------------------------------------------
+
+    def _load_or_create(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        announced = _last_announced(self.kafka, self.settings.policy)
+        if announced is not None and self.store.path(self.settings.policy, announced.version).exists():
+            folder = local_path(announced.weights_uri)
+            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+            self.version = announced.version
+            self.optimizer = self._optimizer()
+            opt_state = folder / "optimizer.pt"
+            if opt_state.exists():
+                self.optimizer.load_state_dict(torch.load(opt_state, weights_only=True))
+            log.info("trainer resumed %s at v%d", self.settings.policy, self.version)
+        else:
+            from .tiny_model import build_model, build_tokenizer
+            from .warmup import supervised_warmup
+            self.tokenizer = build_tokenizer()
+            self.model = build_model(self.tokenizer, seed=self.settings.seed)
+            if self.settings.warmup_seconds > 0:
+                info = supervised_warmup(self.model, self.tokenizer, self.settings.task,
+                                         fraction=self.settings.warmup_fraction,
+                                         seconds=self.settings.warmup_seconds, seed=self.settings.seed)
+                log.info("supervised warm-up: %s", info)
+            self.optimizer = self._optimizer()
+            self.model.eval()
+            self._publish(0, {"warmup_seconds": self.settings.warmup_seconds}, offsets=None, samples=0)
+        self.ref_model = None
+        if self.settings.kl_coef > 0:
+            from transformers import AutoModelForCausalLM
+            self.ref_model = AutoModelForCausalLM.from_pretrained(
+                local_path(self.store.uri(self.settings.policy, 0)), dtype=torch.float32).eval()
+
+    def _optimizer(self):
+        return torch.optim.AdamW(self.model.parameters(), lr=self.settings.lr, weight_decay=0.0)
+
+    # -- consuming -------------------------------------------------------------------
+
+    def _consume_once(self, runtime: RuntimeSettings) -> None:
+        self._letters = getattr(self, "_letters", [])
+        codec = default_codec()
+        record_name = TOPICS[self.settings.source].record
+        for m in self.consumer.consume(runtime.batch_size, runtime.poll_timeout_s):
+            if m.error():
+                continue
+            headers = hdr.as_dict(m.headers())
+            try:
+                sample_version = hdr.policy_version(headers)
+                _, value = codec.decode(m.value(), expect=record_name)
+            except (hdr.HeaderError, DecodeError) as exc:
+                self._letters.append((m, exc.reason, str(exc)))
+                continue
+            if self.settings.reward_version and headers.get(hdr.REWARD_VERSION, b"").decode() != \
+                    self.settings.reward_version:
+                continue
+            sample = RECORD_TYPES[record_name].from_dict(value)
+            traj = sample.scored.trajectory if record_name == "TeacherFeedback" else sample.trajectory
+            if traj.task.split != "train":
+                continue  # held-out samples measure the policy; they are never trained on
+            # The η bound is enforced here, from the header, before a sample can reach a batch.
+            if not self.counter.observe(self.filter, self.version, sample_version):
+                continue
+            self.window.add(WindowItem(traj.group_id, traj.task.group_size, (m.topic(), m.partition(), m.offset()),
+                                       time.monotonic(), sample))
+
+    # -- one step --------------------------------------------------------------------
+
+    def _step(self, groups) -> None:
+        started = time.monotonic()
+        batch = build_batch([[it.payload for it in g.items] for g in groups], self.settings.advantage,
+                            self.tokenizer.pad_token_id)
+        stats = policy_update(self.model, self.optimizer, batch, self.update_cfg, self.ref_model)
+        stats.update({"step_seconds": time.monotonic() - started, "stale": float(self.counter.stale),
+                      "accepted": float(self.counter.accepted), "stale_ratio": self.counter.stale_ratio,
+                      "evicted": float(self.evicted)})
+        self._publish(self.version + 1, stats, offsets=self.window.committable_offsets(),
+                      samples=int(batch.input_ids.shape[0]))
+
+    def _publish(self, version: int, stats: dict[str, float], offsets, samples: int) -> None:
+        policy = self.settings.policy
+
+        def write(folder: Path) -> None:
+            self.model.save_pretrained(folder, safe_serialization=True)
+            self.tokenizer.save_pretrained(folder)
+            torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+
+        # The checkpoint exists before the record that announces it.
+        uri = self.store.put(policy, version, write)
+        published = hdr.now_ms()
+        record = PolicyVersion(policy=policy, version=version, weights_uri=uri, created_at=published,
+                               published_at=published, step=version, parent_version=self.version,
+                               samples_trained=samples, metrics=stats, trainer_id=self.group_id,
+                               tokenizer_hash=tokenizer_hash(local_path(uri)))
+        codec = default_codec()
+        run = self.kafka.run
+        self.producer.begin_transaction()
+        try:
+            self.producer.produce(topic_name(run, "policy-versions"), key=policy,
+                                  value=codec.encode("PolicyVersion", record.to_dict()),
+                                  headers=hdr.build(version, hdr.new_traceparent()))
+            for m, reason, error in self._pop_letters():
+                value, headers = dead_letter("trainer", m, reason, error)
+                self.producer.produce(topic_name(run, "dead-letters"), key=m.key(), value=value, headers=headers)
+            if offsets:
+                # The samples this version was trained on are consumed in the same transaction.
+                self.producer.send_offsets_to_transaction(
+                    [TopicPartition(t, p, o) for (t, p), o in offsets.items()],
+                    self.consumer.consumer_group_metadata(), 30)
+            self.producer.commit_transaction(60)
+        except KafkaException:
+            # Abort and exit: a restart resumes from the last announced version and the committed offsets.
+            try:
+                self.producer.abort_transaction(30)
+            finally:
+                raise
+        self.version = version
+        metrics.POLICY_VERSION.labels("trainer").set(version)
+        metrics.TRANSACTIONS.labels("trainer", "committed").inc()
+        # Versions older than η + 1 behind can no longer be needed by a rollout worker.
+        self.store.prune(policy, keep_from=version - self.settings.eta - 1, keep={0})
+        log.info("published %s v%d %s", policy, version,
+                 " ".join(f"{k}={v:.3g}" for k, v in stats.items() if k in ("reward_mean", "loss", "stale_ratio",
+                                                                           "step_seconds")))
+
+    def _pop_letters(self):
+        letters, self._letters = getattr(self, "_letters", []), []
+        return letters
+
+
+def _last_announced(kafka: KafkaSettings, policy: str) -> PolicyVersion | None:
+    """The newest committed PolicyVersion of ``policy`` (reads the compacted topic to its end)."""
+    name = topic_name(kafka.run, "policy-versions")
+    consumer = Consumer({**kafka.client_config(), "group.id": f"{kafka.run}.trainer-resume",
+                         "enable.auto.commit": False, "isolation.level": "read_committed"})
+    try:
+        parts = consumer.list_topics(name, timeout=30).topics[name].partitions
+        latest: PolicyVersion | None = None
+        for p in parts:
+            low, high = consumer.get_watermark_offsets(TopicPartition(name, p), timeout=10)
+            if high <= low:
+                continue
+            consumer.assign([TopicPartition(name, p, low)])
+            idle = 0
+            # Transaction markers take offsets too, so "caught up" is: at the end, or nothing more arrives.
+            while idle < 3 and consumer.position([TopicPartition(name, p)])[0].offset < high:
+                msgs = [m for m in consumer.consume(500, 1.0) if not m.error()]
+                idle = 0 if msgs else idle + 1
+                for m in msgs:
+                    pv = PolicyVersion.from_dict(default_codec().decode(m.value(), expect="PolicyVersion")[1])
+                    if pv.policy == policy and (latest is None or pv.version > latest.version):
+                        latest = pv
+        return latest
+    finally:
+        consumer.close()

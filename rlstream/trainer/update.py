@@ -1,0 +1,105 @@
+"""One policy update from a batch of complete groups: tensors, advantages, loss, optimizer step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..schemas.records import ScoredTrajectory, TeacherFeedback
+from .advantages import compute_advantages
+from .losses import kl_penalty, opd_reverse_kl_loss, ppo_clip_loss, token_logprobs
+
+
+@dataclass
+class Batch:
+    """Right-padded sequences (prompt + response) with per-target-token masks and log-probs."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    loss_mask: torch.Tensor  # [B, L-1], aligned with targets input_ids[:, 1:]
+    behaviour_logprobs: torch.Tensor  # [B, L-1]
+    teacher_logprobs: torch.Tensor | None  # [B, L-1]
+    advantages: torch.Tensor  # [B]
+    rewards: torch.Tensor  # [B]
+    temperature: float
+
+
+def build_batch(groups: list[list[ScoredTrajectory | TeacherFeedback]], advantage: str, pad_id: int) -> Batch:
+    """Flatten complete groups into one padded batch; advantages are computed within each group."""
+    samples, advantages, rewards = [], [], []
+    for group in groups:
+        scored = [s.scored if isinstance(s, TeacherFeedback) else s for s in group]
+        r = torch.tensor([[s.reward.total for s in scored]], dtype=torch.float32)
+        advantages.append(compute_advantages(advantage, r)[0])
+        rewards.append(r[0])
+        samples += group
+    rows = []
+    for s in samples:
+        traj = (s.scored if isinstance(s, TeacherFeedback) else s).trajectory
+        prompt = traj.task.prompt_token_ids
+        rows.append((prompt + traj.token_ids, [0] * len(prompt) + traj.loss_mask,
+                     [0.0] * len(prompt) + traj.behaviour_logprobs,
+                     [0.0] * len(prompt) + s.teacher_logprobs if isinstance(s, TeacherFeedback) else None))
+    width = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    behaviour = torch.zeros((len(rows), width), dtype=torch.float32)
+    teacher = torch.zeros((len(rows), width), dtype=torch.float32) if rows[0][3] is not None else None
+    for i, (seq, m, b, t) in enumerate(rows):
+        n = len(seq)
+        ids[i, :n] = torch.tensor(seq)
+        attn[i, :n] = 1
+        mask[i, :n] = torch.tensor(m, dtype=torch.float32)
+        behaviour[i, :n] = torch.tensor(b, dtype=torch.float32)
+        if teacher is not None:
+            teacher[i, :n] = torch.tensor(t, dtype=torch.float32)
+    first = samples[0].scored.trajectory if isinstance(samples[0], TeacherFeedback) else samples[0].trajectory
+    temperature = first.task.sampling.temperature or 1.0
+    # Token t is predicted from position t-1: masks and log-probs shift by one against the logits.
+    return Batch(ids, attn, mask[:, 1:], behaviour[:, 1:], teacher[:, 1:] if teacher is not None else None,
+                 torch.cat(advantages), torch.cat(rewards), temperature)
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    loss: str = "ppo"  # ppo | opd
+    clip_eps: float = 0.2
+    is_cap: float = 5.0
+    kl_coef: float = 0.0
+    max_grad_norm: float = 1.0
+
+
+def policy_update(model, optimizer, batch: Batch, cfg: UpdateConfig, ref_model=None) -> dict[str, float]:
+    """One gradient step; returns scalar stats for PolicyVersion.metrics."""
+    model.train()
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    # Behaviour log-probs were sampled at this temperature, so the ratio must be taken at it too.
+    logp = token_logprobs(logits.float() / batch.temperature, batch.input_ids[:, 1:])
+    stats: dict[str, float] = {}
+    if cfg.loss == "opd":
+        if batch.teacher_logprobs is None:
+            raise ValueError("loss opd needs teacher feedback: point the trainer at the feedback topic")
+        loss, s = opd_reverse_kl_loss(logp, batch.teacher_logprobs, batch.loss_mask)
+    else:
+        # One step per batch: the proximal policy is the current one before the step (decoupled PPO),
+        # and the truncated weight exp(proximal - behaviour) corrects samples from older versions.
+        loss, s = ppo_clip_loss(logp, logp.detach(), batch.behaviour_logprobs, batch.advantages,
+                                batch.loss_mask, clip_eps=cfg.clip_eps, is_cap=cfg.is_cap)
+    stats.update({k: float(v) for k, v in s.items()})
+    if cfg.kl_coef > 0 and ref_model is not None:
+        with torch.no_grad():
+            ref_logits = ref_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+            ref_logp = token_logprobs(ref_logits.float() / batch.temperature, batch.input_ids[:, 1:])
+        kl = kl_penalty(logp, ref_logp, batch.loss_mask)
+        loss = loss + cfg.kl_coef * kl
+        stats["kl_ref"] = float(kl)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+    optimizer.step()
+    model.eval()
+    stats["loss"] = float(loss)
+    stats["reward_mean"] = float(batch.rewards.mean())
+    stats["samples"] = float(batch.input_ids.shape[0])
+    return stats
