@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,7 @@ class TrainerService:
         self.evicted = 0
         self.version = -1
         self._stopping = False
+        self._letters: list = []  # (message, reason, error) to dead-letter in the next transaction
         self.update_cfg = UpdateConfig(loss=settings.loss, clip_eps=settings.clip_eps, is_cap=settings.is_cap,
                                        kl_coef=settings.kl_coef)
 
@@ -79,8 +81,9 @@ class TrainerService:
     def serve(self, kafka: KafkaSettings, runtime: RuntimeSettings = RuntimeSettings()) -> None:
         """Train until SIGTERM or max_steps; every step ends in a committed transaction."""
         torch.set_num_threads(max(1, self.settings.threads))
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stopping", True))
-        signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stopping", True))
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stopping", True))
+            signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stopping", True))
         self.kafka = kafka
         base = kafka.client_config()
         self.group_id = f"{kafka.run}.trainer"
@@ -150,8 +153,11 @@ class TrainerService:
 
     # -- consuming -------------------------------------------------------------------
 
+    def stop(self) -> None:
+        """Finish the current step and return from serve()."""
+        self._stopping = True
+
     def _consume_once(self, runtime: RuntimeSettings) -> None:
-        self._letters = getattr(self, "_letters", [])
         codec = default_codec()
         record_name = TOPICS[self.settings.source].record
         for m in self.consumer.consume(runtime.batch_size, runtime.poll_timeout_s):
@@ -237,7 +243,7 @@ class TrainerService:
                                                                            "step_seconds")))
 
     def _pop_letters(self):
-        letters, self._letters = getattr(self, "_letters", []), []
+        letters, self._letters = self._letters, []
         return letters
 
 

@@ -99,7 +99,7 @@ def policy_update(model, optimizer, batch: Batch, cfg: UpdateConfig, ref_model=N
     stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
     optimizer.step()
     model.eval()
-    stats["loss"] = float(loss)
+    stats["loss"] = float(loss.detach())
     stats["reward_mean"] = float(batch.rewards.mean())
     stats["samples"] = float(batch.input_ids.shape[0])
     return stats

@@ -1,0 +1,228 @@
+"""``rlstream demo``: the whole loop on this machine, every stage its own process, until the model learns.
+
+It starts the broker, creates a fresh run's topics, launches trainer, rollout,
+env, reward, archive and a paced prompt source, follows held-out reward per
+policy version on a live line, and ends with a reward-curve PNG, the SQL to
+explore the run, and ``reward A -> B over N policy versions in T s``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from confluent_kafka import Consumer, TopicPartition
+
+from .config import add_arguments, knob
+from .infra.topics import create_topics, topic_name
+from .schemas import headers as hdr
+from .schemas.codec import default_codec
+from .schemas.records import PolicyVersion, ScoredTrajectory
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Knobs of the local demo (defaults: reverse 3 letters with a tiny Qwen2, vLLM when installed)."""
+
+    run: str = knob("", "Run name (default: a fresh demo-<time> run, so a fresh model)")
+    task: str = knob("reverse", "Task to learn: reverse or arithmetic")
+    minutes: float = knob(15.0, "Give up after this long")
+    target: float = knob(0.8, "Stop once held-out reward reaches this")
+    backend: str = knob("auto", "Rollout engine: auto (vLLM if installed), transformers, vllm",
+                        choices=("auto", "transformers", "vllm"))
+    eta: int = knob(2, "Staleness bound η")
+    group_size: int = knob(8, "Samples per prompt (G)")
+    groups_per_step: int = knob(16, "Groups per update")
+    lr: float = knob(2e-4, "Learning rate")
+    warmup_seconds: float = knob(15.0, "Supervised warm-up before RL (part of the demo, see README)")
+    heldout_every: int = knob(2, "Evaluate the held-out set every N policy versions")
+    heldout_count: int = knob(128, "Held-out tasks per evaluation")
+    archive: str = knob("chdb://.rlstream/archive", "Archive URL (chdb:// path or http:// server)")
+
+
+@dataclass
+class Progress:
+    """What the live line shows, folded from the rewards and policy-versions topics."""
+
+    heldout: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # round -> (version, reward)
+    rounds: dict[str, tuple[int, float]] = field(default_factory=dict)  # complete round -> (version, reward)
+    curve: list[tuple[float, int, float]] = field(default_factory=list)  # (seconds, version, held-out reward)
+    train_rewards: deque = field(default_factory=lambda: deque(maxlen=512))
+    train_times: deque = field(default_factory=lambda: deque(maxlen=2048))
+    train_curve: list[tuple[float, float]] = field(default_factory=list)
+    version: int = -1
+    stale_ratio: float = 0.0
+
+    def samples_per_s(self) -> float:
+        if len(self.train_times) < 2:
+            return 0.0
+        span = self.train_times[-1] - self.train_times[0]
+        return (len(self.train_times) - 1) / span if span > 0 else 0.0
+
+
+def _spawn(stage_args: list[str], log: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rlstream.cli", *stage_args], env=env,
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run_demo(s: DemoSettings) -> int:
+    from .infra import broker
+    started = time.monotonic()
+    bootstrap = broker.up()
+    run = s.run or time.strftime("demo-%Y%m%d-%H%M%S")
+    home = Path(os.environ.get("RLSTREAM_HOME", ".rlstream")).resolve()
+    run_dir = home / "runs" / run
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    create_topics({"bootstrap.servers": bootstrap}, run)
+    env = dict(os.environ, RLSTREAM_BOOTSTRAP=bootstrap, RLSTREAM_RUN=run, OMP_NUM_THREADS="1",
+               RLSTREAM_ETA=str(s.eta), RLSTREAM_GROUPS_PER_STEP=str(s.groups_per_step),
+               TOKENIZERS_PARALLELISM="false")
+    weights = str(run_dir / "weights")
+    plan = {
+        "trainer": ["run", "trainer", "--weights", weights, "--task", s.task, "--lr", str(s.lr),
+                    "--warmup-seconds", str(s.warmup_seconds), "--threads", "1", "--instance", "0"],
+        "rollout": ["run", "rollout", "--backend", s.backend, "--threads", "1", "--instance", "0",
+                    "--batch-size", "64"],
+        "env": ["run", "env", "--instance", "0"],
+        "reward": ["run", "reward", "--instance", "0"],
+        "archive": ["run", "archive", "--archive", s.archive],
+        "prompts": ["prompts", "--task", s.task, "--paced", "--count", "0", "--group-size", str(s.group_size),
+                    "--heldout-every", str(s.heldout_every), "--heldout-count", str(s.heldout_count)],
+    }
+    procs = {name: _spawn(args, run_dir / "logs" / f"{name}.log", env) for name, args in plan.items()}
+    print(f"rlstream demo: run {run} on {bootstrap}; logs in {run_dir / 'logs'}", flush=True)
+    progress = Progress()
+    stopping = []
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{run}.demo-view",
+                         "isolation.level": "read_committed", "auto.offset.reset": "earliest",
+                         "enable.auto.commit": False})
+    consumer.subscribe([topic_name(run, "rewards"), topic_name(run, "policy-versions")])
+    codec = default_codec()
+    first: float | None = None
+    best: tuple[int, float] | None = None
+    restarts = 0
+    tty = sys.stdout.isatty()
+    last_print = 0.0
+    try:
+        while not stopping and time.monotonic() - started < s.minutes * 60:
+            for name, proc in procs.items():
+                if proc.poll() is not None:  # a stage died: restart it, as an orchestrator would
+                    restarts += 1
+                    print(f"\n{name} exited with {proc.returncode}; restarting (see {run_dir / 'logs' / name}.log)")
+                    procs[name] = _spawn(plan[name], run_dir / "logs" / f"{name}.log", env)
+            for m in consumer.consume(500, 0.5):
+                if m.error():
+                    continue
+                _fold(progress, m, codec, started)
+            done_round = _latest_complete_round(progress, s.heldout_count, time.monotonic() - started)
+            if done_round is not None:
+                if first is None:
+                    first = min(progress.rounds.values())[1]
+                best = done_round
+            now = time.monotonic()
+            if now - last_print > (0.5 if tty else 10):
+                last_print = now
+                line = (f"v{progress.version:<4d} held-out {best[1] if best else float('nan'):.2f}  "
+                        f"train {_mean(progress.train_rewards):.2f}  {progress.samples_per_s():6.1f} samples/s  "
+                        f"stale {progress.stale_ratio:.1%}  {now - started:5.0f}s")
+                print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
+            if best is not None and first is not None and best[1] >= s.target and best[0] > 0:
+                break
+    finally:
+        consumer.close()
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    elapsed = time.monotonic() - started
+    png = _plot(progress, run_dir / "reward_curve.png", s.task)
+    print()
+    print(f"reward curve: {png}")
+    print("explore the run in the archive, e.g.:")
+    for q in (f"rlstream sql \"SELECT header_policy_version AS v, avg(reward_total) FROM rlstream.rewards "
+              f"WHERE run = '{run}' GROUP BY v ORDER BY v\"",
+              f"rlstream sql \"SELECT reason, count() FROM rlstream.dead_letters WHERE run = '{run}' GROUP BY reason\""):
+        print("  " + q)
+    if restarts:
+        print(f"{restarts} stage restarts during the run (see logs)")
+    start_r = first if first is not None else float("nan")
+    end_r = best[1] if best else float("nan")
+    print(f"reward {start_r:.2f} -> {end_r:.2f} over {max(progress.version, 0)} policy versions in {elapsed:.0f} s")
+    return 0 if best is not None and best[1] >= s.target else 1
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _fold(progress: Progress, m, codec, started: float) -> None:
+    name, value = codec.decode(m.value())
+    if name == "PolicyVersion":
+        pv = PolicyVersion.from_dict(value)
+        progress.version = max(progress.version, pv.version)
+        progress.stale_ratio = pv.metrics.get("stale_ratio", progress.stale_ratio)
+        return
+    scored = ScoredTrajectory.from_dict(value)
+    task = scored.trajectory.task
+    version = hdr.policy_version(hdr.as_dict(m.headers()))
+    if task.split == "heldout":
+        round_id = task.task_id.split("-", 2)[:2]
+        progress.heldout.setdefault("-".join(round_id), []).append((version, scored.reward.total))
+    else:
+        progress.train_rewards.append(scored.reward.total)
+        progress.train_times.append(time.monotonic())
+        progress.train_curve.append((time.monotonic() - started, scored.reward.total))
+
+
+def _latest_complete_round(progress: Progress, size: int, elapsed: float) -> tuple[int, float] | None:
+    """(generating version, mean reward) of the newest evaluation round whose every task is scored."""
+    for key, rows in progress.heldout.items():
+        if key not in progress.rounds and len(rows) >= size:
+            # A round is attributed to the oldest version that generated any of its answers.
+            progress.rounds[key] = (min(v for v, _ in rows), _mean([r for _, r in rows]))
+            progress.curve.append((elapsed, *progress.rounds[key]))
+    return max(progress.rounds.values()) if progress.rounds else None
+
+
+def _plot(progress: Progress, path: Path, task: str) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    points = sorted({(v, r) for _, v, r in progress.curve})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if points:
+        ax.plot([v for v, _ in points], [r for _, r in points], marker="o", label="held-out reward (greedy)")
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"rlstream demo: {task}")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from .cli import settings
+    sys.exit(run_demo(settings(DemoSettings, args)))
+
+
+def add_command(sub) -> None:
+    """Register ``rlstream demo``."""
+    p = sub.add_parser("demo", help="run the whole loop locally until a tiny model learns")
+    add_arguments(p, DemoSettings)
+    p.set_defaults(func=cmd_demo)

@@ -1,0 +1,105 @@
+"""The trainer against the real broker: staleness bound, resume after restart, dead letters."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kafka_util import make_trajectory, produce, read_all
+from rlstream.config import KafkaSettings
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.records import Reward, ScoredTrajectory
+from rlstream.streams.runtime import RuntimeSettings
+from rlstream.trainer.service import TrainerService, TrainerSettings
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+G = 4
+
+
+class SpyTrainer(TrainerService):
+    """The real trainer; the spy only records which groups reached each update."""
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.trained: list[tuple[int, list[str]]] = []  # (version before the step, group ids)
+
+    def _step(self, groups):
+        self.trained.append((self.version, [g.group_id for g in groups]))
+        super()._step(groups)
+
+
+def scored_group(gid: int, rewards=(1.0, 0.0, 0.0, 1.0)):
+    out = []
+    for i, r in enumerate(rewards):
+        traj = make_trajectory(gid * 100 + i, group=gid, response="cba" if r else "abc", n_tokens=4)
+        traj.task.group_size = G
+        traj.task.prompt_token_ids = [1, 5, 6, 7, 40]
+        out.append(ScoredTrajectory(traj, Reward(total=r, reward_version="v1")))
+    return out
+
+
+def produce_groups(bootstrap, run, gids, version):
+    produce(bootstrap, run, "rewards", [(f"task-{g}".encode(), s, hdr.build(version, hdr.new_traceparent(), "v1"))
+                                        for g in gids for s in scored_group(g)])
+
+
+def start(bootstrap, run, tmp_path, **kw):
+    settings = TrainerSettings(weights=str(tmp_path / "weights"), warmup_seconds=0, groups_per_step=2,
+                               window_groups=4, eta=1, **kw)
+    trainer = SpyTrainer(settings)
+    thread = threading.Thread(target=trainer.serve, args=(KafkaSettings(bootstrap=bootstrap, run=run),
+                                                          RuntimeSettings(poll_timeout_s=0.1)), daemon=True)
+    thread.start()
+    return trainer, thread
+
+
+def wait_version(trainer, version, timeout=120):
+    deadline = time.monotonic() + timeout
+    while trainer.version < version:
+        assert time.monotonic() < deadline, f"trainer stuck at v{trainer.version}, wanted v{version}"
+        time.sleep(0.2)
+
+
+def test_stale_samples_are_never_trained_on_and_restart_resumes(bootstrap, run_name, tmp_path):
+    trainer, thread = start(bootstrap, run_name, tmp_path)
+    wait_version(trainer, 0)
+    # v0 -> v1 -> v2 on fresh samples.
+    produce_groups(bootstrap, run_name, [1, 2], version=0)
+    wait_version(trainer, 1)
+    produce_groups(bootstrap, run_name, [3, 4], version=1)
+    wait_version(trainer, 2)
+    # At v2 with eta=1, samples of v0 are stale; v1 and v2 are fine. Interleave them.
+    produce_groups(bootstrap, run_name, [50], version=0)
+    produce_groups(bootstrap, run_name, [5], version=1)
+    produce_groups(bootstrap, run_name, [51], version=0)
+    produce_groups(bootstrap, run_name, [6], version=2)
+    wait_version(trainer, 3)
+    # A record that is not a ScoredTrajectory is dead-lettered in the next step's transaction.
+    produce(bootstrap, run_name, "rewards", [(b"junk", b"\x00junk", hdr.build(2, hdr.new_traceparent()))])
+    produce_groups(bootstrap, run_name, [7, 8], version=3)
+    wait_version(trainer, 4)
+    trainer.stop()
+    thread.join(60)
+    assert not thread.is_alive()
+
+    trained = {gid for _, groups in trainer.trained for gid in groups}
+    assert trained == {f"task-{g}" for g in (1, 2, 3, 4, 5, 6, 7, 8)}
+    assert not trained & {"task-50", "task-51"}, "a sample older than eta versions reached a batch"
+    assert trainer.counter.stale == 2 * G
+
+    # Restart: the new trainer resumes from the last announced version and continues with the next one.
+    trainer2, thread2 = start(bootstrap, run_name, tmp_path)
+    wait_version(trainer2, 4)
+    assert trainer2.version == 4
+    produce_groups(bootstrap, run_name, [9, 10], version=4)
+    wait_version(trainer2, 5)
+    trainer2.stop()
+    thread2.join(60)
+    assert trainer2.trained == [(4, ["task-9", "task-10"])], "restarted trainer retrained or skipped samples"
+
+    versions = [r["record"] for r in read_all(bootstrap, run_name, "policy-versions", idle=1.0)]
+    assert [v.version for v in versions] == [0, 1, 2, 3, 4, 5]
+    assert versions[-1].parent_version == 4 and versions[-1].samples_trained == 2 * G
+    letters = read_all(bootstrap, run_name, "dead-letters", idle=1.0)
+    assert [(l["key"], l["record"].reason, l["record"].stage) for l in letters] == [(b"junk", "malformed", "trainer")]
