@@ -1,0 +1,59 @@
+"""Multi-turn tool-use tasks for the ``calculator`` env, shaped like ``tasks.py``'s generators.
+
+Each item is ``(task_id, prompt_text, answer, split)``, e.g. ``("calculator-train-s0-00000000",
+"what is 37*91? use calc", "3367", "train")``; the held-out split is fixed by ``tasks.HELDOUT_SEED``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..schemas.records import Trajectory
+from .tasks import Task, TaskItem, clean_response
+
+
+def _calculator_pairs() -> list[tuple[str, str]]:
+    # Two-digit products: too many to memorise at this model size, trivial with the tool.
+    return [(f"what is {a}*{b}? use calc", str(a * b)) for a in range(11, 100) for b in range(11, 100)]
+
+
+@dataclass
+class ToolTask(Task):
+    """A task whose episodes run in a multi-turn env (``env_name``) for up to ``max_turns`` actions."""
+
+    env_name: str = "calculator"
+    max_turns: int = 4
+
+
+TOOL_TASKS: dict[str, ToolTask] = {
+    # Per turn: "calc(37*91)" (11 characters), then the answer "3367" + <eos>.
+    "calculator": ToolTask("calculator", _calculator_pairs, max_new_tokens=16, env_name="calculator", max_turns=4),
+}
+
+
+def get_task(name: str) -> ToolTask:
+    """Look a tool task up in TOOL_TASKS, with a clear error for unknown names."""
+    try:
+        return TOOL_TASKS[name]
+    except KeyError:
+        raise KeyError(f"unknown tool task {name!r}; known: {sorted(TOOL_TASKS)}") from None
+
+
+def generate(name: str, seed: int = 0, split: str = "train", count: int | None = None) -> Iterator[TaskItem]:
+    """Shorthand for ``get_task(name).stream(seed, split, count)``."""
+    return get_task(name).stream(seed=seed, split=split, count=count)
+
+
+def calculator_reward(trajectory: Trajectory):
+    """1.0 for the right final answer reached after a successful ``calc`` call, else 0.0.
+
+    Use as ``--reward rlstream.producers.tool_tasks:calculator_reward``.
+    """
+    from ..streams.reward import RewardResult  # the reward stage's type; imported late to keep producers light
+    answer = trajectory.task.answer or ""
+    final = trajectory.turns[-1].text if trajectory.turns else trajectory.response
+    correct = clean_response(final) == answer.strip()
+    used = any(t.tool_call is not None and t.tool_call.name == "calc" and t.tool_result is not None
+               and t.tool_result.failure_class is None for t in trajectory.turns)
+    return RewardResult(1.0 if correct and used else 0.0,
+                        {"correct": float(correct), "used_tool": float(used)}, verifier_version="calculator/1")
