@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import sys
+from array import array
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -24,6 +26,60 @@ HEADER_LEN = 10
 
 #: The records that travel on topics (their nested types are not top level).
 RECORDS = ("Task", "Episode", "Trajectory", "ScoredTrajectory", "TeacherFeedback", "PolicyVersion", "DeadLetter")
+
+
+#: Packed token-array kinds -> array typecodes (int32, uint8, float32 on every platform we run on).
+_TYPECODES = {"int32": "i", "uint8": "B", "float32": "f"}
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def _pack(values, kind: str) -> bytes:
+    """A list of numbers as little-endian packed bytes (10-100x cheaper than an Avro array)."""
+    arr = array(_TYPECODES[kind], values)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _unpack(data: bytes, kind: str) -> list:
+    arr = array(_TYPECODES[kind])
+    arr.frombytes(data)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr.tolist()
+
+
+def packed_paths(schema: dict, prefix: tuple = ()) -> list[tuple[tuple[str, ...], str]]:
+    """Paths to fields marked ``"rlstream.packed"`` in an expanded schema, with their kind."""
+    out = []
+    for f in schema.get("fields", []):
+        path = prefix + (f["name"],)
+        if "rlstream.packed" in f:
+            out.append((path, f["rlstream.packed"]))
+        elif isinstance(f["type"], dict) and f["type"].get("type") == "record":
+            out += packed_paths(f["type"], path)
+    return out
+
+
+def _pack_record(record: dict, paths) -> dict:
+    """A copy of ``record`` (copied only along packed paths) with those lists packed."""
+    out = dict(record)
+    for path, kind in paths:
+        node = out
+        for key in path[:-1]:
+            node[key] = node = dict(node[key])
+        value = node.get(path[-1])
+        if value is not None and not isinstance(value, (bytes, bytearray)):
+            node[path[-1]] = _pack(value, kind)
+    return out
+
+
+def _unpack_record(record: dict, paths) -> None:
+    for path, kind in paths:
+        node = record
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = _unpack(node[path[-1]], kind)
 
 
 class DecodeError(ValueError):
@@ -58,8 +114,11 @@ class Codec:
     def __init__(self, avro_dir: Path = AVRO_DIR, history_dir: Path = HISTORY_DIR):
         self._current: dict[str, tuple[bytes, dict]] = {}
         self._writers: dict[bytes, _Writer] = {}
+        self._packed: dict[str, list] = {}
         for name in RECORDS:
-            schema = parse_schema(load_schema(avro_dir / f"rlstream.{name}.avsc", _write_hint=False))
+            expanded = load_schema(avro_dir / f"rlstream.{name}.avsc", _write_hint=False)
+            self._packed[name] = packed_paths(expanded)
+            schema = parse_schema(expanded)
             fp = schema_fingerprint(schema)
             self._current[name] = (fp, schema)
             self._writers[fp] = _Writer(name, 0, schema)
@@ -76,6 +135,8 @@ class Codec:
     def encode(self, name: str, record: dict) -> bytes:
         """Single-object encode a dict that follows the current schema of ``name``."""
         fp, schema = self._current[name]
+        if self._packed[name]:
+            record = _pack_record(record, self._packed[name])
         buf = io.BytesIO()
         buf.write(MARKER)
         buf.write(fp)
@@ -101,6 +162,10 @@ class Codec:
             raise DecodeError("malformed", f"corrupt {writer.name} body: {type(exc).__name__}: {exc}") from None
         if buf.tell() != len(data):
             raise DecodeError("malformed", f"{len(data) - buf.tell()} trailing bytes after a {writer.name} record")
+        try:
+            _unpack_record(value, self._packed[writer.name])
+        except (ValueError, TypeError) as exc:  # e.g. a packed int32 field whose length is not a multiple of 4
+            raise DecodeError("malformed", f"bad packed array in a {writer.name} record: {exc}") from None
         return writer.name, value
 
     def _writer_of(self, data: bytes) -> _Writer:

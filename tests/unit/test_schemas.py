@@ -8,8 +8,8 @@ from fastavro import parse_schema
 from fastavro.utils import generate_many
 
 from rlstream.schemas import records
-from rlstream.schemas.codec import (HISTORY_DIR, RECORDS, Codec, DecodeError, iter_history, load_current,
-                                    schema_fingerprint)
+from rlstream.schemas.codec import (HISTORY_DIR, RECORDS, Codec, DecodeError, _pack, iter_history, load_current,
+                                    packed_paths, schema_fingerprint)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,29 @@ def test_truncated_body_is_malformed(codec):
     assert err.value.reason == "malformed"
 
 
+def test_token_arrays_travel_packed_and_come_back_as_lists(codec):
+    traj = sample_trajectory(n=1000)
+    data = codec.encode("Trajectory", traj.to_dict())
+    # 4 + 1 + 4 bytes per token instead of Avro's zig-zag varints and floats in blocks.
+    assert len(data) < 10 * 1000
+    _, value = codec.decode(data)
+    assert value["token_ids"] == list(range(1000)) and value["loss_mask"] == [1] * 1000
+    assert value["behaviour_logprobs"] == [-0.5] * 1000
+
+
+def test_packed_array_of_wrong_length_is_malformed(codec):
+    import io
+    from fastavro import schemaless_writer
+    fp, schema = codec._current["Task"]
+    record = dict(sample_task().to_dict(), prompt_token_ids=b"\x01\x02\x03")  # 3 bytes: not an int32 array
+    buf = io.BytesIO(b"\xc3\x01" + fp)
+    buf.seek(0, 2)
+    schemaless_writer(buf, schema, record)
+    with pytest.raises(DecodeError) as err:
+        codec.decode(buf.getvalue())
+    assert err.value.reason == "malformed"
+
+
 def test_wrong_record_type(codec):
     data = codec.encode("Task", sample_task().to_dict())
     with pytest.raises(DecodeError) as err:
@@ -89,9 +112,15 @@ def test_every_frozen_version_reads_under_the_current_schema(name, version, path
     """Backward compatibility: data written with any old version decodes with the current schema."""
     import io
     from fastavro import schemaless_writer
-    old = parse_schema(json.loads(path.read_text()))
+    raw = json.loads(path.read_text())
+    old = parse_schema(raw)
     codec = Codec()
     for value in generate_many(old, 5):
+        for field_path, kind in packed_paths(raw):  # random bytes are not whole numbers of elements
+            node = value
+            for key in field_path[:-1]:
+                node = node[key]
+            node[field_path[-1]] = _pack([1, 2, 3], kind)
         buf = io.BytesIO()
         buf.write(b"\xc3\x01" + schema_fingerprint(old))
         schemaless_writer(buf, old, value)
