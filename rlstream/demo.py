@@ -39,8 +39,8 @@ class DemoSettings:
     eta: int = knob(2, "Staleness bound η")
     group_size: int = knob(8, "Samples per prompt (G)")
     groups_per_step: int = knob(16, "Groups per update")
-    lr: float = knob(2e-4, "Learning rate")
-    warmup_seconds: float = knob(15.0, "Supervised warm-up before RL (part of the demo, see README)")
+    lr: float = knob(1e-4, "Learning rate")
+    warmup_steps: int = knob(300, "Supervised warm-up steps before RL (part of the demo, see README)")
     heldout_every: int = knob(2, "Evaluate the held-out set every N policy versions")
     heldout_count: int = knob(128, "Held-out tasks per evaluation")
     archive: str = knob("chdb://.rlstream/archive", "Archive URL (chdb:// path or http:// server)")
@@ -86,7 +86,7 @@ def run_demo(s: DemoSettings) -> int:
     weights = str(run_dir / "weights")
     plan = {
         "trainer": ["run", "trainer", "--weights", weights, "--task", s.task, "--lr", str(s.lr),
-                    "--warmup-seconds", str(s.warmup_seconds), "--threads", "1", "--instance", "0"],
+                    "--warmup-steps", str(s.warmup_steps), "--threads", "1", "--instance", "0"],
         "rollout": ["run", "rollout", "--backend", s.backend, "--threads", "1", "--instance", "0",
                     "--batch-size", "64"],
         "env": ["run", "env", "--instance", "0"],

@@ -48,11 +48,12 @@ class TrainerSettings:
     groups_per_step: int = knob(16, "Complete groups per update (G samples each)")
     advantage: str = knob("grpo", "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp")
     loss: str = knob("ppo", "ppo (decoupled PPO-clip) or opd (on-policy distillation)", choices=("ppo", "opd"))
-    lr: float = knob(2e-4, "AdamW learning rate")
+    lr: float = knob(1e-4, "AdamW learning rate (2e-4 collapsed the tiny model to zero reward here)")
     clip_eps: float = knob(0.2, "PPO clip range")
     is_cap: float = knob(5.0, "Truncation of the behaviour importance weight")
     kl_coef: float = knob(0.0, "KL-to-reference coefficient (0 disables the reference model)")
-    warmup_seconds: float = knob(15.0, "Supervised warm-up of a new policy (0 = none)")
+    warmup_steps: int = knob(300, "Supervised warm-up steps of a new policy (0 = none); steps, not seconds, "
+                                   "so a busy machine gets the same starting policy")
     warmup_fraction: float = knob(0.005, "Fraction of training pairs used by the warm-up")
     max_steps: int = knob(0, "Stop after this many updates (0 = run until stopped)")
     threads: int = knob(1, "Torch threads for this process")
@@ -134,14 +135,14 @@ class TrainerService:
             from .warmup import supervised_warmup
             self.tokenizer = build_tokenizer()
             self.model = build_model(self.tokenizer, seed=self.settings.seed)
-            if self.settings.warmup_seconds > 0:
+            if self.settings.warmup_steps > 0:
                 info = supervised_warmup(self.model, self.tokenizer, self.settings.task,
                                          fraction=self.settings.warmup_fraction,
-                                         seconds=self.settings.warmup_seconds, seed=self.settings.seed)
+                                         steps=self.settings.warmup_steps, seed=self.settings.seed)
                 log.info("supervised warm-up: %s", info)
             self.optimizer = self._optimizer()
             self.model.eval()
-            self._publish(0, {"warmup_seconds": self.settings.warmup_seconds}, offsets=None, samples=0)
+            self._publish(0, {"warmup_steps": float(self.settings.warmup_steps)}, offsets=None, samples=0)
         self.ref_model = None
         if self.settings.kl_coef > 0:
             from transformers import AutoModelForCausalLM

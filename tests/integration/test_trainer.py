@@ -45,7 +45,7 @@ def produce_groups(bootstrap, run, gids, version):
 
 
 def start(bootstrap, run, tmp_path, **kw):
-    settings = TrainerSettings(weights=str(tmp_path / "weights"), warmup_seconds=0, groups_per_step=2,
+    settings = TrainerSettings(weights=str(tmp_path / "weights"), warmup_steps=0, groups_per_step=2,
                                window_groups=4, eta=1, **kw)
     trainer = SpyTrainer(settings)
     thread = threading.Thread(target=trainer.serve, args=(KafkaSettings(bootstrap=bootstrap, run=run),
