@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import config
 from .config import KafkaSettings
+from .errors import UserError
 
 #: Stage name -> (module, stage class, settings class or None). Imported lazily: torch is slow to load.
 STAGES: dict[str, tuple[str, str, str | None]] = {
@@ -23,8 +24,8 @@ STAGES: dict[str, tuple[str, str, str | None]] = {
 }
 
 
-class UsageError(Exception):
-    """A mistake the user can fix; printed without a traceback."""
+class UsageError(UserError):
+    """A wrong command-line argument; printed with exit code 2."""
 
 
 def settings(cls, args: argparse.Namespace):
@@ -149,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"rlstream {args.command}: {exc}", file=sys.stderr)
         return 2
+    except UserError as exc:
+        print(f"rlstream {args.command}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # the broker's and the archive's own errors carry what to do

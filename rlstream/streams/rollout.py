@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..config import knob
+from ..errors import UserError
 from ..consumers.policy_watch import PolicyWatcher
 from ..consumers.staleness import rollout_should_pause
 from ..producers.weights import WeightStore, local_path
@@ -62,8 +63,8 @@ class RolloutStage(Stage):
         self.watcher = PolicyWatcher(kafka.client_config(), kafka.run, self.settings.policy)
         log.info("rollout waiting for the first %s policy version", self.settings.policy)
         if not self.watcher.wait_for(0, self.settings.wait_policy_s):
-            raise RuntimeError(f"no {self.settings.policy} policy announced within {self.settings.wait_policy_s}s; "
-                               "is the trainer running?")
+            raise UserError(f"no {self.settings.policy} policy announced within {self.settings.wait_policy_s}s; "
+                            "is the trainer running for this run?")
         pv = self.watcher.latest
         folder = local_path(pv.weights_uri)
         self.backend = make_backend(self.settings.backend, folder, threads=self.settings.threads,

@@ -381,7 +381,7 @@ class StageRunner:
             return batch
         if batch is not None:
             # The batch failed as a whole: handle records one by one to isolate the bad one.
-            return [self._as_outputs(self._run_timed(self._call_batch, [it], 1), single=True) for it in items]
+            return [_first(self._run_timed(self._call_batch, [it], 1)) for it in items]
         return self._loop.run_until_complete(self._handle_each(items))
 
     def _call_batch(self, items: list[Incoming]):
@@ -403,12 +403,6 @@ class StageRunner:
             return _Rejected("invalid", str(exc))
         except Exception as exc:
             return _Rejected("handler_error", f"{type(exc).__name__}: {exc}")
-
-    @staticmethod
-    def _as_outputs(result, single: bool):
-        if isinstance(result, _Rejected):
-            return result
-        return result[0]
 
     async def _handle_each(self, items: list[Incoming]) -> list[list[Output] | _Rejected]:
         sem = asyncio.Semaphore(max(1, self.settings.concurrency))
@@ -437,6 +431,11 @@ class StageRunner:
                     metrics.HANDLER_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
 
         return list(await asyncio.gather(*(one(it) for it in items)))
+
+
+def _first(result):
+    """The outputs of a one-record batch, or its rejection."""
+    return result if isinstance(result, _Rejected) else result[0]
 
 
 def dead_letter(stage: str, m: Message, reason: str, error: str) -> tuple[bytes, list]:
