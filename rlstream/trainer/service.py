@@ -27,6 +27,7 @@ from ..schemas.codec import DecodeError, default_codec
 from ..schemas.records import RECORD_TYPES, PolicyVersion
 from ..streams import metrics
 from ..streams.runtime import RuntimeSettings, dead_letter
+from .engine import make_engine
 from .update import UpdateConfig, build_batch, policy_update
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class TrainerSettings:
     warmup_fraction: float = knob(0.005, "Fraction of training pairs used by the warm-up")
     max_steps: int = knob(0, "Stop after this many updates (0 = run until stopped)")
     threads: int = knob(1, "Torch threads for this process")
+    deepspeed_stage: int = knob(0, "0: plain torch; 1 or 2: DeepSpeed ZeRO at that stage (CPU runs it over gloo)")
     seed: int = knob(0, "Seed of the initial model and warm-up")
 
 
@@ -71,6 +73,7 @@ class TrainerService:
         self.filter = StalenessFilter(settings.eta)
         self.counter = StalenessCounter()
         self.evicted = 0
+        self._counted = (0, 0)  # (accepted, stale) at the last publish, for per-step counts
         self.version = -1
         self._stopping = False
         self._letters: list = []  # (message, reason, error) to dead-letter in the next transaction
@@ -98,6 +101,7 @@ class TrainerService:
                                   "auto.offset.reset": "earliest", "max.partition.fetch.bytes": MAX_MESSAGE_BYTES,
                                   "session.timeout.ms": 10000, "max.poll.interval.ms": 600000})
         self.window = WindowedFIFO(self.settings.window_groups, self.settings.head_timeout_s)
+        self._lag = metrics.LagProbe("trainer", kafka.run)
         self._load_or_create()
         self.consumer.subscribe([topic_name(kafka.run, self.settings.source)],
                                 on_revoke=lambda c, parts: self.window.clear(),
@@ -106,7 +110,9 @@ class TrainerService:
         try:
             while not self._stopping:
                 self._consume_once(runtime)
-                self.evicted += sum(len(g.items) for g in self.window.evict_expired())
+                evicted = sum(len(g.items) for g in self.window.evict_expired())
+                self.evicted += evicted
+                metrics.EVICTED_SAMPLES.labels("trainer").inc(evicted)
                 while self.window.complete_in_window() >= self.settings.groups_per_step and not self._stopping:
                     self._step(self.window.take(max_groups=self.settings.groups_per_step))
                     steps += 1
@@ -125,10 +131,10 @@ class TrainerService:
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
             self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
             self.version = announced.version
-            self.optimizer = self._optimizer()
+            self.engine = self._engine()
             opt_state = folder / "optimizer.pt"
             if opt_state.exists():
-                self.optimizer.load_state_dict(torch.load(opt_state, weights_only=True))
+                self.engine.load_state_dict(torch.load(opt_state, weights_only=True))
             log.info("trainer resumed %s at v%d", self.settings.policy, self.version)
         else:
             from .tiny_model import build_model, build_tokenizer
@@ -140,7 +146,7 @@ class TrainerService:
                                          fraction=self.settings.warmup_fraction,
                                          steps=self.settings.warmup_steps, seed=self.settings.seed)
                 log.info("supervised warm-up: %s", info)
-            self.optimizer = self._optimizer()
+            self.engine = self._engine()
             self.model.eval()
             self._publish(0, {"warmup_steps": float(self.settings.warmup_steps)}, offsets=None, samples=0)
         self.ref_model = None
@@ -149,8 +155,10 @@ class TrainerService:
             self.ref_model = AutoModelForCausalLM.from_pretrained(
                 local_path(self.store.uri(self.settings.policy, 0)), dtype=torch.float32).eval()
 
-    def _optimizer(self):
-        return torch.optim.AdamW(self.model.parameters(), lr=self.settings.lr, weight_decay=0.0)
+    def _engine(self):
+        engine = make_engine(self.model, self.settings.lr, self.update_cfg.max_grad_norm, self.settings.deepspeed_stage)
+        self.model = engine.model
+        return engine
 
     # -- consuming -------------------------------------------------------------------
 
@@ -179,10 +187,13 @@ class TrainerService:
             if traj.task.split != "train":
                 continue  # held-out samples measure the policy; they are never trained on
             # The η bound is enforced here, from the header, before a sample can reach a batch.
-            if not self.counter.observe(self.filter, self.version, sample_version):
+            accepted = self.counter.observe(self.filter, self.version, sample_version)
+            metrics.count_staleness("trainer", accepted, self.counter.stale_ratio)
+            if not accepted:
                 continue
             self.window.add(WindowItem(traj.group_id, traj.task.group_size, (m.topic(), m.partition(), m.offset()),
                                        time.monotonic(), sample))
+        self._lag.maybe_update(self.consumer, self.consumer.assignment)
 
     # -- one step --------------------------------------------------------------------
 
@@ -190,20 +201,26 @@ class TrainerService:
         started = time.monotonic()
         batch = build_batch([[it.payload for it in g.items] for g in groups], self.settings.advantage,
                             self.tokenizer.pad_token_id)
-        stats = policy_update(self.model, self.optimizer, batch, self.update_cfg, self.ref_model)
+        stats = policy_update(self.engine, batch, self.update_cfg, self.ref_model)
         stats.update({"step_seconds": time.monotonic() - started, "stale": float(self.counter.stale),
                       "accepted": float(self.counter.accepted), "stale_ratio": self.counter.stale_ratio,
                       "evicted": float(self.evicted)})
+        # Per-step counts as well: the cumulative ones restart with the process, these add up across restarts.
+        (accepted, stale), self._counted = self._counted, (self.counter.accepted, self.counter.stale)
+        stats.update({"accepted_step": float(self.counter.accepted - accepted),
+                      "stale_step": float(self.counter.stale - stale)})
         self._publish(self.version + 1, stats, offsets=self.window.committable_offsets(),
                       samples=int(batch.input_ids.shape[0]))
+        metrics.STEP_SECONDS.labels("trainer").observe(time.monotonic() - started)
 
     def _publish(self, version: int, stats: dict[str, float], offsets, samples: int) -> None:
         policy = self.settings.policy
+        publish_started = time.monotonic()
 
         def write(folder: Path) -> None:
             self.model.save_pretrained(folder, safe_serialization=True)
             self.tokenizer.save_pretrained(folder)
-            torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+            torch.save(self.engine.state_dict(), folder / "optimizer.pt")
 
         # The checkpoint exists before the record that announces it.
         uri = self.store.put(policy, version, write)
@@ -235,6 +252,7 @@ class TrainerService:
             finally:
                 raise
         self.version = version
+        metrics.PUBLISH_SECONDS.observe(time.monotonic() - publish_started)
         metrics.POLICY_VERSION.labels("trainer").set(version)
         metrics.TRANSACTIONS.labels("trainer", "committed").inc()
         # Versions older than η + 1 behind can no longer be needed by a rollout worker.

@@ -70,10 +70,10 @@ class UpdateConfig:
     max_grad_norm: float = 1.0
 
 
-def policy_update(model, optimizer, batch: Batch, cfg: UpdateConfig, ref_model=None) -> dict[str, float]:
-    """One gradient step; returns scalar stats for PolicyVersion.metrics."""
-    model.train()
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+def policy_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> dict[str, float]:
+    """One gradient step on a TorchEngine or DeepSpeedEngine; returns scalar stats for PolicyVersion.metrics."""
+    engine.model.train()
+    logits = engine.forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
     # Behaviour log-probs were sampled at this temperature, so the ratio must be taken at it too.
     logp = token_logprobs(logits.float() / batch.temperature, batch.input_ids[:, 1:])
     stats: dict[str, float] = {}
@@ -94,11 +94,8 @@ def policy_update(model, optimizer, batch: Batch, cfg: UpdateConfig, ref_model=N
         kl = kl_penalty(logp, ref_logp, batch.loss_mask)
         loss = loss + cfg.kl_coef * kl
         stats["kl_ref"] = float(kl)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-    optimizer.step()
-    model.eval()
+    stats["grad_norm"] = engine.step(loss)
+    engine.model.eval()
     stats["loss"] = float(loss.detach())
     stats["reward_mean"] = float(batch.rewards.mean())
     stats["samples"] = float(batch.input_ids.shape[0])
