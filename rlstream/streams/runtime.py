@@ -178,6 +178,7 @@ class StageRunner:
         self._loop = asyncio.new_event_loop()
         self.ctx = StageContext(self)
         self._assigned: list[TopicPartition] = []
+        self._lag = metrics.LagProbe(stage.name, kafka.run)  # consumer lag gauge, refreshed every few seconds
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -199,6 +200,7 @@ class StageRunner:
                 self.stage.before_poll(self.ctx)
                 msgs = self.consumer.consume(self.settings.batch_size, self.settings.poll_timeout_s)
                 msgs = [m for m in msgs if self._usable(m)]
+                self._lag.maybe_update(self.consumer, self._assigned)
                 if not msgs:
                     if idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
                         break
@@ -327,6 +329,7 @@ class StageRunner:
             for out, (topic, key, value, headers) in zip(result, encoded):
                 self._produce(topic, key, value, headers)
                 metrics.RECORDS_OUT.labels(self.stage.name, out.topic).inc()
+                metrics.count_output(self.stage.name, out.topic, out.record)
 
     def _decode(self, m: Message, logical: str, now: int) -> Incoming:
         headers = hdr.as_dict(m.headers())

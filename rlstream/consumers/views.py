@@ -1,0 +1,274 @@
+"""ClickHouse views over the archive that answer the loop's standard questions in plain SQL.
+
+Every view lives in database ``rlstream``, spans every run (filter on ``run``), and reads
+the archive tables without FINAL: the archive sink never inserts a row twice.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .query import DATABASE
+
+D = DATABASE
+
+
+def _ms(x: str) -> str:
+    return f"toUnixTimestamp64Milli({x})"
+
+
+#: View name -> its SELECT. Order matters: later views read earlier ones.
+VIEWS: dict[str, str] = {
+    # Mean reward per (policy version, reward version): the learning curve, side by side across reward versions.
+    # policy_version is the header: the oldest policy version that produced any token of the sample.
+    "reward_by_version": f"""
+SELECT run, header_policy_version AS policy_version, reward_version, split,
+       count() AS samples, avg(reward_total) AS reward_mean, stddevPop(reward_total) AS reward_std,
+       min(reward_total) AS reward_min, max(reward_total) AS reward_max, avg(n_tokens) AS tokens_mean
+FROM {D}.rewards
+GROUP BY run, policy_version, reward_version, split""",
+
+    # One row per trajectory: every reward version's total, so any two compare as rewards['v1'] - rewards['v2'].
+    "trajectory_rewards": f"""
+SELECT run, trajectory_id, any(group_id) AS group_id, any(header_policy_version) AS policy_version,
+       CAST((groupArray(reward_version), groupArray(reward_total)), 'Map(String, Float64)') AS rewards
+FROM {D}.rewards
+GROUP BY run, trajectory_id""",
+
+    # Parameterized: SELECT * FROM rlstream.reward_disagreement(a='v1', b='v2'); trajectories scored under both.
+    "reward_disagreement": f"""
+SELECT run, trajectory_id, any(group_id) AS group_id, any(header_policy_version) AS policy_version,
+       anyIf(reward_total, reward_version = {{a:String}}) AS reward_a,
+       anyIf(reward_total, reward_version = {{b:String}}) AS reward_b,
+       reward_b - reward_a AS delta, abs(delta) > 1e-9 AS disagree
+FROM {D}.rewards
+WHERE reward_version IN ({{a:String}}, {{b:String}})
+GROUP BY run, trajectory_id
+HAVING countIf(reward_version = {{a:String}}) > 0 AND countIf(reward_version = {{b:String}}) > 0""",
+
+    # Per published version: accepted / stale / evicted samples of that step, from the trainer's PolicyVersion
+    # metrics. Staleness is decided by the trainer (its version when it read the sample), so headers alone cannot
+    # give it. *_step counts are exact; older records carry only process-cumulative counts, differenced here
+    # (a drop means the trainer restarted and its counter began again).
+    "staleness_by_version": f"""
+SELECT run, policy, version, published_at, samples_trained,
+       if(mapContains(metrics, 'accepted_step'), metrics['accepted_step'],
+          if(acc_total >= acc_prev, acc_total - acc_prev, acc_total)) AS accepted,
+       if(mapContains(metrics, 'stale_step'), metrics['stale_step'],
+          if(stale_total >= stale_prev, stale_total - stale_prev, stale_total)) AS stale,
+       if(ev_total >= ev_prev, ev_total - ev_prev, ev_total) AS evicted,
+       stale / nullIf(accepted + stale, 0) AS stale_ratio,
+       metrics['step_seconds'] AS step_seconds, metrics['reward_mean'] AS reward_mean, metrics['loss'] AS loss
+FROM (
+    SELECT *, metrics['accepted'] AS acc_total, metrics['stale'] AS stale_total, metrics['evicted'] AS ev_total,
+           lagInFrame(acc_total, 1, 0.) OVER w AS acc_prev, lagInFrame(stale_total, 1, 0.) OVER w AS stale_prev,
+           lagInFrame(ev_total, 1, 0.) OVER w AS ev_prev
+    FROM {D}.policy_versions
+    WINDOW w AS (PARTITION BY run, policy ORDER BY version ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
+)""",
+
+    "stale_ratio": f"""
+SELECT run, policy, count() AS versions, sum(accepted) AS accepted_samples, sum(stale) AS stale_samples,
+       sum(evicted) AS evicted_samples, stale_samples / nullIf(accepted_samples + stale_samples, 0) AS stale_ratio
+FROM {D}.staleness_by_version
+GROUP BY run, policy""",
+
+    # Long format, one row per (trajectory, stage), from the timestamps the stages stamp into stage_times:
+    #   rollout: latency = generation (rollout.end - rollout.start); queue = rollout.start - prompt.created
+    #   env:     latency = env.end - rollout.end (the actions-topic wait and the env step: env stamps no start)
+    #   reward / replay: latency = the reward function's time; queue = wait on trajectories (or since replay.start)
+    #   archive: queue = archived_at - produced_at of the trajectory row
+    #   end_to_end: latency = reward.end - prompt.created (first scoring, not replays)
+    "stage_latency": f"""
+SELECT run, trajectory_id, 'rollout' AS stage,
+       toFloat64(stage_times['rollout.end'] - stage_times['rollout.start']) AS latency_ms,
+       CAST(stage_times['rollout.start'] - stage_times['prompt.created'], 'Nullable(Float64)') AS queue_ms
+FROM {D}.trajectories WHERE mapContains(stage_times, 'rollout.start') AND mapContains(stage_times, 'prompt.created')
+UNION ALL
+SELECT run, trajectory_id, 'env', toFloat64(stage_times['env.end'] - stage_times['rollout.end']),
+       CAST(NULL, 'Nullable(Float64)')
+FROM {D}.trajectories WHERE mapContains(stage_times, 'env.end') AND mapContains(stage_times, 'rollout.end')
+UNION ALL
+SELECT run, trajectory_id, 'archive', CAST(NULL, 'Nullable(Float64)'),
+       toFloat64({_ms('archived_at')} - {_ms('produced_at')})
+FROM {D}.trajectories WHERE produced_at > toDateTime64(0, 3, 'UTC')
+UNION ALL
+SELECT run, trajectory_id, if(replayed, 'replay', 'reward'), reward_latency_ms,
+       toFloat64(stage_times['reward.end'] - reward_latency_ms
+                 - if(replayed, stage_times['replay.start'], stage_times['env.end']))
+FROM (SELECT *, mapContains(stage_times, 'replay.start') AS replayed FROM {D}.rewards)
+WHERE mapContains(stage_times, 'reward.end') AND (replayed OR mapContains(stage_times, 'env.end'))
+UNION ALL
+SELECT run, trajectory_id, 'end_to_end', toFloat64(stage_times['reward.end'] - stage_times['prompt.created']),
+       CAST(NULL, 'Nullable(Float64)')
+FROM {D}.rewards WHERE mapContains(stage_times, 'prompt.created') AND NOT mapContains(stage_times, 'replay.start')
+""",
+
+    "stage_latency_quantiles": f"""
+SELECT run, stage, count() AS samples,
+       quantilesExact(0.5, 0.95, 0.99)(latency_ms) AS lq, quantilesExact(0.5, 0.95, 0.99)(queue_ms) AS qq,
+       -- NULL, not 0, where a stage has no such figure (count(x) skips NULLs)
+       if(count(latency_ms) > 0, lq[1], NULL) AS latency_p50_ms, if(count(latency_ms) > 0, lq[2], NULL) AS latency_p95_ms,
+       if(count(latency_ms) > 0, lq[3], NULL) AS latency_p99_ms, if(count(queue_ms) > 0, qq[1], NULL) AS queue_p50_ms,
+       if(count(queue_ms) > 0, qq[2], NULL) AS queue_p95_ms, if(count(queue_ms) > 0, qq[3], NULL) AS queue_p99_ms
+FROM {D}.stage_latency
+GROUP BY run, stage""",
+
+    # Failures by class, as a share of the run's trajectories: the env's (status failed), tool calls', and
+    # records dead-lettered by any stage (handler_timeout, handler_error, invalid, ...). is_timeout flags timeouts.
+    "failure_rates": f"""
+SELECT f.run AS run, f.source AS source, f.stage AS stage, f.failure_class AS failure_class, f.failures AS failures,
+       t.n AS trajectories, f.failures / nullIf(t.n, 0) AS rate,
+       positionCaseInsensitive(f.failure_class, 'timeout') > 0 AS is_timeout
+FROM (
+    SELECT run, 'trajectory' AS source, toString(failure_stage) AS stage, toString(failure_class) AS failure_class,
+           count() AS failures
+    FROM {D}.trajectories WHERE status = 'failed' GROUP BY run, stage, failure_class
+    UNION ALL
+    SELECT run, 'tool', 'env', toString(cls), count()
+    FROM {D}.trajectories ARRAY JOIN `turns.tool_failure_class` AS cls WHERE cls != '' GROUP BY run, cls
+    UNION ALL
+    SELECT run, 'dead_letter', toString(stage), toString(reason), count() FROM {D}.dead_letters GROUP BY run, stage, reason
+) AS f
+LEFT JOIN (SELECT run, count() AS n FROM {D}.trajectories GROUP BY run) AS t ON f.run = t.run""",
+
+    # Goodput per clock hour: valid (status ok) trajectories by Kafka timestamp, accepted samples by publish time.
+    "goodput_hourly": f"""
+SELECT run, hour, sum(n) AS trajectories, sum(valid) AS valid_trajectories,
+       sum(accepted) AS accepted_samples, sum(stale) AS stale_samples
+FROM (
+    SELECT run, toStartOfHour(kafka_timestamp) AS hour, count() AS n, countIf(status = 'ok') AS valid,
+           toUInt64(0) AS accepted, toUInt64(0) AS stale
+    FROM {D}.trajectories GROUP BY run, hour
+    UNION ALL
+    SELECT run, toStartOfHour(published_at), toUInt64(0), toUInt64(0), toUInt64(round(sum(accepted))),
+           toUInt64(round(sum(stale)))
+    FROM {D}.staleness_by_version GROUP BY run, toStartOfHour(published_at)
+)
+GROUP BY run, hour""",
+
+    # The whole run's goodput as rates over its span (first to last trajectory).
+    "goodput": f"""
+SELECT t.run AS run, t.trajectories AS trajectories, t.valid AS valid_trajectories,
+       ifNull(a.accepted, 0) AS accepted_samples, t.span_s AS span_s,
+       t.valid * 3600 / nullIf(t.span_s, 0) AS valid_per_hour,
+       ifNull(a.accepted, 0) * 3600 / nullIf(t.span_s, 0) AS accepted_per_hour
+FROM (
+    SELECT run, count() AS trajectories, countIf(status = 'ok') AS valid,
+           ({_ms('max(kafka_timestamp)')} - {_ms('min(kafka_timestamp)')}) / 1000 AS span_s
+    FROM {D}.trajectories GROUP BY run
+) AS t
+LEFT JOIN (SELECT run, sum(accepted) AS accepted FROM {D}.staleness_by_version GROUP BY run) AS a ON t.run = a.run""",
+
+    # From a version's announcement to the first token generated with it (rollout's hot swap), plus the step time.
+    "publish_latency": f"""
+SELECT p.run AS run, p.policy AS policy, p.version AS version, p.published_at AS published_at,
+       p.metrics['step_seconds'] AS step_seconds, u.first_used_at AS first_used_at,
+       if(u.n > 0, toFloat64({_ms('u.first_used_at')} - {_ms('p.published_at')}), NULL) AS publish_latency_ms
+FROM {D}.policy_versions AS p
+LEFT JOIN (
+    SELECT run, v AS version, min(t) AS first_used_at, count() AS n
+    FROM {D}.trajectories ARRAY JOIN `turns.policy_version` AS v, `turns.started_at` AS t
+    WHERE v >= 0 AND t > toDateTime64(0, 3, 'UTC') GROUP BY run, version
+) AS u ON p.run = u.run AND p.version = u.version""",
+}
+
+
+def install_views(target: Any) -> list[str]:
+    """Create or update every view (idempotent). ``target``: an Archive, a clickhouse-connect client, or f(sql)."""
+    if callable(target):
+        execute: Callable[[str], Any] = target
+    elif hasattr(target, "command"):
+        execute = target.command
+    else:
+        execute = target.query
+    execute(f"CREATE DATABASE IF NOT EXISTS {D}")
+    for name, body in VIEWS.items():
+        # OR REPLACE, not IF NOT EXISTS: a newer definition replaces an older one on upgrade.
+        execute(f"CREATE OR REPLACE VIEW {D}.{name} AS {body.strip()}")
+    return list(VIEWS)
+
+
+def quote(value: str) -> str:
+    """A ClickHouse string literal."""
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def standard_queries(run: str, versions: tuple[str, str] | None = None) -> dict[str, str]:
+    """The report's (and the benchmark's) questions for one run, as SQL over the views."""
+    r = quote(run)
+    out = {
+        "reward by policy and reward version":
+            f"SELECT policy_version, reward_version, split, samples, reward_mean, reward_std "
+            f"FROM {D}.reward_by_version WHERE run = {r} ORDER BY reward_version, split, policy_version",
+        "stale ratio":
+            f"SELECT policy, versions, accepted_samples, stale_samples, evicted_samples, stale_ratio "
+            f"FROM {D}.stale_ratio WHERE run = {r}",
+        "staleness by policy version":
+            f"SELECT version, accepted, stale, evicted, stale_ratio, step_seconds FROM {D}.staleness_by_version "
+            f"WHERE run = {r} ORDER BY version",
+        "latency and queue delay per stage (ms)":
+            f"SELECT stage, samples, latency_p50_ms, latency_p95_ms, latency_p99_ms, queue_p50_ms, queue_p95_ms, "
+            f"queue_p99_ms FROM {D}.stage_latency_quantiles WHERE run = {r} ORDER BY stage",
+        "timeout and failure rates by class":
+            f"SELECT source, stage, failure_class, failures, trajectories, rate, is_timeout FROM {D}.failure_rates "
+            f"WHERE run = {r} ORDER BY failures DESC, source, stage, failure_class",
+        "goodput":
+            f"SELECT trajectories, valid_trajectories, accepted_samples, span_s, valid_per_hour, accepted_per_hour "
+            f"FROM {D}.goodput WHERE run = {r}",
+        "goodput per hour":
+            f"SELECT hour, trajectories, valid_trajectories, accepted_samples, stale_samples FROM {D}.goodput_hourly "
+            f"WHERE run = {r} ORDER BY hour",
+        "policy publish latency":
+            f"SELECT policy, version, published_at, step_seconds, publish_latency_ms FROM {D}.publish_latency "
+            f"WHERE run = {r} ORDER BY policy, version",
+    }
+    if versions:
+        a, b = map(quote, versions)
+        out["reward disagreement"] = (
+            f"SELECT count() AS trajectories, countIf(disagree) AS disagreements, "
+            f"disagreements / nullIf(trajectories, 0) AS disagreement_rate, avg(abs(delta)) AS mean_abs_delta, "
+            f"avg(reward_a) AS mean_a, avg(reward_b) AS mean_b "
+            f"FROM {D}.reward_disagreement(a={a}, b={b}) WHERE run = {r}")
+        out["most disagreeing trajectories"] = (
+            f"SELECT trajectory_id, policy_version, reward_a, reward_b, delta FROM {D}.reward_disagreement(a={a}, b={b}) "
+            f"WHERE run = {r} AND disagree ORDER BY abs(delta) DESC, trajectory_id LIMIT 20")
+    return out
+
+
+def trajectory_timeline_sql(run: str, trajectory_id: str) -> str:
+    """SQL for one trajectory end to end: every record of it (and of its trace) and its stage stamps, in time order."""
+    r, t = quote(run), quote(trajectory_id)
+    mine = f"run = {r} AND trajectory_id = {t}"
+    # The runtime keeps one trace id from the prompt on (child spans), so the trace finds the prompt and dead letters.
+    trace = f"(SELECT splitByChar('-', traceparent)[2] FROM {D}.trajectories WHERE {mine})"
+    cols = "partition, offset, header_policy_version AS policy_version, header_reward_version AS reward_version, traceparent"
+    return f"""
+SELECT at, event, source, partition, offset, policy_version, reward_version, traceparent, detail FROM (
+    SELECT fromUnixTimestamp64Milli(v, 'UTC') AS at, concat('stamp ', k) AS event, 'stage_times' AS source,
+           {cols}, '' AS detail
+    FROM {D}.trajectories ARRAY JOIN mapKeys(stage_times) AS k, mapValues(stage_times) AS v WHERE {mine}
+    UNION ALL
+    SELECT produced_at, 'prompt', 'tasks', {cols}, concat(task_name, ': ', prompt)
+    FROM {D}.tasks WHERE run = {r} AND splitByChar('-', traceparent)[2] IN {trace}
+    UNION ALL
+    SELECT produced_at, concat('episode ', direction), 'episodes', {cols}, concat(toString(length(`turns.role`)), ' turns')
+    FROM {D}.episodes WHERE run = {r} AND episode_id = {t}
+    UNION ALL
+    SELECT produced_at, concat('trajectory ', status), 'trajectories', {cols},
+           concat(response, if(failure_class != '', concat(' [', failure_class, ': ', failure_message, ']'), ''))
+    FROM {D}.trajectories WHERE {mine}
+    UNION ALL
+    SELECT produced_at, concat('reward ', reward_version), 'rewards', {cols}, toString(reward_total)
+    FROM {D}.rewards WHERE {mine}
+    UNION ALL
+    SELECT produced_at, concat('feedback ', teacher_version), 'feedback', {cols}, toString(reward_total)
+    FROM {D}.feedback WHERE {mine}
+    UNION ALL
+    SELECT failed_at, concat('dead letter ', reason), 'dead_letters', {cols}, concat(stage, ': ', error)
+    FROM {D}.dead_letters WHERE run = {r} AND trace_id IN {trace}
+) ORDER BY at, event"""
+
+
+def trajectory_timeline(archive, run: str, trajectory_id: str) -> tuple[list[str], list[list]]:
+    """One trajectory end to end, by id: (columns, rows) from an open Archive."""
+    return archive.query(trajectory_timeline_sql(run, trajectory_id))

@@ -1,0 +1,188 @@
+"""The report against the real broker and archive: its goodput and stale ratio equal the raw topics' own figures."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from kafka_util import make_trajectory
+from rlstream.consumers.query import open_archive, read_endpoint
+from rlstream.infra.topics import topic_name
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import default_codec
+from rlstream.schemas.records import DeadLetter, Failure, PolicyVersion, Reward, ScoredTrajectory, ToolResult
+from stage_proc import ROOT, start_stage, stop
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+HOUR_MS = 3_600_000
+
+
+def _produce(bootstrap: str, run: str, logical: str, items: list[tuple]) -> None:
+    """(key, record, headers, timestamp ms) tuples, with the record timestamps given."""
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+    codec = default_codec()
+    for key, record, headers, ts in items:
+        value = codec.encode(type(record).__name__, record.to_dict())
+        producer.produce(topic_name(run, logical), value=value, key=key, headers=headers, timestamp=ts)
+    producer.flush(30)
+
+
+def _raw(bootstrap: str, run: str, logical: str) -> list[tuple[int, dict]]:
+    """Every record of a topic as (timestamp ms, decoded value)."""
+    name = topic_name(run, logical)
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"raw-{time.time_ns()}",
+                         "isolation.level": "read_committed", "enable.auto.commit": False})
+    parts = consumer.list_topics(name, timeout=10).topics[name].partitions
+    ends = {p: consumer.get_watermark_offsets(TopicPartition(name, p), timeout=10)[1] for p in parts}
+    consumer.assign([TopicPartition(name, p, 0) for p in parts])
+    out, seen = [], {p: 0 for p in parts}
+    deadline = time.monotonic() + 30
+    while any(seen[p] < ends[p] for p in parts) and time.monotonic() < deadline:
+        for m in consumer.consume(500, 0.5):
+            if not m.error():
+                out.append((m.timestamp()[1], default_codec().decode(m.value())[1]))
+                seen[m.partition()] = m.offset() + 1
+    consumer.close()
+    return out
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp_path):
+    """Goodput (per hour and overall) and stale ratio from the report equal those computed here from the topics."""
+    now = hdr.now_ms()
+    base = now - now % HOUR_MS - 2 * HOUR_MS  # three clock hours of trajectories
+    trajectories, rewards = [], []
+    for i in range(60):
+        ts = base + (i % 3) * HOUR_MS + 1000 * i
+        traj = make_trajectory(i, response="cba" if i % 4 else "abc", version=i % 4)
+        traj.stage_times = {"prompt.created": ts - 900, "rollout.start": ts - 800 + i, "rollout.end": ts - 300,
+                            "env.end": ts - 10}
+        if i % 7 == 0:
+            traj.status, traj.failure = "failed", Failure("sandbox_timeout" if i % 2 else "env_error", "x", "env")
+        elif i % 11 == 0:
+            traj.status = "truncated"
+        if i % 5 == 0:
+            traj.turns[0].tool_result = ToolResult("", exit_code=1, failure_class="tool_timeout")
+        heads = hdr.build(i % 4, hdr.new_traceparent(), produced_at=ts)
+        trajectories.append((traj.group_id.encode(), traj, heads, ts))
+        for rv, total in (("v1", float(i % 4 != 0)), ("v2", 1.0 if i % 4 == 1 else 0.5)):
+            traj.stage_times["reward.end"] = ts + 40
+            rewards.append((traj.group_id.encode(), ScoredTrajectory(traj, Reward(total, rv, latency_ms=25.0)),
+                            hdr.build(i % 4, hdr.child_traceparent(heads[1][1]), rv, produced_at=ts + 40), ts + 40))
+    # What trainers publish: process-cumulative counts, and (newer ones) per-step counts; v3 follows a restart.
+    metrics = [{"warmup_steps": 300.0}, {"accepted": 40, "stale": 2}, {"accepted": 90, "stale": 10},
+               {"accepted": 15, "stale": 5}, {"accepted": 60, "stale": 5, "accepted_step": 45, "stale_step": 0},
+               {"accepted": 100, "stale": 20, "accepted_step": 40, "stale_step": 15}]
+    versions = []
+    for v, m in enumerate(metrics):
+        published = base + v * 20 * 60_000  # in the past: the broker refuses timestamps > 1 h ahead
+        versions.append((b"policy", PolicyVersion(policy="policy", version=v, weights_uri=f"file:///w/{v}",
+                                                  created_at=published, published_at=published, step=v,
+                                                  metrics={k: float(x) for k, x in m.items()}),
+                         hdr.build(v, hdr.new_traceparent()), published))
+    letter = DeadLetter(stage="reward", reason="handler_timeout", error="slow", topic=f"{run_name}.trajectories",
+                        partition=0, offset=3, failed_at=now, headers={})
+    _produce(bootstrap, run_name, "trajectories", trajectories)
+    _produce(bootstrap, run_name, "rewards", rewards)
+    _produce(bootstrap, run_name, "policy-versions", versions)
+    _produce(bootstrap, run_name, "dead-letters", [(b"k", letter, hdr.build(-1, hdr.new_traceparent()), now)])
+
+    # Independently, from the raw topics.
+    raw_traj = _raw(bootstrap, run_name, "trajectories")
+    raw_versions = sorted(_raw(bootstrap, run_name, "policy-versions"), key=lambda r: r[1]["version"])
+    valid_by_hour: dict[int, int] = {}
+    for ts, t in raw_traj:
+        if t["status"] == "ok":
+            valid_by_hour[ts - ts % HOUR_MS] = valid_by_hour.get(ts - ts % HOUR_MS, 0) + 1
+    accepted = stale = 0.0
+    accepted_by_hour: dict[int, float] = {}
+    prev = {"accepted": 0.0, "stale": 0.0}
+    for _, pv in raw_versions:
+        m = pv["metrics"]
+        step = {}
+        for k in ("accepted", "stale"):
+            total = m.get(k, 0.0)
+            step[k] = m[f"{k}_step"] if f"{k}_step" in m else (total - prev[k] if total >= prev[k] else total)
+            prev[k] = total
+        accepted, stale = accepted + step["accepted"], stale + step["stale"]
+        hour = pv["published_at"] - pv["published_at"] % HOUR_MS
+        accepted_by_hour[hour] = accepted_by_hour.get(hour, 0.0) + step["accepted"]
+    times = [ts for ts, _ in raw_traj]
+    span_s = (max(times) - min(times)) / 1000
+    valid = sum(valid_by_hour.values())
+    assert (len(raw_traj), valid) == (60, 60 - 9 - 5) and stale > 0
+
+    path = tmp_path / "archive"
+    url = f"chdb://{path}"
+    log = tmp_path / "archive.log"
+    archive = start_stage("archive", bootstrap, run_name, "--archive", url, "--archive-flush-s", "0.3", log_path=log)
+    try:
+        _wait_for(lambda: read_endpoint(str(path)) or archive.poll() is not None, 60, "the SQL endpoint")
+        assert archive.poll() is None, log.read_text()[-3000:]
+
+        def archived():
+            with open_archive(url) as db:
+                return db.query(f"SELECT (SELECT count() FROM rlstream.rewards WHERE run = '{run_name}'), "
+                                f"(SELECT count() FROM rlstream.policy_versions WHERE run = '{run_name}'), "
+                                f"(SELECT count() FROM rlstream.dead_letters WHERE run = '{run_name}')")[1][0] \
+                    == [120, len(metrics), 1]
+        _wait_for(archived, 60, "every record in the archive")
+        out_dir = tmp_path / "report"
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        done = subprocess.run([sys.executable, "-m", "rlstream.cli", "report", "--run", run_name, "--out",
+                               str(out_dir), "--archive", url, "--trajectory", "traj-7"],
+                              capture_output=True, text=True, env=env, timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "trajectory failed" in done.stdout and "reward v2" in done.stdout, done.stdout
+    finally:
+        assert stop(archive) == 0, log.read_text()[-3000:]
+
+    figures = json.loads((out_dir / "figures.json").read_text())
+
+    def rows(name):
+        return [dict(zip(figures[name]["columns"], r)) for r in figures[name]["rows"]]
+
+    good = rows("goodput")[0]
+    assert good["valid_trajectories"] == valid and good["accepted_samples"] == pytest.approx(accepted)
+    assert good["valid_per_hour"] == pytest.approx(valid * 3600 / span_s)
+    assert good["accepted_per_hour"] == pytest.approx(accepted * 3600 / span_s)
+    hourly = rows("goodput per hour")
+    got_valid = {r["hour"]: r["valid_trajectories"] for r in hourly if r["valid_trajectories"]}
+    got_accepted = {r["hour"]: r["accepted_samples"] for r in hourly if r["accepted_samples"]}
+    iso = lambda ms: time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms / 1000))  # noqa: E731
+    assert got_valid == {iso(h): n for h, n in valid_by_hour.items()}
+    assert got_accepted == {iso(h): round(n) for h, n in accepted_by_hour.items() if round(n)}
+    ratio = rows("stale ratio")[0]
+    assert ratio["stale_ratio"] == pytest.approx(stale / (stale + accepted))
+    assert (ratio["accepted_samples"], ratio["stale_samples"]) == (pytest.approx(accepted), pytest.approx(stale))
+
+    failures = {(r["source"], r["failure_class"]): r for r in rows("timeout and failure rates by class")}
+    assert failures[("trajectory", "sandbox_timeout")]["is_timeout"] and failures[("tool", "tool_timeout")]["failures"] == 12
+    assert failures[("dead_letter", "handler_timeout")]["rate"] == pytest.approx(1 / 60)
+    stages = {r["stage"]: r for r in rows("latency and queue delay per stage (ms)")}
+    assert stages["reward"]["latency_p50_ms"] == 25.0 and stages["env"]["latency_p50_ms"] == 290.0
+    assert figures["reward disagreement"]["rows"][0][:2] == [60, 45]  # v1 and v2 agree on 1.0 only
+
+    # The page renders: HTML that shows each plot, and real PNGs.
+    page = (out_dir / "report.html").read_text()
+    pngs = sorted(p.name for p in out_dir.glob("*.png"))
+    assert {"reward_by_version.png", "goodput.png", "staleness.png", "latency.png", "failures.png",
+            "disagreement.png"} <= set(pngs)
+    for name in pngs:
+        assert f"src='{name}'" in page
+        assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out_dir / name).stat().st_size > 5000
+    assert "traj-7 end to end" in page and "<table>" in page
