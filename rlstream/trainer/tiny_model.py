@@ -57,7 +57,11 @@ def build_model(
     seed: int = 0,
     max_positions: int = 64,
 ) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2 with tied embeddings (~0.5 M parameters at the defaults)."""
+    """A randomly initialised Qwen2 (~0.5 M parameters at the defaults), input and output embeddings untied.
+
+    Untied because vLLM-CPU's ``reload_weights`` refreshes the input embedding but not a
+    tied output head, so a hot-swapped tied model would sample from a half-old policy.
+    """
     heads = max(1, hidden // 32)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -68,7 +72,7 @@ def build_model(
         num_key_value_heads=max(1, heads // 2),
         head_dim=32,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -1,0 +1,101 @@
+"""Inference backends on a real tiny model: transformers, vLLM in process, and vLLM's OpenAI-compatible server."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from rlstream.schemas.records import SamplingParams
+from rlstream.streams.inference import OpenAIBackend, TransformersBackend, VLLMBackend
+from rlstream.trainer.tiny_model import build_model, build_tokenizer, save_pretrained
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    tok = build_tokenizer()
+    save_pretrained(build_model(tok, seed=0), tok, root / "v0")
+    save_pretrained(build_model(tok, seed=1), tok, root / "v1")
+    return tok, root / "v0", root / "v1"
+
+
+def reference_logprobs(folder, prompt, tokens):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    seq = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(seq).logits[0, :-1].float(), -1).gather(-1, seq[0, 1:, None])[:, 0]
+    return lp[len(prompt) - 1:].tolist()
+
+
+def test_transformers_backend_returns_sampled_tokens_and_their_logprobs(models):
+    tok, v0, v1 = models
+    backend = TransformersBackend(v0)
+    prompts = [tok("abc>")["input_ids"], tok("xy>")["input_ids"]]  # different lengths: left padding
+    gens = backend.generate(prompts, SamplingParams(temperature=1.0, max_tokens=4, seed=1))
+    for p, g in zip(prompts, gens):
+        assert 1 <= len(g.token_ids) <= 4 and len(g.logprobs) == len(g.token_ids)
+        assert g.logprobs == pytest.approx(reference_logprobs(v0, p, g.token_ids), abs=1e-4)
+    greedy0 = backend.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
+    backend.load_weights(v1, 1)
+    greedy1 = backend.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4))
+    assert [g.token_ids for g in greedy0] != [g.token_ids for g in greedy1], "new weights were not loaded"
+
+
+def test_vllm_in_process_logprobs_and_hot_swap(models):
+    tok, v0, v1 = models
+    backend = VLLMBackend(v0)
+    prompt = tok("abc>")["input_ids"]
+    gens = backend.generate([prompt] * 4, SamplingParams(temperature=1.0, max_tokens=4))
+    for g in gens:
+        assert g.logprobs == pytest.approx(reference_logprobs(v0, prompt, g.token_ids), abs=1e-3)
+    started = time.perf_counter()
+    backend.load_weights(v1, 1)
+    swap_s = time.perf_counter() - started
+    greedy = backend.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    assert greedy.logprobs == pytest.approx(reference_logprobs(v1, prompt, greedy.token_ids), abs=1e-3)
+    assert swap_s < 30  # a generous bound: the point is no engine restart, not speed
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_openai_compatible_server_backend(models):
+    tok, v0, _ = models
+    port = _free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(v0),
+                               "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "64",
+                               "--dtype", "float32", "--enforce-eager"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None, "vLLM server exited"
+                assert time.monotonic() < deadline, "vLLM server did not start"
+                time.sleep(2)
+        backend = OpenAIBackend(f"http://127.0.0.1:{port}", str(v0))
+        backend.load_weights(v0, 7)
+        prompts = [tok("abc>")["input_ids"], tok("xy>")["input_ids"]]
+        gens = backend.generate(prompts, SamplingParams(temperature=1.0, max_tokens=4))
+        for p, g in zip(prompts, gens):
+            assert len(g.token_ids) == len(g.logprobs) >= 1
+            assert g.logprobs == pytest.approx(reference_logprobs(v0, p, g.token_ids), abs=1e-3)
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait(30)
