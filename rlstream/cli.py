@@ -78,7 +78,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         stage = stage_cls(stage_settings) if settings_cls else stage_cls()
     except ValueError as exc:  # stages validate their settings on construction
         raise UsageError(str(exc)) from None
-    metrics.serve(runtime.metrics_port)
+    metrics.serve(runtime.metrics_port, runtime.metrics_addr)
     if hasattr(stage, "serve"):
         stage.serve(kafka, runtime)  # services with their own loop (trainer, archive, monitor)
     else:

@@ -41,6 +41,7 @@ class RuntimeSettings:
                              "(default: a random id, whose open transaction the broker aborts on timeout)")
     transaction_timeout_ms: int = knob(30000, "Broker-side timeout of an open transaction")
     metrics_port: int = knob(0, "Prometheus /metrics port (0 picks a free port)")
+    metrics_addr: str = knob("127.0.0.1", "Address /metrics listens on (0.0.0.0 in containers, for Prometheus)")
     max_record_bytes: int = knob(MAX_MESSAGE_BYTES, "Outputs larger than this are dead-lettered as oversized")
 
 
