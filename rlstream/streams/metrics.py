@@ -70,7 +70,7 @@ class LagProbe:
         now = time.monotonic()
         if now < self._next:
             return
-        self._next = now + self.every_s
+        self._next = now + 0.5  # nothing measurable yet (no assignment, no fetch): look again soon
         try:
             parts = parts() if callable(parts) else parts  # e.g. consumer.assignment, only called when due
             if not parts:
@@ -84,6 +84,8 @@ class LagProbe:
                     lag[topic] = lag.get(topic, 0) + max(0, high - tp.offset)
             for topic, n in lag.items():
                 CONSUMER_LAG.labels(self.stage, topic).set(n)
+            if lag:
+                self._next = now + self.every_s
         except Exception as exc:  # metrics must never stop a stage
             log.debug("lag probe failed: %s", exc)
 

@@ -101,6 +101,8 @@ def test_replay_adds_exactly_one_row_per_trajectory_and_keeps_the_old(bootstrap,
             parent = dict(heads)["traceparent"]
             assert hdr.trace_id(topic[traj.trajectory_id]["headers"]["traceparent"]) == hdr.trace_id(parent)
             assert topic[traj.trajectory_id]["key"] == key
+        # ... and the archive stores each record's traceparent as it travelled.
+        assert {r[0]: r[8] for r in rows} == {t: r["headers"]["traceparent"].decode() for t, r in topic.items()}
 
         # Run again: the group's committed offsets say it is all done.
         again = replay(new, kafka, runtime)

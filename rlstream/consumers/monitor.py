@@ -1,0 +1,302 @@
+"""``rlstream run monitor``: live per-version figures of a run, served as JSON over HTTP.
+
+A faust-streaming app keeps tables of reward mean and sample counts per (policy version,
+reward version), in total and in tumbling windows, and the trainer's accepted/stale
+counts per published version; its web server answers ``GET /versions/``. It only reads
+(committed records) and is never on the exactly-once path.
+
+Where faust-streaming is not installed, the same figures come from a small confluent-kafka
+consumer thread with the same HTTP answer (``--monitor-backend plain``). faust-streaming
+0.15.3 pins click<8.4, while huggingface-hub (transformers 5.19) needs click>=8.4.2, so pip
+cannot install both from pyproject.toml; faust itself runs fine with click 8.5
+(``pip install --no-deps faust-streaming==0.15.3`` plus its other requirements).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from ..config import KafkaSettings, knob
+from ..infra.topics import topic_name
+from ..schemas import headers as hdr
+from ..schemas.codec import default_codec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """The live monitor's knobs."""
+
+    monitor_port: int = knob(6066, "HTTP port of GET /versions/ (JSON per-version figures)")
+    monitor_window_s: float = knob(60.0, "Tumbling window of the windowed figures, in seconds")
+    monitor_expires_s: float = knob(3600.0, "How long a window is kept")
+    monitor_backend: str = knob("auto", "faust, plain (confluent-kafka thread), or auto (faust when installed)",
+                                choices=("auto", "faust", "plain"))
+    monitor_data: str = knob(".rlstream/monitor", "faust's data folder")
+
+
+# -- the figures (shared by both backends) -------------------------------------------------------------------
+
+def reward_key(headers: dict[str, bytes], value: dict) -> str:
+    """'<policy version>|<reward version>' of one ScoredTrajectory record."""
+    try:
+        version = hdr.policy_version(headers)
+    except hdr.HeaderError:
+        version = -1
+    return f"{version}|{value['reward']['reward_version']}"
+
+
+def policy_entry(value: dict) -> tuple[str, dict]:
+    """(version, what the monitor keeps of it) for one PolicyVersion record."""
+    return str(value["version"]), {"policy": value["policy"], "published_at": value["published_at"],
+                                   "metrics": dict(value["metrics"])}
+
+
+def figures(run: str, backend: str, window_s: float, totals: dict[str, list], window: dict[str, list],
+            policies: dict[str, dict]) -> dict[str, Any]:
+    """The JSON document both backends serve (per-step staleness as the archive's staleness_by_version)."""
+    rewards = []
+    for key, (n, total) in sorted(totals.items(), key=lambda kv: (int(kv[0].split("|")[0]), kv[0])):
+        version, reward_version = key.split("|", 1)
+        wn, wsum = window.get(key, (0, 0.0))
+        rewards.append({"policy_version": int(version), "reward_version": reward_version, "samples": int(n),
+                        "reward_mean": total / n if n else None, "window_samples": int(wn),
+                        "window_reward_mean": wsum / wn if wn else None})
+    versions, prev = [], {}
+    for version, entry in sorted(policies.items(), key=lambda kv: int(kv[0])):
+        m, row = entry["metrics"], {"version": int(version), "policy": entry["policy"],
+                                    "published_at": entry["published_at"]}
+        for k in ("accepted", "stale", "evicted"):
+            cumulative, before = m.get(k, 0.0), prev.get((entry["policy"], k), 0.0)
+            # A drop in a cumulative count means the trainer restarted; *_step counts are exact.
+            row[k] = m.get(f"{k}_step", cumulative - before if cumulative >= before else cumulative)
+            prev[(entry["policy"], k)] = cumulative
+        seen = row["accepted"] + row["stale"]
+        row["stale_ratio"] = row["stale"] / seen if seen else None
+        versions.append(row)
+    n = sum(r["samples"] for r in rewards)
+    accepted, stale = sum(v["accepted"] for v in versions), sum(v["stale"] for v in versions)
+    now = time.time()
+    return {"run": run, "backend": backend, "window_s": window_s, "window_start": now - now % window_s,
+            "rewards": rewards, "policies": versions,
+            "totals": {"samples": n, "reward_mean": sum(t for _, t in totals.values()) / n if n else None,
+                       "accepted": accepted, "stale": stale,
+                       "stale_ratio": stale / (accepted + stale) if accepted + stale else None,
+                       "policy_version": versions[-1]["version"] if versions else None}}
+
+
+# -- faust -------------------------------------------------------------------------------------------------------
+
+def _read_committed() -> None:
+    """faust 0.15.3 reads read_uncommitted unless its exactly-once mode is on; the monitor wants committed only."""
+    from faust.transport.drivers import aiokafka as driver
+    create = driver.AIOKafkaConsumerThread._create_worker_consumer
+    if getattr(create, "_rlstream", False):
+        return
+
+    def committed_only(self, transport):
+        consumer = create(self, transport)
+        consumer._isolation_level = "read_committed"  # read when the consumer starts, which is after this
+        return consumer
+
+    committed_only._rlstream = True
+    driver.AIOKafkaConsumerThread._create_worker_consumer = committed_only
+
+
+def faust_app(settings: MonitorSettings, kafka: KafkaSettings):
+    """The faust app: agents over rewards and policy-versions, tables, and the /versions/ page."""
+    import faust
+    _read_committed()
+    run = kafka.run
+    datadir = os.path.join(settings.monitor_data, run)
+    os.makedirs(datadir, exist_ok=True)
+    broker = ";".join(f"kafka://{h.strip()}" for h in kafka.bootstrap.split(",") if h.strip())
+    app = faust.App(f"{run}.monitor", broker=broker, store="memory://", autodiscover=False,
+                    datadir=datadir, web_port=settings.monitor_port,
+                    web_bind="127.0.0.1", web_host="127.0.0.1", topic_partitions=8,
+                    consumer_auto_offset_reset="earliest", web_enabled=True)
+    tables = dict(use_partitioner=True)  # one changelog partition per key: restores right on one worker
+    totals = app.Table("reward_totals", default=lambda: [0, 0.0], **tables)
+    win_n = app.Table("reward_window_n", default=int, **tables).tumbling(
+        settings.monitor_window_s, expires=settings.monitor_expires_s, key_index=True)
+    win_sum = app.Table("reward_window_sum", default=float, **tables).tumbling(
+        settings.monitor_window_s, expires=settings.monitor_expires_s, key_index=True)
+    policies = app.Table("policies", default=dict, **tables)
+    codec = default_codec()
+    rewards_topic = app.topic(topic_name(run, "rewards"), key_serializer="raw", value_serializer="raw")
+    policy_topic = app.topic(topic_name(run, "policy-versions"), key_serializer="raw", value_serializer="raw")
+
+    @app.agent(rewards_topic)
+    async def on_reward(stream):
+        async for event in stream.events():
+            try:
+                _, value = codec.decode(event.value, expect="ScoredTrajectory")
+            except Exception as exc:  # the stages dead-letter bad records; the monitor only skips them
+                log.warning("monitor: undecodable reward record: %s", exc)
+                continue
+            key, total = reward_key(dict(event.headers or {}), value), value["reward"]["total"]
+            n, s = totals[key]
+            totals[key] = [n + 1, s + total]
+            win_n[key] += 1
+            win_sum[key] += total
+
+    @app.agent(policy_topic)
+    async def on_policy(stream):
+        async for event in stream.events():
+            try:
+                _, value = codec.decode(event.value, expect="PolicyVersion")
+            except Exception as exc:
+                log.warning("monitor: undecodable policy record: %s", exc)
+                continue
+            version, entry = policy_entry(value)
+            policies[version] = entry
+
+    def snapshot() -> dict:
+        window = {}
+        for key, n in win_n.items().now():
+            window[key] = [n, win_sum[key].now()]
+        return figures(run, "faust", settings.monitor_window_s, dict(totals.items()), window, dict(policies.items()))
+
+    @app.page("/versions/")
+    async def versions(web, request):
+        return web.json(snapshot())
+
+    app.rlstream_snapshot = snapshot
+    return app
+
+
+def faust_available() -> bool:
+    try:
+        import faust  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+# -- plain fallback ----------------------------------------------------------------------------------------------
+
+class PlainMonitor:
+    """The same figures from a confluent-kafka consumer thread (reads both topics from the start, no state kept)."""
+
+    def __init__(self, settings: MonitorSettings, kafka: KafkaSettings):
+        self.settings, self.kafka = settings, kafka
+        self.lock = threading.Lock()
+        self.totals: dict[str, list] = {}
+        self.windows: dict[tuple[str, int], list] = {}  # (key, window index) -> [n, sum]
+        self.policies: dict[str, dict] = {}
+        self.stopping = threading.Event()
+
+    def _fold(self, m, codec) -> None:
+        name, value = codec.decode(m.value())
+        with self.lock:
+            if name == "PolicyVersion":
+                version, entry = policy_entry(value)
+                self.policies[version] = entry
+                return
+            key, total = reward_key(hdr.as_dict(m.headers()), value), value["reward"]["total"]
+            t = self.totals.setdefault(key, [0, 0.0])
+            t[0], t[1] = t[0] + 1, t[1] + total
+            w = self.windows.setdefault((key, int(m.timestamp()[1] / 1000 // self.settings.monitor_window_s)),
+                                        [0, 0.0])
+            w[0], w[1] = w[0] + 1, w[1] + total
+
+    def consume(self) -> None:
+        from confluent_kafka import Consumer, TopicPartition
+        codec = default_codec()
+        consumer = Consumer({**self.kafka.client_config(), "group.id": f"{self.kafka.run}.monitor-plain",
+                             "isolation.level": "read_committed", "enable.auto.commit": False})
+        names = [topic_name(self.kafka.run, t) for t in ("rewards", "policy-versions")]
+        parts = [TopicPartition(n, p, 0) for n in names
+                 for p in consumer.list_topics(n, timeout=30).topics[n].partitions]
+        consumer.assign(parts)
+        try:
+            while not self.stopping.is_set():
+                for m in consumer.consume(500, 0.5):
+                    if m.error() is None and m.value() is not None:
+                        try:
+                            self._fold(m, codec)
+                        except Exception as exc:  # never stop the monitor on one record
+                            log.warning("monitor: skipped a record: %s", exc)
+                self._expire()
+        finally:
+            consumer.close()
+
+    def _expire(self) -> None:
+        oldest = int((time.time() - self.settings.monitor_expires_s) // self.settings.monitor_window_s)
+        with self.lock:
+            for k in [k for k in self.windows if k[1] < oldest]:
+                del self.windows[k]
+
+    def snapshot(self) -> dict:
+        now = int(time.time() // self.settings.monitor_window_s)
+        with self.lock:
+            window = {key: list(v) for (key, w), v in self.windows.items() if w == now}
+            return figures(self.kafka.run, "plain", self.settings.monitor_window_s,
+                           {k: list(v) for k, v in self.totals.items()}, window, dict(self.policies))
+
+    def serve_http(self) -> ThreadingHTTPServer:
+        monitor = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                if self.path.rstrip("/") != "/versions":
+                    self.send_error(404, "try /versions/")
+                    return
+                body = json.dumps(monitor.snapshot(), default=_nan_free).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, fmt, *args):
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", self.settings.monitor_port), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="monitor-http", daemon=True).start()
+        return server
+
+
+def _nan_free(x):
+    return None if isinstance(x, float) and not math.isfinite(x) else str(x)
+
+
+class Monitor:
+    """``rlstream run monitor``: faust when installed (or asked for), else the plain consumer."""
+
+    def __init__(self, settings: MonitorSettings = MonitorSettings()):
+        self.settings = settings
+        backend = settings.monitor_backend
+        if backend == "faust" and not faust_available():
+            raise ValueError("--monitor-backend faust: faust-streaming is not installed")
+        self.backend = "faust" if backend == "faust" or (backend == "auto" and faust_available()) else "plain"
+
+    def serve(self, kafka: KafkaSettings, runtime=None) -> None:
+        """Run until SIGTERM/SIGINT."""
+        log.info("monitor (%s) for run %s on http://127.0.0.1:%d/versions/", self.backend, kafka.run,
+                 self.settings.monitor_port)
+        if self.backend == "faust":
+            import faust
+            app = faust_app(self.settings, kafka)
+            # The worker owns the event loop and the signals; its logging setup stays out of ours.
+            faust.Worker(app, loglevel="WARNING", quiet=True, override_logging=False,
+                         redirect_stdouts=False).execute_from_commandline()
+            return
+        plain = PlainMonitor(self.settings, kafka)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: plain.stopping.set())
+        server = plain.serve_http()
+        try:
+            plain.consume()
+        finally:
+            server.shutdown()
