@@ -183,3 +183,15 @@ def test_monitor_serves_per_version_figures_of_committed_records(backend, bootst
     assert windowed == [5, 5] if d["window_start"] <= produced else all(0 <= n <= 5 for n in windowed)
     assert [(p["version"], p["accepted"], p["stale"]) for p in d["policies"]] == [(0, 0, 0), (1, 10, 1), (2, 10, 1)]
     assert d["totals"]["stale_ratio"] == pytest.approx(2 / 22) and d["totals"]["samples"] == 10
+
+
+def test_grafana_dashboard_uses_only_declared_series():
+    """Every series the provisioned dashboard queries is one the processes declare."""
+    from prometheus_client import REGISTRY
+
+    import rlstream.consumers.archive  # noqa: F401 (declares the archive's series)
+    dashboard = json.loads((ROOT / "infra" / "grafana" / "dashboards" / "rlstream.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {re.sub(r"_(bucket|count|sum)$", "", n) for e in exprs for n in re.findall(r"rlstream_\w+", e)}
+    declared = {m.name + ("_total" if m.type == "counter" else "") for m in REGISTRY.collect()}
+    assert used and used <= declared, used - declared
