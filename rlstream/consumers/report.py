@@ -142,8 +142,8 @@ def _plot(name: str, figure: dict, path: Path, versions: list[str] | None) -> bo
 
 def _disagreement_plot(archive, run: str, versions: list[str], path: Path) -> bool:
     a, b = map(quote, versions)
-    _, rows = archive.query(f"SELECT reward_a, reward_b FROM {DATABASE}.reward_disagreement(a={a}, b={b}) "
-                            f"WHERE run = {quote(run)} LIMIT 20000")
+    _, rows = archive.query(f"SELECT reward_a, reward_b FROM {DATABASE}.reward_disagreement(run={quote(run)}, a={a}, "
+                            f"b={b}) LIMIT 20000")
     if not rows:
         return False
     import matplotlib
