@@ -37,6 +37,7 @@ class MonitorSettings:
     """The live monitor's knobs."""
 
     monitor_port: int = knob(6066, "HTTP port of GET /versions/ (JSON per-version figures)")
+    monitor_host: str = knob("127.0.0.1", "Address the HTTP server listens on (0.0.0.0 in a container)")
     monitor_window_s: float = knob(60.0, "Tumbling window of the windowed figures, in seconds")
     monitor_expires_s: float = knob(3600.0, "How long a window is kept")
     monitor_backend: str = knob("auto", "faust, plain (confluent-kafka thread), or auto (faust when installed)",
@@ -122,7 +123,7 @@ def faust_app(settings: MonitorSettings, kafka: KafkaSettings):
     broker = ";".join(f"kafka://{h.strip()}" for h in kafka.bootstrap.split(",") if h.strip())
     app = faust.App(f"{run}.monitor", broker=broker, store="memory://", autodiscover=False,
                     datadir=datadir, web_port=settings.monitor_port,
-                    web_bind="127.0.0.1", web_host="127.0.0.1", topic_partitions=8,
+                    web_bind=settings.monitor_host, web_host=settings.monitor_host, topic_partitions=8,
                     consumer_auto_offset_reset="earliest", web_enabled=True)
     tables = dict(use_partitioner=True)  # one changelog partition per key: restores right on one worker
     totals = app.Table("reward_totals", default=lambda: [0, 0.0], **tables)
@@ -261,7 +262,7 @@ class PlainMonitor:
             def log_message(self, fmt, *args):
                 pass
 
-        server = ThreadingHTTPServer(("127.0.0.1", self.settings.monitor_port), Handler)
+        server = ThreadingHTTPServer((self.settings.monitor_host, self.settings.monitor_port), Handler)
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, name="monitor-http", daemon=True).start()
         return server
@@ -283,8 +284,8 @@ class Monitor:
 
     def serve(self, kafka: KafkaSettings, runtime=None) -> None:
         """Run until SIGTERM/SIGINT."""
-        log.info("monitor (%s) for run %s on http://127.0.0.1:%d/versions/", self.backend, kafka.run,
-                 self.settings.monitor_port)
+        log.info("monitor (%s) for run %s on http://%s:%d/versions/", self.backend, kafka.run,
+                 self.settings.monitor_host, self.settings.monitor_port)
         if self.backend == "faust":
             import faust
             app = faust_app(self.settings, kafka)

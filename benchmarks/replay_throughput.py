@@ -1,0 +1,117 @@
+"""Replay throughput: trajectories/s re-scored under a new reward version, against the live reward stage.
+
+Produces N trajectories to a fresh run, scores them once with the reward stage (the
+baseline: the same runtime under the stage's own group), then replays them from the
+topic under a new version, and (with --archive) from the archive after 'retention',
+through a running archive process as a user would.
+
+    python benchmarks/replay_throughput.py --count 20000 [--archive]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+from confluent_kafka import Producer
+
+from rlstream.config import KafkaSettings
+from rlstream.consumers.query import open_archive, read_endpoint
+from rlstream.infra.topics import create_topics, topic_name
+from rlstream.producers.replay import ReplaySettings, replay
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import default_codec
+from rlstream.schemas.records import SamplingParams, Task, Trajectory, Turn
+from rlstream.streams.reward import RewardSettings, RewardStage
+from rlstream.streams.runtime import RuntimeSettings, StageRunner
+
+
+def trajectory(i: int, tokens: int) -> Trajectory:
+    task = Task(task_id=f"task-{i // 8}", group_id=f"task-{i // 8}", task_name="reverse", env_name="single",
+                env_version="1", prompt="abc>", sampling=SamplingParams(), created_at=hdr.now_ms(), answer="cba",
+                group_size=8)
+    response = "cba" if i % 3 else "abc"
+    return Trajectory(trajectory_id=f"traj-{i}", group_id=task.group_id, sample_index=i % 8, task=task,
+                      response=response, min_policy_version=i // 1000, max_policy_version=i // 1000,
+                      token_ids=list(range(tokens)), loss_mask=[1] * tokens, behaviour_logprobs=[-0.5] * tokens,
+                      turns=[Turn("action", response, 0, tokens, policy_version=i // 1000)],
+                      stage_times={"prompt.created": hdr.now_ms(), "env.end": hdr.now_ms()})
+
+
+class _Timed(RewardStage):
+    """The reward stage, noting when it scored its last record."""
+
+    last = 0.0
+
+    async def handle(self, item):
+        out = await super().handle(item)
+        _Timed.last = time.monotonic()
+        return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=20000)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--bootstrap", default=os.environ.get("RLSTREAM_BOOTSTRAP", "127.0.0.1:9092"))
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--archive", action="store_true", help="also replay from the archive (starts one)")
+    args = parser.parse_args()
+    run = "replaybench-" + uuid.uuid4().hex[:8]
+    create_topics({"bootstrap.servers": args.bootstrap}, run)
+    kafka = KafkaSettings(bootstrap=args.bootstrap, run=run)
+    runtime = RuntimeSettings(batch_size=args.batch_size, poll_timeout_s=0.1)
+
+    producer = Producer({"bootstrap.servers": args.bootstrap, "linger.ms": 20, "compression.type": "lz4"})
+    codec = default_codec()
+    for i in range(args.count):
+        t = trajectory(i, args.tokens)
+        producer.produce(topic_name(run, "trajectories"), key=t.group_id,
+                         value=codec.encode("Trajectory", t.to_dict()),
+                         headers=hdr.build(t.min_policy_version, hdr.new_traceparent()))
+        if i % 10000 == 0:
+            producer.poll(0)
+    producer.flush(60)
+    print(f"run {run}: {args.count:,} trajectories of {args.tokens} tokens")
+
+    started = time.monotonic()
+    StageRunner(_Timed(RewardSettings(reward_version="v1")), kafka, runtime).run(idle_exit_s=3.0)
+    live = args.count / (_Timed.last - started)
+    print(f"live reward stage (baseline):   {live:8.0f} trajectories/s")
+
+    result = replay(ReplaySettings(reward_version="v2", progress=sys.stderr.isatty()), kafka, runtime)
+    assert result.scored == args.count, result
+    print(f"replay from the topic:          {result.rate:8.0f} trajectories/s  ({result.rate / live:.2f}x baseline, "
+          f"{result.seconds:.1f} s incl. group join)")
+
+    if args.archive:
+        path = tempfile.mkdtemp(prefix="rlstream-replaybench-")
+        env = dict(os.environ, RLSTREAM_BOOTSTRAP=args.bootstrap, RLSTREAM_RUN=run)
+        proc = subprocess.Popen([sys.executable, "-m", "rlstream.cli", "run", "archive", "--archive", f"chdb://{path}"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            while True:
+                if read_endpoint(path):
+                    with open_archive(f"chdb://{path}") as db:
+                        if db.query("SELECT count() FROM rlstream.trajectories")[1][0][0] >= args.count:
+                            break
+                time.sleep(0.5)
+            result = replay(ReplaySettings(reward_version="v3", source="archive", archive=f"chdb://{path}",
+                                           progress=sys.stderr.isatty()), kafka, runtime)
+            assert result.scored == args.count, result
+            print(f"replay from the archive:        {result.rate:8.0f} trajectories/s  ({result.rate / live:.2f}x "
+                  f"baseline)")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
