@@ -150,8 +150,8 @@ def main() -> None:
             ok = min(times) < GOAL_S
             slow += not ok
             print(f"{name:<42} {min(times):7.3f} {statistics.median(times):9.3f} {n:6d}  {'yes' if ok else 'NO'}")
-        counts = sink.client.query(f"SELECT (SELECT count() FROM rlstream.trajectories), "
-                                   f"(SELECT count() FROM rlstream.rewards)").result_rows[0]
+        counts = sink.client.query("SELECT (SELECT count() FROM rlstream.trajectories), "
+                                   "(SELECT count() FROM rlstream.rewards)").result_rows[0]
         print(f"\narchive: {counts[0]:,} trajectories, {counts[1]:,} reward rows; "
               f"{len(queries) - slow}/{len(queries)} queries within {GOAL_S:.0f} s")
     finally:

@@ -2,11 +2,8 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
