@@ -430,6 +430,9 @@ class ArchiveSink:
                         if name not in have:
                             self.client.command(f"ALTER TABLE {DATABASE}.{table} "
                                                 f"ADD COLUMN IF NOT EXISTS `{name}` {kind}")
+                # The analytics views exist from the start, so plain SQL works on a live run.
+                from .views import install_views
+                install_views(self.client)
         except Exception as exc:
             raise ArchiveError(f"cannot create the archive tables: {exc}") from None
         log.info("archive at %s (%s)", self.location, self.kind)
