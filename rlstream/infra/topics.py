@@ -73,4 +73,27 @@ def create_topics(admin_config: dict, run: str, replication: int = 1, partitions
         except Exception as exc:  # a concurrent creator is fine
             if "TOPIC_ALREADY_EXISTS" not in str(exc):
                 raise
-    return [t.topic for t in new]
+    names = [t.topic for t in new]
+    _wait_for_leaders(admin, names, timeout)
+    return names
+
+
+def _wait_for_leaders(admin: AdminClient, names: list[str], timeout: float) -> None:
+    """Block until every partition of the new topics has a leader.
+
+    Creation returns before leaders are elected; a client that asks for watermarks or
+    produces in between gets NOT_LEADER_FOR_PARTITION (seen on a loaded 2-core machine).
+    """
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        topics = admin.list_topics(timeout=timeout).topics
+        ready = all(
+            name in topics and topics[name].error is None and topics[name].partitions
+            and all(p.leader >= 0 and p.error is None for p in topics[name].partitions.values())
+            for name in names)
+        if ready:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"topics {names} have partitions without a leader after {timeout}s")
+        time.sleep(0.2)
