@@ -103,10 +103,12 @@ class KafkaSettings:
     def client_config(self) -> dict[str, str]:
         """librdkafka settings common to every client of this process."""
         conf = {"bootstrap.servers": self.bootstrap}
-        for item in filter(None, (p.strip() for p in self.kafka_config.split(","))):
+        for n, item in enumerate(filter(None, (p.strip() for p in self.kafka_config.split(","))), 1):
             key, sep, value = item.partition("=")
             if not sep:
-                raise ValueError(f"--kafka-config expects k=v pairs, got {item!r}")
+                # Never echo the item: it may be a password, or the tail of one that holds a comma.
+                raise ValueError(f"--kafka-config expects k=v pairs; item {n} has no '=' (a secret with a comma "
+                                 "belongs in RLSTREAM_KAFKA_SASL_PASSWORD)")
             conf[key.strip()] = value.strip()
         # Secrets also arrive as their own variables so they stay out of process listings.
         for env, key in (("RLSTREAM_KAFKA_SASL_USERNAME", "sasl.username"),

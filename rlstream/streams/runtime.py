@@ -11,11 +11,12 @@ import asyncio
 import logging
 import math
 import signal
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
@@ -129,6 +130,10 @@ class StageContext:
         return self._runner.kafka
 
 
+class Wedged(Exception):
+    """A librdkafka call that did not return long after its own timeout."""
+
+
 class _Rejected(Exception):
     """A record that goes to dead-letters with a reason."""
 
@@ -154,6 +159,8 @@ class StageRunner:
             **base,
             "group.id": self.group_id,
             "client.id": f"{self.group_id}.{instance}",
+            # No static membership (group.instance.id), although a restart would then skip waiting out its dead
+            # predecessor's session: after a broker outage longer than the session it fences itself, fatally.
             # Downstream of a transactional stage, only committed records exist.
             "isolation.level": "read_committed",
             # Offsets move only inside our transactions, never on their own.
@@ -166,14 +173,16 @@ class StageRunner:
             "heartbeat.interval.ms": 2000,
             "max.poll.interval.ms": 600000,
         })
-        self.producer = Producer({
+        self._producer_config = {
             **base,
             "transactional.id": f"{self.group_id}.{instance}",
             "transaction.timeout.ms": settings.transaction_timeout_ms,
             "message.max.bytes": MAX_MESSAGE_BYTES + 65536,
             "linger.ms": 5,
             "compression.type": "lz4",
-        })
+        }
+        self.producer = Producer(self._producer_config)
+        self._wedged: list[Producer] = []  # producers stuck in a call, kept so that no destructor waits on them
         self._pool = ThreadPoolExecutor(max_workers=max(1, settings.concurrency),
                                         thread_name_prefix=f"{stage.name}-handler")
         self._loop = asyncio.new_event_loop()
@@ -191,7 +200,7 @@ class StageRunner:
         """Run until SIGTERM/SIGINT (or the limits, for tests and benchmarks)."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
-        self.producer.init_transactions(30)
+        init_transactions(self.producer, self.stage.name, stopping=lambda: self._stopping)
         topics = [topic_name(self.kafka.run, t) for t in self.stage.inputs]
         self.consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke)
         log.info("%s consuming %s as group %s", self.stage.name, topics, self.group_id)
@@ -253,7 +262,9 @@ class StageRunner:
             return True
         if err.code() != KafkaError._PARTITION_EOF:
             log.warning("%s consume error: %s", self.stage.name, err)
-            if err.fatal():
+            # A fatal consumer error arrives as code _FATAL without the fatal flag; the consumer never
+            # recovers from it, so exit for the supervisor to restart us rather than idle forever.
+            if err.fatal() or err.code() == KafkaError._FATAL:
                 raise KafkaException(err)
         return False
 
@@ -266,11 +277,14 @@ class StageRunner:
             self._handle_and_produce(msgs)
             # Do not advance committed offsets outside of the transaction: the
             # outputs and the input positions become visible together or not at all.
-            self.producer.send_offsets_to_transaction(
-                _next_offsets(msgs), self.consumer.consumer_group_metadata(), 30)
-            self.producer.commit_transaction(60)
+            bounded(self.producer.send_offsets_to_transaction, _next_offsets(msgs),
+                          self.consumer.consumer_group_metadata(), 30)
+            bounded(self.producer.commit_transaction, 60)
         except KafkaException as exc:
             self._recover(exc, msgs)
+            return
+        except Wedged as exc:
+            self._replace_producer(exc, msgs)
             return
         except BaseException:
             # Anything else (including a crash in the stage) aborts: the batch is redone.
@@ -278,6 +292,16 @@ class StageRunner:
             raise
         metrics.TRANSACTIONS.labels(self.stage.name, "committed").inc()
         metrics.BATCH_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
+
+    def _replace_producer(self, exc: Wedged, msgs: list[Message]) -> None:
+        """Fence the stuck producer with a new one of the same transactional id, then redo the batch."""
+        log.error("%s: %s; replacing the producer (its open transaction is aborted by the fencing)",
+                  self.stage.name, exc)
+        metrics.TRANSACTIONS.labels(self.stage.name, "aborted").inc()
+        self._wedged.append(self.producer)
+        self.producer = Producer(self._producer_config)
+        init_transactions(self.producer, self.stage.name, stopping=lambda: self._stopping)
+        self._rewind(msgs)
 
     def _recover(self, exc: KafkaException, msgs: list[Message]) -> None:
         err = exc.args[0]
@@ -291,12 +315,25 @@ class StageRunner:
 
     def _abort_and_rewind(self, msgs: list[Message]) -> None:
         metrics.TRANSACTIONS.labels(self.stage.name, "aborted").inc()
-        try:
-            self.producer.abort_transaction(30)
-        except KafkaException as exc:
-            log.error("%s abort failed: %s", self.stage.name, exc)
-            raise
-        # The aborted outputs are gone, so the inputs must be read again.
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                bounded(self.producer.abort_transaction, 30)
+                break
+            except Wedged as exc:
+                self._replace_producer(exc, msgs)  # the new producer's fencing aborts the transaction
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                # An abort times out while the broker is down or restarting: wait for it rather than exit.
+                if err.fatal() or not err.retriable() or self._stopping or time.monotonic() > deadline:
+                    log.error("%s abort failed: %s", self.stage.name, exc)
+                    raise
+                log.warning("%s abort not done yet (%s); retrying", self.stage.name, err.str())
+        self._rewind(msgs)
+
+    def _rewind(self, msgs: list[Message]) -> None:
+        """The aborted outputs are gone, so the inputs must be read again."""
         first: dict[tuple[str, int], int] = {}
         for m in msgs:
             first.setdefault((m.topic(), m.partition()), m.offset())
@@ -340,6 +377,13 @@ class StageRunner:
             if self.stage.require_policy_version or hdr.POLICY_VERSION in headers:
                 raise _Rejected("bad_header", str(exc)) from None
             version = -1
+        reward_version = headers.get(hdr.REWARD_VERSION)
+        if reward_version is not None:
+            try:
+                reward_version.decode("utf-8")
+            except UnicodeDecodeError:
+                # Checked here: outputs copy it, and a decode error there would crash the stage on every retry.
+                raise _Rejected("bad_header", f"reward_version header is not UTF-8: {reward_version[:32]!r}") from None
         produced = headers.get(hdr.PRODUCED_AT)
         if produced is not None and produced.isdigit():
             metrics.QUEUE_DELAY.labels(self.stage.name).observe(max(0, now - int(produced)) / 1000)
@@ -351,13 +395,19 @@ class StageRunner:
         return Incoming(logical, m.partition(), m.offset(), m.key(), headers, version, record)
 
     def _encode(self, item: Incoming, out: Output) -> tuple[str, Any, bytes, list]:
-        value = self.codec.encode(TOPICS[out.topic].record, out.record.to_dict())
-        if len(value) > self.settings.max_record_bytes:
-            raise _Rejected("oversized", f"{out.topic} record of {len(value)} bytes exceeds "
-                                         f"{self.settings.max_record_bytes}")
+        try:
+            value = self.codec.encode(TOPICS[out.topic].record, out.record.to_dict())
+        except Exception as exc:  # e.g. a str with lone surrogates, or a wrong type, from the handler
+            # Raised past here it would abort the batch, crash the stage and do the same again on restart.
+            raise _Rejected("handler_error", f"{out.topic} output does not fit its schema: "
+                                             f"{type(exc).__name__}: {exc}") from None
         reward_version = out.reward_version if out.reward_version is not None else item.reward_version
         headers = hdr.build(out.policy_version if out.policy_version is not None else item.policy_version,
                             hdr.child_traceparent(item.traceparent), reward_version)
+        size = wire_bytes(value, out.key, headers)
+        if size > self.settings.max_record_bytes:
+            raise _Rejected("oversized", f"{out.topic} record of {len(value)} bytes ({size} on the wire at worst) "
+                                         f"exceeds {self.settings.max_record_bytes}")
         return topic_name(self.kafka.run, out.topic), out.key, value, headers
 
     def _produce(self, topic: str, key: Any, value: bytes, headers: list) -> None:
@@ -369,7 +419,7 @@ class StageRunner:
                 self.producer.poll(0.05)  # local queue full: let deliveries drain
 
     def _dead_letter(self, m: Message, reason: str, error: str) -> None:
-        value, headers = dead_letter(self.stage.name, m, reason, error)
+        value, headers = dead_letter(self.stage.name, m, reason, error, self.settings.max_record_bytes)
         self._produce(topic_name(self.kafka.run, "dead-letters"), m.key(), value, headers)
         metrics.DEAD_LETTERS.labels(self.stage.name, reason).inc()
         log.warning("%s dead-lettered %s[%d]@%d: %s: %s", self.stage.name, m.topic(), m.partition(), m.offset(),
@@ -442,9 +492,58 @@ def _first(result):
     return result if isinstance(result, _Rejected) else result[0]
 
 
-def dead_letter(stage: str, m: Message, reason: str, error: str) -> tuple[bytes, list]:
+def bounded(call, *args):
+    """A transactional producer call whose last argument is its timeout, given a minute more to return.
+
+    librdkafka can block in send_offsets_to_transaction() past its timeout once the group coordinator went
+    away (a broker restart; librdkafka issues 5456 and 5511). Raises Wedged then: only a new producer of the
+    same transactional id (which fences this one) gets the process going again.
+    """
+    done, result = threading.Event(), {}
+
+    def run():
+        try:
+            result["value"] = call(*args)
+        except BaseException as exc:  # handed to the caller's thread
+            result["error"] = exc
+        finally:
+            done.set()
+    threading.Thread(target=run, name="txn-call", daemon=True).start()
+    if not done.wait(args[-1] + 60):
+        raise Wedged(f"{getattr(call, '__name__', 'call')} did not return within {args[-1] + 60}s")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+#: What a broker still starting (or moving its transaction coordinator) answers; worth waiting out.
+_COORDINATOR_BUSY = (KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE,
+                     KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError._TIMED_OUT, KafkaError._TRANSPORT)
+
+
+def init_transactions(producer: Producer, who: str, timeout_s: float = 300.0,
+                      stopping: Callable[[], bool] = lambda: False) -> None:
+    """Register the transactional id (fencing any zombie), waiting while the broker is not ready yet."""
+    deadline = time.monotonic() + timeout_s
+    while not stopping():
+        try:
+            producer.init_transactions(30)
+            return
+        except KafkaException as exc:
+            err = exc.args[0]
+            # A stage started with (or during a restart of) the broker must wait for it, not exit.
+            if err.fatal() or not (err.retriable() or err.code() in _COORDINATOR_BUSY) \
+                    or time.monotonic() > deadline:
+                raise
+            log.warning("%s: broker not ready for transactions (%s); retrying", who, err.str())
+            time.sleep(1.0)
+
+
+def dead_letter(stage: str, m: Message, reason: str, error: str,
+                max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[bytes, list]:
     """The encoded DeadLetter value and headers for an input record a stage could not use."""
-    headers = hdr.as_dict(m.headers())
+    # Kafka allows null header values; the letter's map cannot hold them (and must never fail to encode).
+    headers = {k: v if v is not None else b"" for k, v in hdr.as_dict(m.headers()).items()}
     letter = DeadLetter(stage=stage, reason=reason, error=error[:4000], topic=m.topic(), partition=m.partition(),
                         offset=m.offset(), failed_at=hdr.now_ms(), key=m.key(), value=m.value(), headers=headers,
                         trace_id=hdr.trace_id(headers.get(hdr.TRACEPARENT)))
@@ -452,8 +551,26 @@ def dead_letter(stage: str, m: Message, reason: str, error: str) -> tuple[bytes,
         version = hdr.policy_version(headers)
     except hdr.HeaderError:
         version = -1
-    return (default_codec().encode("DeadLetter", letter.to_dict()),
-            hdr.build(version, hdr.child_traceparent(headers.get(hdr.TRACEPARENT))))
+    out_headers = hdr.build(version, hdr.child_traceparent(headers.get(hdr.TRACEPARENT)))
+    value = default_codec().encode("DeadLetter", letter.to_dict())
+    if wire_bytes(value, m.key(), out_headers) > max_bytes:
+        # A record near the size limit no longer fits once wrapped: the broker would refuse the letter and the
+        # batch would be redone forever. Keep where the original is instead of its bytes.
+        letter.value = None
+        letter.error = (f"{letter.error[:3000]} [original value of {len(m.value() or b'')} bytes not kept: the "
+                        f"letter would exceed {max_bytes} bytes; it is at {m.topic()}[{m.partition()}]@{m.offset()}]")
+        value = default_codec().encode("DeadLetter", letter.to_dict())
+    return value, out_headers
+
+
+def wire_bytes(value: bytes, key: str | bytes | None, headers: list[tuple[str, bytes]]) -> int:
+    """Worst-case size of a one-record batch on the broker, which checks it against max.message.bytes.
+
+    Record and batch framing add up to ~100 bytes, and lz4 can grow incompressible data by 1/255.
+    """
+    key_len = len(key.encode()) if isinstance(key, str) else len(key or b"")
+    raw = len(value) + key_len + sum(len(k) + len(v or b"") + 10 for k, v in headers) + 128
+    return raw + raw // 255 + 64
 
 
 def _next_offsets(msgs: Sequence[Message]) -> list[TopicPartition]:

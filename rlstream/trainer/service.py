@@ -26,7 +26,7 @@ from ..schemas import headers as hdr
 from ..schemas.codec import DecodeError, default_codec
 from ..schemas.records import RECORD_TYPES, PolicyVersion
 from ..streams import metrics
-from ..streams.runtime import RuntimeSettings, dead_letter
+from ..streams.runtime import RuntimeSettings, bounded, dead_letter, init_transactions
 from .engine import make_engine
 from .update import UpdateConfig, build_batch, policy_update
 
@@ -95,7 +95,7 @@ class TrainerService:
                                   "transaction.timeout.ms": runtime.transaction_timeout_ms,
                                   "message.max.bytes": MAX_MESSAGE_BYTES + 65536})
         # A restarted trainer fences its predecessor here, aborting any half-done step.
-        self.producer.init_transactions(30)
+        init_transactions(self.producer, "trainer")
         self.consumer = Consumer({**base, "group.id": self.group_id, "isolation.level": "read_committed",
                                   "enable.auto.commit": False, "enable.auto.offset.store": False,
                                   "auto.offset.reset": "earliest", "max.partition.fetch.bytes": MAX_MESSAGE_BYTES,
@@ -144,7 +144,7 @@ class TrainerService:
             if self.settings.warmup_steps > 0:
                 info = supervised_warmup(self.model, self.tokenizer, self.settings.task,
                                          fraction=self.settings.warmup_fraction,
-                                         steps=self.settings.warmup_steps, seed=self.settings.seed)
+                                         steps=self.settings.warmup_steps, seconds=None, seed=self.settings.seed)
                 log.info("supervised warm-up: %s", info)
             self.engine = self._engine()
             self.model.eval()
@@ -241,10 +241,11 @@ class TrainerService:
                 self.producer.produce(topic_name(run, "dead-letters"), key=m.key(), value=value, headers=headers)
             if offsets:
                 # The samples this version was trained on are consumed in the same transaction.
-                self.producer.send_offsets_to_transaction(
-                    [TopicPartition(t, p, o) for (t, p), o in offsets.items()],
-                    self.consumer.consumer_group_metadata(), 30)
-            self.producer.commit_transaction(60)
+                # bounded: a wedged librdkafka call raises Wedged, ending the process for a restart.
+                bounded(self.producer.send_offsets_to_transaction,
+                        [TopicPartition(t, p, o) for (t, p), o in offsets.items()],
+                        self.consumer.consumer_group_metadata(), 30)
+            bounded(self.producer.commit_transaction, 60)
         except KafkaException:
             # Abort and exit: a restart resumes from the last announced version and the committed offsets.
             try:

@@ -1,0 +1,418 @@
+"""Chaos: SIGKILL random stages of the running loop, restart them, then reconcile topics and archive.
+
+    python benchmarks/chaos.py [--kills 20] [--run R] [--seed 0] [--tasks 160] [--bootstrap HOST:PORT]
+
+Runs trainer, rollout, env, reward and archive, each its own ``rlstream run`` process, and a
+prompt source of a fixed number of tasks (G samples each): one share at the start and one at
+each kill, so that the killed stage always has work waiting for it. Every ``--interval`` seconds
+(jittered) it SIGKILLs one stage (each stage once per round, in a random order) and starts it
+again with the same ``--instance``, so the new transactional producer fences its zombie. Once
+the loop has drained it stops every stage and checks, from read_committed reads of every topic
+and from the archive (SQL through ``open_archive``):
+
+- every task has exactly G trajectories, or a recorded failure (a dead letter of its prompt or episode);
+- every trajectory has exactly one reward per reward version (or a dead letter from the reward stage);
+- nothing is duplicated downstream: unique ids per topic (prompts, actions, observations, trajectories,
+  rewards, policy versions, dead letters), and in every archive table unique (topic, partition, offset)
+  and unique ids; the archive holds exactly the committed records of the topics;
+- policy versions strictly increase, each the child of the one before.
+
+Recovery of a kill is the time from the SIGKILL until the killed stage's consumer group
+commits offsets beyond those it had at the kill: the restarted process has consumed,
+processed and committed new input (for the trainer: published the next policy version;
+for the archive: inserted a batch). Kills are sequential: the next one comes
+``--interval`` s after the previous stage recovered (or gave up after ``--recovery-timeout``).
+
+The last line of stdout is ``tasks=… trajectories=… lost=… duplicated=… recovery_p99=…s``
+(then kills and policy versions); the exit code is 1 when an invariant fails.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from confluent_kafka.admin import AdminClient  # noqa: E402
+
+from loop_procs import (ROOT, StageProc, Supervisor, TopicTail, advanced, group_offsets, p99, stage_env,  # noqa: E402
+                        wait_until)
+from rlstream.config import KafkaSettings  # noqa: E402
+from rlstream.infra.topics import create_topics  # noqa: E402
+from rlstream.producers.prompts import PromptProducer, make_task, task_items  # noqa: E402
+from rlstream.schemas.codec import default_codec  # noqa: E402
+from rlstream.schemas.records import RECORD_TYPES, SamplingParams  # noqa: E402
+
+STAGES = ("rollout", "env", "reward", "trainer", "archive")
+#: Stop order: upstream first, so each stage finishes what it was given; the archive last.
+STOP_ORDER = ["rollout", "env", "reward", "trainer", "archive"]
+#: Archive table -> the topics archived into it.
+ARCHIVE_TABLES = {"tasks": ["prompts"], "episodes": ["actions", "observations"], "trajectories": ["trajectories"],
+                  "rewards": ["rewards"], "policy_versions": ["policy-versions"], "dead_letters": ["dead-letters"]}
+
+
+def log(msg: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kills", type=int, default=20, help="SIGKILLs to deliver (default 20)")
+    p.add_argument("--run", default="", help="run name (default: a fresh chaos-<time>)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule and of the tasks")
+    p.add_argument("--tasks", type=int, default=0, help="tasks to produce (default: 8 per kill, at least 24)")
+    p.add_argument("--group-size", type=int, default=4, help="samples per task (G)")
+    p.add_argument("--groups-per-step", type=int, default=2, help="trainer groups per update")
+    p.add_argument("--interval", type=float, default=3.0, help="seconds between a recovery and the next kill")
+    p.add_argument("--stages", default=",".join(STAGES), help="stages that may be killed (comma-separated)")
+    p.add_argument("--backend", default="transformers", choices=("auto", "transformers", "vllm"),
+                   help="rollout engine (transformers restarts fastest)")
+    p.add_argument("--partitions", type=int, default=4, help="partitions per topic of the fresh run")
+    p.add_argument("--bootstrap", default=os.environ.get("RLSTREAM_BOOTSTRAP", ""),
+                   help="Kafka bootstrap (default $RLSTREAM_BOOTSTRAP, else the local broker, started if needed)")
+    p.add_argument("--kafka-config", default=os.environ.get("RLSTREAM_KAFKA_CONFIG", ""),
+                   help="extra librdkafka settings k=v,k=v (SASL/SSL of your cluster)")
+    p.add_argument("--archive", default="", help="archive URL (default: chdb:// under the run's folder)")
+    p.add_argument("--workdir", default="", help="logs, weights and archive (default .rlstream/runs/<run>)")
+    p.add_argument("--warmup-timeout", type=float, default=600, help="seconds for every stage to first commit")
+    p.add_argument("--recovery-timeout", type=float, default=120, help="longest wait for a killed stage's progress")
+    p.add_argument("--drain-timeout", type=float, default=600, help="longest wait for the loop to drain at the end")
+    return p.parse_args(argv)
+
+
+class PromptSource(threading.Thread):
+    """Produces a fixed number of tasks, a share at a time (``release``), trickled at ``rate`` per second."""
+
+    def __init__(self, kafka: KafkaSettings, count: int, group_size: int, seed: int, rate: float = 4.0):
+        super().__init__(name="prompts", daemon=True)
+        self.kafka, self.count, self.group_size, self.seed, self.rate = kafka, count, group_size, seed, rate
+        self.sent: list[str] = []
+        self._allowed = 0
+        self._more = threading.Condition()
+        self.error: BaseException | None = None
+
+    def release(self, n: int | None = None) -> None:
+        """Allow ``n`` more tasks (all that are left when None)."""
+        with self._more:
+            self._allowed = self.count if n is None else min(self.count, self._allowed + n)
+            self._more.notify_all()
+
+    def run(self) -> None:
+        try:
+            items, max_new = task_items("reverse", "train", self.seed)
+            out = PromptProducer(self.kafka)
+            sampling = SamplingParams(temperature=1.0, max_tokens=max_new)
+            for i in range(self.count):
+                with self._more:
+                    self._more.wait_for(lambda: i < self._allowed)
+                task = make_task("reverse", next(items), self.group_size, sampling, prefix=f"{self.kafka.run}-")
+                out.send(task)
+                out.producer.poll(0)
+                self.sent.append(task.task_id)
+                time.sleep(1 / self.rate)
+            out.flush()
+        except BaseException as exc:  # reported by main, never swallowed
+            self.error = exc
+
+
+def start_loop(args, bootstrap: str, run: str, workdir: Path, archive: str) -> Supervisor:
+    env = stage_env(bootstrap, run)
+    if args.kafka_config:
+        env["RLSTREAM_KAFKA_CONFIG"] = args.kafka_config
+    logs = workdir / "logs"
+    plan = {
+        "trainer": ["run", "trainer", "--weights", str(workdir / "weights"), "--warmup-steps", "0",
+                    "--groups-per-step", str(args.groups_per_step), "--window-groups", str(4 * args.groups_per_step),
+                    "--threads", "1", "--instance", "0"],
+        "rollout": ["run", "rollout", "--backend", args.backend, "--threads", "1", "--instance", "0",
+                    "--batch-size", "32"],
+        "env": ["run", "env", "--instance", "0", "--sandbox", "subprocess"],
+        "reward": ["run", "reward", "--instance", "0"],
+        "archive": ["run", "archive", "--archive", archive, "--instance", "0"],
+    }
+    sup = Supervisor()
+    for name, argv in plan.items():
+        sup.add(StageProc(name, argv, env, logs / f"{name}.log", group=f"{run}.{name}"))
+    return sup
+
+
+def decode_letter_target(letter) -> tuple[str, str] | None:
+    """(kind, id) of what a dead letter stood for: ('task', id), ('episode', id) or ('trajectory', id)."""
+    try:
+        name, value = default_codec().decode(letter.value)
+        record = RECORD_TYPES[name].from_dict(value)
+    except Exception:
+        return None
+    if name == "Task":
+        return "task", record.task_id
+    if name == "Episode":
+        return "episode", record.episode_id
+    if name == "Trajectory":
+        return "trajectory", record.trajectory_id
+    if name == "ScoredTrajectory":
+        return "trajectory", record.trajectory.trajectory_id
+    return None
+
+
+class Books:
+    """What the topics say, folded into the counts the invariants need."""
+
+    def __init__(self, tail: TopicTail, task_ids: list[str], group_size: int):
+        self.tail, self.task_ids, self.g = tail, task_ids, group_size
+
+    def letters(self) -> dict[str, set[str]]:
+        covered: dict[str, set[str]] = collections.defaultdict(set)
+        for s in self.tail.snapshot("dead-letters"):
+            if s.record is None:
+                continue
+            target = decode_letter_target(s.record)
+            if target is not None:
+                covered[f"{s.record.stage}:{target[0]}"].add(target[1])
+                covered[target[0]].add(target[1])
+        return covered
+
+    def missing(self) -> dict[str, int]:
+        """Samples not (yet) accounted for: trajectories of tasks, and rewards of trajectories."""
+        letters = self.letters()
+        trajectories = {s.record.trajectory_id for s in self.tail.snapshot("trajectories") if s.record}
+        rewarded = collections.defaultdict(set)
+        for s in self.tail.snapshot("rewards"):
+            if s.record:
+                rewarded[s.record.reward.reward_version].add(s.record.trajectory.trajectory_id)
+        versions = set(rewarded) or {"v1"}
+        prompts = {s.record.task_id for s in self.tail.snapshot("prompts") if s.record}
+        missing_tasks = sum(1 for t in self.task_ids if t not in prompts)
+        missing_traj = 0
+        for t in self.task_ids:
+            if t in letters["task"]:
+                continue  # the prompt itself was dead-lettered: a recorded failure of the whole task
+            for i in range(self.g):
+                e = f"{t}:{i}"
+                if e not in trajectories and e not in letters["episode"]:
+                    missing_traj += 1
+        missing_rewards = sum(1 for v in versions for tid in trajectories
+                              if tid not in rewarded[v] and tid not in letters["reward:trajectory"])
+        return {"tasks": missing_tasks, "trajectories": missing_traj, "rewards": missing_rewards}
+
+
+def duplicates(tail: TopicTail) -> dict[str, int]:
+    """Records a topic holds more than once, by the identity each topic's records must have."""
+    ident = {
+        "prompts": lambda r: r.task_id,
+        # A multi-turn episode passes each topic once per turn.
+        "actions": lambda r: (r.episode_id, len(r.turns)),
+        "observations": lambda r: (r.episode_id, len(r.turns)),
+        "trajectories": lambda r: r.trajectory_id,
+        "rewards": lambda r: (r.trajectory.trajectory_id, r.reward.reward_version),
+        "policy-versions": lambda r: (r.policy, r.version),
+        "dead-letters": lambda r: (r.stage, r.topic, r.partition, r.offset),
+    }
+    out = {}
+    for topic, key in ident.items():
+        counts = collections.Counter(key(s.record) for s in tail.snapshot(topic) if s.record is not None)
+        out[topic] = sum(c - 1 for c in counts.values())
+    return out
+
+
+def policy_order(tail: TopicTail) -> list[str]:
+    """Problems with the announced versions: each must be the next one after its parent."""
+    problems = []
+    by_policy = collections.defaultdict(list)
+    for s in sorted(tail.snapshot("policy-versions"), key=lambda s: (s.partition, s.offset)):
+        if s.record is not None:
+            by_policy[s.record.policy].append(s.record)
+    for policy, versions in by_policy.items():
+        for prev, cur in zip(versions, versions[1:]):
+            if cur.version <= prev.version:
+                problems.append(f"{policy} v{cur.version} announced after v{prev.version}")
+            elif cur.parent_version != prev.version:
+                problems.append(f"{policy} v{cur.version} has parent v{cur.parent_version}, not v{prev.version}")
+    return problems
+
+
+def archive_check(url: str, run: str, tail: TopicTail) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """(missing, duplicated, extra) archive rows per table, against the committed records of the topics."""
+    from rlstream.consumers.query import open_archive
+    ids = {"tasks": "task_id", "episodes": "(direction, episode_id, length(`turns.role`))",
+           "trajectories": "trajectory_id", "rewards": "(trajectory_id, reward_version)",
+           "policy_versions": "(policy, version)", "dead_letters": "(stage, original_topic, original_partition, "
+                                                                "original_offset)"}
+    missing, dup, extra = {}, {}, {}
+    with open_archive(url) as archive:
+        for table, topics in ARCHIVE_TABLES.items():
+            where = f"run = '{run}'"
+            if table == "dead_letters":
+                where += " AND stage != 'archive'"  # records the archive could not decode are counted below
+            _, rows = archive.query(f"SELECT count(), uniqExact(topic, partition, offset), uniqExact({ids[table]}) "
+                                    f"FROM rlstream.{table} WHERE {where}")
+            n, uniq_pos, uniq_id = rows[0]
+            dup[table] = (n - uniq_pos) + (uniq_pos - uniq_id)
+            _, rows = archive.query(f"SELECT topic, partition, offset FROM rlstream.{table} WHERE {where}")
+            archived = {(t, int(p), int(o)) for t, p, o in rows}
+            committed = {(s.topic, s.partition, s.offset) for t in topics for s in tail.snapshot(t)}
+            missing[table] = len(committed - archived)
+            extra[table] = len(archived - committed)
+        _, rows = archive.query(f"SELECT count() FROM rlstream.dead_letters WHERE run = '{run}' AND stage = 'archive'")
+        extra["undecodable"] = int(rows[0][0])  # the loop's own records always decode
+    return missing, dup, extra
+
+
+def archive_counts(url: str, run: str) -> dict[str, int] | None:
+    """Rows per archived topic while the loop runs (None while the archive does not answer)."""
+    from rlstream.consumers.query import ArchiveError, open_archive
+    sql = " UNION ALL ".join(f"SELECT topic, count() FROM rlstream.{t} WHERE run = '{run}' GROUP BY topic"
+                             for t in ARCHIVE_TABLES)
+    try:
+        with open_archive(url) as archive:
+            return {t: int(n) for t, n in archive.query(sql)[1]}
+    except ArchiveError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the stage processes are stopped rather than left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rng = random.Random(args.seed)
+    killable = [s.strip() for s in args.stages.split(",") if s.strip()]
+    if unknown := set(killable) - set(STAGES):
+        raise SystemExit(f"--stages: unknown {sorted(unknown)}; choose from {', '.join(STAGES)}")
+    bootstrap = args.bootstrap
+    if not bootstrap:
+        from rlstream.infra import broker
+        bootstrap = broker.up()
+    run = args.run or time.strftime("chaos-%Y%m%d-%H%M%S")
+    workdir = Path(args.workdir or ROOT / ".rlstream" / "runs" / run).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    archive = args.archive or f"chdb://{workdir / 'archive'}"
+    kafka = KafkaSettings(bootstrap=bootstrap, run=run, kafka_config=args.kafka_config)
+    client = kafka.client_config()
+    create_topics(client, run, partitions=args.partitions)
+    admin = AdminClient(client)
+    n_tasks = args.tasks or max(24, 8 * args.kills)
+    # One share of the tasks to warm up, one at each kill: the killed stage always has work waiting for it.
+    share = max(args.groups_per_step, n_tasks // (args.kills + 1))
+    log(f"run {run} on {bootstrap}: {n_tasks} tasks x G={args.group_size}, {share} at the start and at each of "
+        f"{args.kills} kills; logs in {workdir / 'logs'}")
+
+    sup = start_loop(args, bootstrap, run, workdir, archive)
+    tail = TopicTail(bootstrap, run, client_config={k: v for k, v in client.items() if k != "bootstrap.servers"})
+    source = PromptSource(kafka, n_tasks, args.group_size, args.seed)
+    kills: list[dict] = []
+    failed_to_drain = False
+    try:
+        def supervise() -> None:
+            for name in sup.check():
+                log(f"{name} had exited on its own; restarted (see its log)")
+
+        sup.procs["trainer"].start()
+        wait_until(lambda: supervise() or tail.count("policy-versions"), args.warmup_timeout, 0.5,
+                   f"the trainer's first policy version (see {sup.procs['trainer'].log_path})")
+        for name in ("archive", "reward", "env", "rollout"):
+            sup.procs[name].start()
+        source.start()
+        source.release(share)
+        # Warm: every stage has committed once, so the first kill does not hit a process still starting.
+        wait_until(lambda: supervise() or all(group_offsets(admin, p.group) for p in sup.procs.values()),
+                   args.warmup_timeout, 1.0, "every stage's first commit")
+        log("every stage has committed; killing")
+
+        for k in range(args.kills):
+            time.sleep(args.interval * rng.uniform(0.5, 1.5))
+            supervise()
+            if k % len(killable) == 0:  # every stage once per round, in a random order
+                order = rng.sample(killable, len(killable))
+            name = order[k % len(killable)]
+            proc = sup.procs[name]
+            killed_at = time.monotonic()
+            proc.kill()
+            source.release(share)
+            # A commit the dying process had already sent may still land: take the baseline just after.
+            time.sleep(0.3)
+            before, versions_before = group_offsets(admin, proc.group), tail.count("policy-versions")
+            proc.start()
+
+            def progressed() -> bool:
+                # A trainer step commits its samples' offsets with the version it announces; either shows it.
+                return advanced(before, group_offsets(admin, proc.group)) or (
+                    name == "trainer" and tail.count("policy-versions") > versions_before)
+            try:
+                wait_until(lambda: supervise() or progressed(), args.recovery_timeout, 0.25,
+                           f"{name} to commit again")
+                recovery = time.monotonic() - killed_at
+            except TimeoutError:
+                recovery = None
+            kills.append({"stage": name, "recovery": recovery})
+            log(f"kill {k + 1}/{args.kills}: {name} -> "
+                + (f"progress again after {recovery:.1f}s" if recovery is not None else "no progress (timed out)"))
+
+        source.release()
+        source.join(300)
+        if source.error is not None:
+            raise source.error
+        log(f"all {len(source.sent)} tasks produced; draining")
+        books = Books(tail, source.sent, args.group_size)
+        deadline = time.monotonic() + args.drain_timeout
+        last_report = 0.0
+        while True:
+            supervise()
+            missing = books.missing()
+            topic_counts = {t: tail.count(t) for t in ("prompts", "actions", "observations", "trajectories",
+                                                        "rewards", "policy-versions", "dead-letters")}
+            archived = archive_counts(archive, run) or {}
+            behind = {t: n - archived.get(t, 0) for t, n in topic_counts.items() if n > archived.get(t, 0)}
+            if not any(missing.values()) and not behind and tail.caught_up():
+                break
+            if time.monotonic() > deadline:
+                failed_to_drain = True
+                log(f"gave up draining: missing {missing}, archive behind by {behind}")
+                break
+            if time.monotonic() - last_report > 15:
+                last_report = time.monotonic()
+                log(f"draining: missing {missing}, archive behind by {behind}")
+            time.sleep(1.0)
+    finally:
+        codes = sup.stop_all(STOP_ORDER)
+        log(f"stopped: exit codes {codes}")
+        tail.settle(timeout=120)
+        tail.close()
+
+    # -- reconcile -------------------------------------------------------------------------------------------
+    books = Books(tail, source.sent, args.group_size)
+    missing = books.missing()
+    dup_topics = duplicates(tail)
+    versions_bad = policy_order(tail)
+    arch_missing, arch_dup, arch_extra = archive_check(archive, run, tail)
+    n_traj = len({s.record.trajectory_id for s in tail.snapshot("trajectories") if s.record})
+    failed = sum(1 for s in tail.snapshot("trajectories") if s.record and s.record.status == "failed")
+    letters = collections.Counter((s.record.stage, s.record.reason) for s in tail.snapshot("dead-letters") if s.record)
+    n_versions = len(tail.snapshot("policy-versions"))
+    lost = sum(missing.values()) + sum(arch_missing.values())
+    duplicated = sum(dup_topics.values()) + sum(arch_dup.values()) + sum(arch_extra.values())
+    measured = [k["recovery"] for k in kills if k["recovery"] is not None]
+    by_stage = collections.defaultdict(list)
+    for k in kills:
+        by_stage[k["stage"]].append("timeout" if k["recovery"] is None else f"{k['recovery']:.1f}")
+    print("kills: " + "; ".join(f"{s} [{', '.join(v)}]" for s, v in sorted(by_stage.items())))
+    print(f"missing: {missing}; archive missing: {arch_missing}")
+    print(f"duplicated on topics: {dup_topics}; in archive: {arch_dup}; archive rows not on topics: {arch_extra}")
+    print(f"failed trajectories: {failed}; dead letters: {dict(letters)}; unplanned exits: {sup.crashes}")
+    if versions_bad:
+        print("policy versions out of order: " + "; ".join(versions_bad[:10]))
+    ok = lost == 0 and duplicated == 0 and not versions_bad and not failed_to_drain and n_versions > 0
+    print(f"tasks={len(source.sent)} trajectories={n_traj} lost={lost} duplicated={duplicated} "
+          f"recovery_p99={p99(measured):.1f}s kills={len(kills)} timeouts={len(kills) - len(measured)} "
+          f"policy_versions={n_versions} versions_increasing={'yes' if not versions_bad else 'no'}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+"""The bad-input corpus against real stage processes: every bad record ends in dead-letters or as a recorded
+failure with a clear reason, good records keep flowing, and in = out + dead letters + failures.
+
+Garbage, truncated, unknown-fingerprint, missing / non-integer policy_version, wrong-record records and
+raising / hanging / NaN / inf / wrong-type rewards are in test_stage_runtime.py; this file has the rest.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import os
+import random
+import string
+import subprocess
+import sys
+import time
+
+import pytest
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+
+from kafka_util import make_task, make_trajectory, produce, read_all
+from rlstream.infra.topics import topic_name
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import default_codec
+from rlstream.schemas.records import Episode, PolicyVersion, Reward, SamplingParams, ScoredTrajectory, Task, Turn
+from proc_guard import stop_or_kill as stop
+from stage_proc import ROOT, start_stage
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+LIMIT = 100_000  # max.message.bytes of the topics the oversized test shrinks, and the stage's --max-record-bytes
+
+
+def _limit_topics(bootstrap: str, run: str, logicals: list[str], limit: int) -> None:
+    """Shrink the topics' max.message.bytes, so records at the limit are cheap to make."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    entry = [ConfigEntry("max.message.bytes", str(limit), incremental_operation=AlterConfigOpType.SET)]
+    resources = [ConfigResource("topic", topic_name(run, t), incremental_configs=entry) for t in logicals]
+    for future in admin.incremental_alter_configs(resources).values():
+        future.result(30)
+    deadline = time.monotonic() + 30
+    for r in resources:  # the change is applied asynchronously
+        while admin.describe_configs([ConfigResource("topic", r.name)])[ConfigResource("topic", r.name)].result(
+                30)["max.message.bytes"].value != str(limit):
+            assert time.monotonic() < deadline, f"{r.name} kept its old max.message.bytes"
+            time.sleep(0.2)
+
+
+def _scored_size(traj) -> int:
+    """Bytes of the reward stage's output for ``traj`` (exact_match's reward, with its stage time)."""
+    traj = copy.deepcopy(traj)
+    traj.stage_times["reward.end"] = hdr.now_ms()
+    reward = Reward(total=1.0, reward_version="v1", breakdown={"exact": 1.0}, verifier_version="exact_match/1",
+                    latency_ms=0.5, scored_at=hdr.now_ms())
+    return len(default_codec().encode("ScoredTrajectory", ScoredTrajectory(traj, reward).to_dict()))
+
+
+def _incompressible(i: int, output_bytes: int):
+    """A trajectory whose scored output is ``output_bytes`` long and does not compress (random text)."""
+    traj = make_trajectory(i)
+    rnd = random.Random(i)
+    text = "".join(rnd.choice(string.ascii_letters + string.digits) for _ in range(output_bytes))
+    traj.response = text[:output_bytes - _scored_size(traj)]
+    traj.response = text[:len(traj.response) + output_bytes - _scored_size(traj)]  # its length's varint grew
+    assert _scored_size(traj) == output_bytes
+    return traj
+
+
+def _assert_alive(proc: subprocess.Popen, log) -> None:
+    """Bad input never stops a stage."""
+    assert proc.poll() is None, f"the stage died:\n{log.read_text()[-3000:]}"
+
+
+def test_oversized_outputs_are_dead_lettered_and_never_block_the_partition(bootstrap, run_name, tmp_path):
+    """An output over the size limit, even one whose value alone is just under it, is dead-lettered as oversized."""
+    _limit_topics(bootstrap, run_name, ["rewards", "dead-letters"], LIMIT)
+    good = [make_trajectory(i) for i in range(3)]
+    # Its value is under the limit, but with its key, headers and framing the broker refuses it: without a
+    # check of the size on the wire the transaction would abort and be redone forever, blocking the partition.
+    near = _incompressible(100, LIMIT - 30)
+    big = _incompressible(101, 2 * LIMIT)
+    fits = _incompressible(102, LIMIT // 2)
+    # One key: one partition, in this order, so a stuck record would hold back every record after it.
+    items = [good[0], near, good[1], big, fits, good[2]]
+    produce(bootstrap, run_name, "trajectories", [(b"k", t, None) for t in items])
+    log = tmp_path / "reward.log"
+    proc = start_stage("reward", bootstrap, run_name, "--max-record-bytes", str(LIMIT), "--batch-size", "2",
+                       "--instance", "r0", log_path=log)
+    try:
+        rewards = read_all(bootstrap, run_name, "rewards", expect=4, timeout=120)
+        letters = read_all(bootstrap, run_name, "dead-letters", expect=2, timeout=60)
+        _assert_alive(proc, log)
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+    assert sorted(r["record"].trajectory.trajectory_id for r in rewards) == sorted(
+        t.trajectory_id for t in (*good, fits)), log.read_text()[-3000:]
+    assert len(items) == len(rewards) + len(letters)  # in = out + dead letters
+    originals = {r["offset"]: r for r in read_all(bootstrap, run_name, "trajectories", expect=len(items))}
+    for letter in (l["record"] for l in letters):
+        assert letter.reason == "oversized" and letter.stage == "reward", letter.error
+        assert "exceeds 100000" in letter.error
+        # The letter itself would not fit with the original bytes in it: it says where they are instead.
+        assert letter.value is None and "not kept" in letter.error
+        assert originals[letter.offset]["record"].trajectory_id in (near.trajectory_id, big.trajectory_id)
+
+
+def test_bad_headers_and_unencodable_outputs_are_dead_lettered(bootstrap, run_name, tmp_path):
+    """Null and non-UTF-8 headers, and a reward whose output cannot be encoded, never crash the stage."""
+    good = [make_trajectory(i) for i in range(4)]
+    bad = [
+        (b"null-version", make_trajectory(100), [("policy_version", None)], "bad_header"),
+        (b"binary-reward-version", make_trajectory(101), hdr.build(0, hdr.new_traceparent()) +
+         [("reward_version", b"\xff\xfe")], "bad_header"),
+        (b"surrogate", make_trajectory(102, response="surrogate"), None, "handler_error"),
+    ]
+    items = [(b"good", good[0], None)] + [(k, v, h) for k, v, h, _ in bad] + [(b"good", g, None) for g in good[1:]]
+    produce(bootstrap, run_name, "trajectories", items)
+    log = tmp_path / "reward.log"
+    proc = start_stage("reward", bootstrap, run_name, "--reward", "bad_envs:unencodable", "--batch-size", "3",
+                       log_path=log)
+    try:
+        rewards = read_all(bootstrap, run_name, "rewards", expect=len(good), timeout=90)
+        letters = read_all(bootstrap, run_name, "dead-letters", expect=len(bad), timeout=60)
+        _assert_alive(proc, log)
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+    assert sorted(r["record"].trajectory.trajectory_id for r in rewards) == sorted(g.trajectory_id for g in good)
+    assert {l["key"]: l["record"].reason for l in letters} == {k: reason for k, _, _, reason in bad}
+    by_key = {l["key"]: l["record"] for l in letters}
+    assert by_key[b"null-version"].headers["policy_version"] == b""  # a null header value, kept as empty
+    assert "does not fit its schema" in by_key[b"surrogate"].error
+    assert len(items) == len(rewards) + len(letters)
+
+
+# -- environments ----------------------------------------------------------------------------------------------
+
+
+def _episode(i: int, env: str, action: str, max_turns: int = 4) -> Episode:
+    """An episode as rollout writes it to ``actions``: one action turn of four tokens."""
+    task = Task(task_id=f"task-{i}", group_id=f"group-{i}", task_name=env, env_name=env, env_version="1",
+                prompt="p", sampling=SamplingParams(), created_at=hdr.now_ms(), answer="x",
+                max_turns=max_turns if env != "single" else 1)
+    return Episode(episode_id=f"group-{i}:0", group_id=task.group_id, sample_index=0, task=task,
+                   token_ids=[1, 2, 3, 4], loss_mask=[1] * 4, behaviour_logprobs=[-1.0] * 4,
+                   turns=[Turn("action", action, 0, 4, policy_version=0, finish_reason="stop")])
+
+
+def _python(code: str) -> str:
+    return f"```python\n{code}\n```"
+
+
+def test_environments_that_hang_or_crash_and_bad_text(bootstrap, run_name, tmp_path):
+    """Hanging, crashing and memory-hungry environments and tools end as failures or dead letters, with reasons."""
+    codec = default_codec()
+    ok = [_episode(i, "single", "cba") for i in range(3)]
+    # (episode, what becomes of it): a failure class of a failed trajectory, or a dead-letter reason.
+    failing = [
+        (_episode(10, "python", _python("import time\ntime.sleep(60)")), ("failed", "timeout")),
+        (_episode(11, "python", _python("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")),
+         ("failed", "crash")),
+        (_episode(12, "python", _python("x = bytearray(1 << 30)")), ("failed", "memory")),
+        (_episode(13, "raise", "anything"), ("failed", "env_error")),
+        (_episode(14, "hang", "anything"), ("dead", "handler_timeout")),
+        (_episode(15, "surrogate", "anything"), ("dead", "handler_error")),
+    ]
+    # A tool printing bytes that are not UTF-8 is not a failure: its observation carries U+FFFD instead.
+    binary_tool = _episode(20, "python", _python("import sys\nsys.stdout.buffer.write(b'\\xff\\xfe ok\\n')"))
+    # Model text that is not UTF-8 inside the Avro body (a producer that is not Python): undecodable.
+    raw = codec.encode("Episode", _episode(21, "single", "XXXX").to_dict())
+    assert raw.count(b"XXXX") == 1
+    invalid_text = raw.replace(b"XXXX", b"\xff\xfeXX")
+    headers = lambda: hdr.build(0, hdr.new_traceparent())  # noqa: E731
+    records = ([(ep.episode_id.encode(), ep, headers()) for ep in ok]
+               + [(ep.episode_id.encode(), ep, headers()) for ep, _ in failing]
+               + [(binary_tool.episode_id.encode(), binary_tool, headers()),
+                  (b"invalid-utf8", invalid_text, headers()),
+                  (b"binary-reward-version", _episode(22, "single", "cba"),
+                   headers() + [("reward_version", b"\xff")]),
+                  (b"null-version", _episode(23, "single", "cba"), [("policy_version", None)])])
+    produce(bootstrap, run_name, "actions", records)
+    dead_expected = {ep.episode_id.encode(): reason for ep, (kind, reason) in failing if kind == "dead"}
+    dead_expected.update({b"invalid-utf8": "malformed", b"binary-reward-version": "bad_header",
+                          b"null-version": "bad_header"})
+    failed_expected = {ep.episode_id: cls for ep, (kind, cls) in failing if kind == "failed"}
+
+    log = tmp_path / "env.log"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+               RLSTREAM_BOOTSTRAP=bootstrap, RLSTREAM_RUN=run_name)
+    with open(log, "ab") as out:
+        # The env stage with the misbehaving environments of tests/bad_envs.py registered.
+        proc = subprocess.Popen([sys.executable, "-m", "bad_envs", "run", "env", "--sandbox", "subprocess",
+                                 "--tool-timeout-s", "2", "--tool-memory-mb", "256", "--handler-timeout-s", "5",
+                                 "--batch-size", "4"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    n_traj = len(ok) + len(failed_expected)
+    try:
+        trajectories = read_all(bootstrap, run_name, "trajectories", expect=n_traj, timeout=180)
+        observations = read_all(bootstrap, run_name, "observations", expect=1, timeout=60)
+        letters = read_all(bootstrap, run_name, "dead-letters", expect=len(dead_expected), timeout=60)
+        _assert_alive(proc, log)
+    finally:
+        assert stop(proc, timeout=30) == 0, log.read_text()[-3000:]
+
+    # in = out + dead letters + failures (failed trajectories are outputs that say why).
+    failures = [t["record"] for t in trajectories if t["record"].status == "failed"]
+    assert len(records) == len(trajectories) + len(observations) + len(letters), log.read_text()[-3000:]
+    assert {t.trajectory_id: t.failure.failure_class for t in failures} == failed_expected
+    assert all(t.failure.stage == "env" and t.failure.message for t in failures)
+    assert sorted(t["record"].trajectory_id for t in trajectories if t["record"].status == "ok") == sorted(
+        ep.episode_id for ep in ok)
+    assert {l["key"]: l["record"].reason for l in letters} == dead_expected
+    assert all(l["record"].error and l["record"].stage == "env" for l in letters)
+    obs = observations[0]["record"]
+    assert obs.episode_id == binary_tool.episode_id and obs.turns[-1].text == "\ufffd\ufffd ok\n"
+
+
+# -- rollout ---------------------------------------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character that spells each byte in a byte-level BPE vocabulary."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _byte_tokenizer():
+    """The tiny character tokenizer plus one token per non-ASCII byte: most samples are not UTF-8."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from rlstream.trainer.tiny_model import BOS, CHARS, EOS, PAD, SPECIALS, UNK
+    alphabet = _bytes_to_unicode()
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS + [alphabet[b] for b in range(0x80, 0x100)])}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex("."), behavior="isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    tk.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                      special_tokens=[(BOS, vocab[BOS])])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+                                   padding_side="left", model_max_length=64, clean_up_tokenization_spaces=False)
+
+
+def _publish_policy(bootstrap: str, run: str, root):
+    """Version 0 of a random tiny policy over the byte tokenizer, as the trainer would announce it."""
+    from rlstream.producers.weights import WeightStore
+    from rlstream.trainer.tiny_model import build_model
+    tokenizer = _byte_tokenizer()
+    model = build_model(tokenizer, seed=0)
+
+    def write(folder):
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+    uri = WeightStore(str(root)).put("policy", 0, write)
+    now = hdr.now_ms()
+    produce(bootstrap, run, "policy-versions", [(b"policy", PolicyVersion(policy="policy", version=0, weights_uri=uri,
+                                                                          created_at=now, published_at=now),
+                                                 hdr.build(0, hdr.new_traceparent()))])
+    return tokenizer
+
+
+def test_prompts_too_long_and_model_output_that_is_not_utf8(bootstrap, run_name, tmp_path):
+    """Rollout, env and reward processes: a too-long prompt is a recorded failure, and non-UTF-8 model output
+    keeps its exact token ids with U+FFFD in its text."""
+    tokenizer = _publish_policy(bootstrap, run_name, tmp_path / "weights")
+    g = 2
+    short = [make_task(i, group_size=g) for i in range(4)]
+    for i, t in enumerate(short):
+        t.sampling = SamplingParams(temperature=1.0, max_tokens=4, seed=i)
+    long = make_task(99, group_size=g, prompt="abc" * 30 + ">")  # 92 tokens; --max-context is 64
+    long.sampling = SamplingParams(temperature=1.0, max_tokens=4)
+    produce(bootstrap, run_name, "prompts", [(t.task_id.encode(), t, None) for t in (*short, long)])
+    logs = {name: tmp_path / f"{name}.log" for name in ("rollout", "env", "reward")}
+    procs = {
+        "rollout": start_stage("rollout", bootstrap, run_name, "--backend", "transformers", "--max-context", "64",
+                               "--wait-policy-s", "120", log_path=logs["rollout"]),
+        "env": start_stage("env", bootstrap, run_name, "--sandbox", "subprocess", log_path=logs["env"]),
+        "reward": start_stage("reward", bootstrap, run_name, log_path=logs["reward"]),
+    }
+    n = (len(short) + 1) * g
+    try:
+        rewards = read_all(bootstrap, run_name, "rewards", expect=n, timeout=240)
+        actions = read_all(bootstrap, run_name, "actions", expect=n, timeout=30)
+        trajectories = read_all(bootstrap, run_name, "trajectories", expect=n, timeout=30)
+        letters = read_all(bootstrap, run_name, "dead-letters", idle=1.0)
+        for name, p in procs.items():
+            _assert_alive(p, logs[name])
+    finally:
+        codes = {name: stop(p, timeout=30) for name, p in procs.items()}
+    assert codes == {"rollout": 0, "env": 0, "reward": 0}, {n: l.read_text()[-2000:] for n, l in logs.items()}
+    # Every prompt became G episodes, every episode a trajectory, every trajectory a reward; nothing dead.
+    assert letters == []
+    assert len(actions) == len(trajectories) == len(rewards) == n
+    assert collections.Counter(r["record"].trajectory.trajectory_id for r in rewards).most_common(1)[0][1] == 1
+
+    too_long = [r["record"] for r in rewards if r["record"].trajectory.task.task_id == long.task_id]
+    assert len(too_long) == g
+    for scored in too_long:
+        traj = scored.trajectory
+        assert traj.status == "failed" and traj.failure.failure_class == "prompt_too_long"
+        assert traj.failure.stage == "rollout" and "max_context 64" in traj.failure.message
+        assert traj.token_ids == [] and scored.reward.total == 0.0
+        assert scored.reward.failure_class == "prompt_too_long"
+
+    # Model output that is not UTF-8: the token ids are the sample (they are trained on); the text is their
+    # lossy view, with U+FFFD where bytes do not decode, for verifiers and people.
+    alphabet = {c: b for b, c in _bytes_to_unicode().items()}
+    not_utf8 = 0
+    for r in rewards:
+        traj = r["record"].trajectory
+        if traj.status != "ok":
+            continue
+        turn = traj.turns[-1]
+        ids = traj.token_ids[turn.token_start:turn.token_end]
+        tokens = [t for t in tokenizer.convert_ids_to_tokens(ids) if t not in tokenizer.all_special_tokens]
+        raw = b"".join(bytes([alphabet[c]]) for t in tokens for c in t)
+        assert turn.text == raw.decode("utf-8", "replace")
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            not_utf8 += 1
+            assert "\ufffd" in turn.text
+    assert not_utf8 > 0, "no sampled response was invalid UTF-8; the byte vocabulary should make most of them"

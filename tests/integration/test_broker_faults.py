@@ -1,0 +1,152 @@
+"""Broker faults under a running stage, on brokers of their own (the shared one at 9092 is left alone):
+a restart of the only broker, and the loss of one broker of three. Nothing is lost or duplicated."""
+from __future__ import annotations
+
+import collections
+import socket
+import time
+import uuid
+
+import pytest
+from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException
+from confluent_kafka.admin import AdminClient, ConfigResource
+
+from kafka_util import make_trajectory, produce, read_all
+from rlstream.infra import broker
+from rlstream.infra.topics import create_topics, topic_name
+from proc_guard import stop_or_kill as stop
+from stage_proc import start_stage
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+GROUPS = 40
+
+
+def _free_base_port(n: int) -> int:
+    """A port p with p .. p+n-1 all free (each node takes a broker and a controller port)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + n > 65000:
+            continue
+        socks = []
+        try:
+            for p in range(port, port + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    pytest.skip(f"no {n} consecutive free ports")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A broker home of the test's own; JVMs starting on a busy two-core machine get more time than usual."""
+    monkeypatch.setattr(broker, "START_TIMEOUT_S", 240.0)
+    path = tmp_path / "home"
+    yield path
+    broker.down(path)
+
+
+def _trajectories(start: int, n: int) -> list[tuple]:
+    return [(f"g{i % GROUPS}".encode(), make_trajectory(i, group=i % GROUPS), None) for i in range(start, start + n)]
+
+
+def _read(*args, **kw) -> list[dict]:
+    """read_all, again when a broker busy starting up does not answer its metadata request in time."""
+    for attempt in range(10):
+        try:
+            return read_all(*args, **kw)
+        except KafkaException:
+            if attempt == 9:
+                raise
+            time.sleep(3)
+
+
+def _wait_rewards(bootstrap: str, run: str, at_least: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_read(bootstrap, run, "rewards", idle=0.5, timeout=10)) < at_least:
+        assert time.monotonic() < deadline, f"fewer than {at_least} rewards within {timeout}s"
+        time.sleep(1)
+
+
+def _exactly_once(bootstrap: str, run: str, n: int, log) -> None:
+    """Every one of the n inputs has exactly one reward, and nothing went to dead-letters."""
+    _read(bootstrap, run, "rewards", expect=n, timeout=400)
+    time.sleep(2)  # a duplicate would come right after the last record
+    rewards = _read(bootstrap, run, "rewards", idle=2.0, timeout=120)
+    counts = collections.Counter(r["record"].trajectory.trajectory_id for r in rewards)
+    assert len(counts) == n, f"lost {n - len(counts)} records\n{log.read_text()[-3000:]}"
+    assert max(counts.values()) == 1, f"duplicated: {[k for k, c in counts.items() if c > 1][:5]}"
+    assert _read(bootstrap, run, "dead-letters", idle=0.5) == []
+
+
+def test_broker_restart_mid_run_loses_nothing_and_the_stage_resumes(home, tmp_path):
+    """Stop the only broker while a stage is mid-run and start it again with its data: the same stage
+    process carries on by itself, and every input reaches the output exactly once."""
+    port = _free_base_port(2)
+    bootstrap = broker.up(home, port=port)
+    run = "bf" + uuid.uuid4().hex[:8]
+    create_topics({"bootstrap.servers": bootstrap}, run, partitions=2)
+    first, second = 300, 100
+    produce(bootstrap, run, "trajectories", _trajectories(0, first))
+    log = tmp_path / "reward.log"
+    # One record at a time, 50 ms each: the broker goes away in the middle of the work.
+    proc = start_stage("reward", bootstrap, run, "--reward", "reward_fns:slow", "--batch-size", "20",
+                       "--concurrency", "1", "--instance", "w0", log_path=log)
+    try:
+        _wait_rewards(bootstrap, run, 40)
+        broker.down(home)
+        assert broker.status(home) == {}
+        time.sleep(5)  # the stage runs on without a broker
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert broker.up(home, port=port) == bootstrap
+        produce(bootstrap, run, "trajectories", _trajectories(first, second))
+        _exactly_once(bootstrap, run, first + second, log)
+        assert proc.poll() is None, "the stage did not survive the broker restart:\n" + log.read_text()[-3000:]
+    finally:
+        code = stop(proc, timeout=60)
+    assert code == 0, log.read_text()[-3000:]
+
+
+def test_three_brokers_replication_three_survive_losing_one(home, tmp_path):
+    """On `rlstream up --brokers 3` with replication 3 and min.insync.replicas 2, SIGKILL the broker that
+    coordinates the stage's consumer group mid-run: the stage carries on without loss or duplicates."""
+    port = _free_base_port(6)
+    bootstrap = broker.up(home, brokers=3, port=port)
+    assert len(broker.status(home)) == 3
+    run = "bf3" + uuid.uuid4().hex[:8]
+    create_topics({"bootstrap.servers": bootstrap}, run, replication=3, partitions=2)
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    name = topic_name(run, "trajectories")
+    meta = admin.list_topics(name, timeout=30).topics[name]
+    assert all(len(p.replicas) == 3 for p in meta.partitions.values())
+    config = admin.describe_configs([ConfigResource("topic", name)])[ConfigResource("topic", name)].result(30)
+    assert config["min.insync.replicas"].value == "2"
+
+    first, second = 300, 100
+    produce(bootstrap, run, "trajectories", _trajectories(0, first))
+    log = tmp_path / "reward.log"
+    proc = start_stage("reward", bootstrap, run, "--reward", "reward_fns:slow", "--batch-size", "20",
+                       "--concurrency", "1", "--instance", "w0", log_path=log)
+    try:
+        _wait_rewards(bootstrap, run, 40)
+        group = admin.describe_consumer_groups([f"{run}.reward"])[f"{run}.reward"].result(30)
+        victim = group.coordinator.id  # the hardest one to lose: offsets and membership move elsewhere
+        broker.kill_node(home, victim)
+        assert victim not in broker.status(home) and len(broker.status(home)) == 2
+        produce(bootstrap, run, "trajectories", _trajectories(first, second))
+        _exactly_once(bootstrap, run, first + second, log)
+        assert proc.poll() is None, "the stage did not survive losing a broker:\n" + log.read_text()[-3000:]
+        # The group's committed offsets cover every input, on the two brokers left.
+        offsets = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(f"{run}.reward")])
+        committed = offsets[f"{run}.reward"].result(30).topic_partitions
+        assert sum(tp.offset for tp in committed if tp.topic == name) == first + second
+    finally:
+        code = stop(proc, timeout=60)
+    assert code == 0, log.read_text()[-3000:]
