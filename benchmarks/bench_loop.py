@@ -1,0 +1,207 @@
+"""The whole loop for benchmarks: stage processes (loop_procs), a paced prompt source, and the published versions.
+
+The prompt source runs in the benchmark's own process so that it can pace itself two ways: AReaL's
+``(version + eta + 1)`` steps ahead (async), or one batch at a time behind a barrier (sync).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from loop_procs import ROOT, StageProc, Supervisor, TopicTail, free_port, stage_env  # noqa: E402
+from rlstream.config import KafkaSettings  # noqa: E402
+from rlstream.infra import broker  # noqa: E402
+from rlstream.infra.topics import create_topics  # noqa: E402
+from rlstream.producers.weights import local_path  # noqa: E402
+from rlstream.producers.prompts import PromptProducer, make_task, task_items  # noqa: E402
+from rlstream.schemas.records import PolicyVersion, SamplingParams  # noqa: E402
+
+#: Stop order: the source is already stopped; upstream first so each stage finishes what it holds.
+STOP_ORDER = ["rollout", "rollout1", "env", "reward", "trainer"]
+
+
+def log(tag: str, msg: str) -> None:
+    print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Loop:
+    """A fresh run on the local broker and its stage processes (one ``rlstream run`` each)."""
+
+    def __init__(self, prefix: str, partitions: int = 8, **extra_env: str):
+        self.bootstrap = broker.up()
+        self.run = f"{prefix}-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
+        self.workdir = ROOT / ".rlstream" / "runs" / self.run
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        create_topics({"bootstrap.servers": self.bootstrap}, self.run, partitions=partitions)
+        self.kafka = KafkaSettings(bootstrap=self.bootstrap, run=self.run)
+        self.env = stage_env(self.bootstrap, self.run, PYTHONWARNINGS="ignore", **extra_env)
+        self.sup = Supervisor()
+        self.metrics_ports: dict[str, int] = {}
+
+    def add(self, name: str, argv: list[str]) -> StageProc:
+        port = free_port()
+        self.metrics_ports[name] = port
+        proc = StageProc(name, [*argv, "--metrics-port", str(port)], self.env, self.workdir / "logs" / f"{name}.log",
+                         group=f"{self.run}.{argv[1]}")
+        return self.sup.add(proc)
+
+    def trainer(self, *, eta: int, groups_per_step: int = 16, lr: float = 1e-4, warmup_steps: int = 300,
+                window_groups: int = 32, extra: tuple = ()) -> StageProc:
+        return self.add("trainer", ["run", "trainer", "--weights", str(self.workdir / "weights"), "--eta", str(eta),
+                                    "--groups-per-step", str(groups_per_step), "--window-groups", str(window_groups),
+                                    "--lr", str(lr), "--warmup-steps", str(warmup_steps), "--threads", "1",
+                                    "--instance", "0", *extra])
+
+    def rollout(self, *, eta: int, instance: int = 0, backend: str = "vllm", batch_size: int = 64) -> StageProc:
+        return self.add("rollout" if instance == 0 else f"rollout{instance}",
+                        ["run", "rollout", "--backend", backend, "--eta", str(eta), "--threads", "1",
+                         "--instance", str(instance), "--batch-size", str(batch_size)])
+
+    def env_stage(self) -> StageProc:
+        return self.add("env", ["run", "env", "--instance", "0", "--sandbox", "subprocess"])
+
+    def reward(self, fn: str, *, instance: int = 0, concurrency: int = 256, batch_size: int = 256) -> StageProc:
+        return self.add("reward" if instance == 0 else f"reward{instance}",
+                        ["run", "reward", "--reward", fn, "--instance", str(instance),
+                         "--concurrency", str(concurrency), "--batch-size", str(batch_size)])
+
+    def start(self) -> None:
+        for p in self.sup.procs.values():
+            p.start()
+
+    def stop(self) -> None:
+        order = [n for n in STOP_ORDER if n in self.sup.procs] + [n for n in self.sup.procs if n not in STOP_ORDER]
+        self.sup.stop_all(order, timeout=30)
+
+    def dead(self) -> list[str]:
+        """Stages that exited on their own (a benchmark reports them rather than hiding them with restarts)."""
+        return [n for n, p in self.sup.procs.items() if p.proc is not None and not p.alive()]
+
+    def scrape(self, name: str, metric: str) -> float | None:
+        """One sample of a stage's Prometheus metric (first series), or None when unreachable."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_ports[name]}/metrics", timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        m = re.search(rf"^{re.escape(metric)}(?:{{[^}}]*}})? ([-0-9.e+naif]+)$", text, re.M)
+        return float(m.group(1)) if m else None
+
+
+    def mean(self, name: str, histogram: str) -> tuple[float, float]:
+        """(mean, count) of a stage's Prometheus histogram; (nan, 0) when it has no samples."""
+        total, count = self.scrape(name, histogram + "_sum"), self.scrape(name, histogram + "_count")
+        return (total / count, count) if total is not None and count else (float("nan"), 0.0)
+
+    def stage_profile(self, name: str) -> dict:
+        """Where a stream stage's time went: transactions, records per transaction, handler and batch time."""
+        batch_s, batches = self.mean(name, "rlstream_batch_seconds")
+        handler_s, _ = self.mean(name, "rlstream_handler_seconds")
+        records = self.scrape(name, "rlstream_records_in_total") or 0.0
+        return {"batches": batches, "batch_s": batch_s, "handler_s": handler_s,
+                "records_per_batch": records / batches if batches else float("nan")}
+
+    def rollout_version(self, name: str = "rollout") -> float:
+        """The policy version a rollout worker generates with (-1 before its engine is up)."""
+        v = self.scrape(name, "rlstream_policy_version")
+        return -1 if v is None else v
+
+
+class Versions:
+    """The run's PolicyVersion records as they are committed."""
+
+    def __init__(self, loop: Loop):
+        self.tail = TopicTail(loop.bootstrap, loop.run, ["policy-versions"])
+
+    def all(self) -> list[tuple[PolicyVersion, float]]:
+        """(record, monotonic time this process saw it), in version order."""
+        seen = [(s.record, s.seen_at) for s in self.tail.snapshot("policy-versions") if s.record is not None]
+        return sorted(seen, key=lambda x: x[0].version)
+
+    def latest(self) -> int:
+        versions = self.all()
+        return versions[-1][0].version if versions else -1
+
+    def wait_for(self, version: int, timeout: float, alive: Callable[[], bool] = lambda: True) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and alive():
+            if self.latest() >= version:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        self.tail.close()
+
+
+class PacedSource(threading.Thread):
+    """Produces training tasks paced by the trainer: ``async`` (eta steps ahead) or ``sync`` (a barrier).
+
+    sync: batch k+1 is issued only once version k+1 is announced and every rollout worker reports generating
+    with it (its ``rlstream_policy_version`` gauge), so no sample of the next batch can come from an old policy.
+    """
+
+    def __init__(self, loop: Loop, versions: Versions, *, mode: str, eta: int, groups_per_step: int = 16,
+                 group_size: int = 8, seed: int = 0, task: str = "reverse",
+                 max_tokens: Callable[[str], int] | None = None, rollouts: tuple[str, ...] = ("rollout",),
+                 ahead: int | None = None):
+        super().__init__(name="prompts", daemon=True)
+        if mode not in ("async", "sync"):
+            raise ValueError(mode)
+        self.loop, self.versions, self.mode, self.eta = loop, versions, mode, eta
+        self.gps, self.group_size, self.seed, self.task = groups_per_step, group_size, seed, task
+        self.max_tokens, self.rollouts = max_tokens, rollouts
+        self.ahead = ahead if ahead is not None else (eta if mode == "async" else 0)  # steps beyond the version
+        self.sent = 0
+        self.barrier_wait_s = 0.0  # sync: time spent waiting for rollout workers to load the new version
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _rollouts_at(self, version: int) -> bool:
+        return all(self.loop.rollout_version(r) >= version for r in self.rollouts)
+
+    def run(self) -> None:
+        try:
+            items, max_new = task_items(self.task, "train", self.seed)
+            out = PromptProducer(self.loop.kafka)
+            while not self._stop.is_set():
+                version = max(self.versions.latest(), 0)
+                allowed = (version + self.ahead + 1) * self.gps
+                if self.sent < allowed and self.mode == "sync":
+                    started = time.monotonic()
+                    while not self._stop.is_set() and not self._rollouts_at(version):
+                        time.sleep(0.02)
+                    self.barrier_wait_s += time.monotonic() - started
+                while self.sent < allowed and not self._stop.is_set():
+                    item = next(items)
+                    n = self.max_tokens(item[0]) if self.max_tokens else max_new
+                    out.send(make_task(self.task, item, self.group_size, SamplingParams(temperature=1.0, max_tokens=n)))
+                    self.sent += 1
+                out.producer.flush(10)
+                if self.sent >= allowed:
+                    self.versions.wait_for(version + 1, 0.5, lambda: not self._stop.is_set())
+        except BaseException as exc:  # reported by the benchmark, never swallowed
+            self.error = exc
+
+
+def snapshot(weights_uri: str, dest: Path) -> bool:
+    """Copy a published version's model (not its optimizer state) before the weight store prunes it."""
+    src = local_path(weights_uri)
+    try:
+        shutil.copytree(src, dest, ignore=shutil.ignore_patterns("optimizer.pt"), dirs_exist_ok=True)
+        return True
+    except OSError:
+        return False
