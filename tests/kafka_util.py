@@ -71,3 +71,14 @@ def make_trajectory(i: int, response: str = "cba", n_tokens: int = 4, group: int
                       token_ids=list(range(n_tokens)), loss_mask=[1] * n_tokens,
                       behaviour_logprobs=[-1.0] * n_tokens,
                       turns=[Turn("action", response, 0, n_tokens, policy_version=version)])
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.3):
+    """Poll ``predicate`` until it returns something truthy (returned), or fail saying what never happened."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")

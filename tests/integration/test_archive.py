@@ -6,13 +6,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from kafka_util import make_task, make_trajectory, produce
+from kafka_util import wait_for as _wait_for
 from rlstream.consumers.query import ENDPOINT_FILE, ArchiveError, open_archive, read_endpoint
 from rlstream.infra.topics import TOPICS, topic_name
 from rlstream.schemas import headers as hdr
@@ -27,14 +27,6 @@ EXPECTED = {"trajectories": 40, "rewards": 20, "feedback": 3, "policy_versions":
             "dead_letters": 2 + 2}  # two real dead letters, two undecodable trajectories
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _scored(i: int) -> ScoredTrajectory:

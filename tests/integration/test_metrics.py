@@ -12,6 +12,7 @@ import pytest
 from confluent_kafka import Producer
 
 from kafka_util import make_trajectory, produce
+from kafka_util import wait_for as _wait
 from rlstream.config import KafkaSettings
 from rlstream.consumers.monitor import faust_available
 from rlstream.infra.topics import topic_name
@@ -49,14 +50,6 @@ def _value(text: str, series: str, **labels) -> float | None:
     return None
 
 
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_stage_metrics_endpoint_exposes_the_loop_series(bootstrap, run_name, tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kafka_util import make_trajectory, produce, read_all
+from kafka_util import wait_for as _wait_for
 from rlstream.config import KafkaSettings
 from rlstream.consumers.query import open_archive, read_endpoint
 from rlstream.producers.replay import ReplaySettings, parse_since, parse_versions, replay
@@ -35,14 +36,6 @@ def _expected(i: int) -> float:
     return sum(a == b for a, b in zip("cba", RESPONSES[i % 4])) / 3
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _rows(url: str, run: str, version: str) -> list[list]:

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from kafka_util import make_trajectory, produce, read_all
+from kafka_util import wait_for as _wait_for
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from stage_proc import start_stage, stop
@@ -15,14 +16,6 @@ from stage_proc import start_stage, stop
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_sigkill_mid_batch_loses_and_duplicates_nothing(bootstrap, run_name, tmp_path):
