@@ -3,7 +3,7 @@
     python benchmarks/weight_publish.py [--seconds 90] [--groups-per-step 8]
 
 The loop runs (trainer, 2 vLLM-CPU rollout workers in one group, env, reward with no added latency, eta=2, and
-a prompt backlog so the workers never wait for work) and every version is measured twice per worker:
+a prompt source --backlog-steps ahead of the trainer) and every version is measured twice per worker:
 - loaded: the rollout's own rlstream_policy_publish_latency_seconds (published_at to weights reloaded);
 - generating: from published_at to the start of the worker's first generation with that version or a newer one
   (Turn.started_at of its actions; a worker is told apart by the prompts partitions the group assigned it).
@@ -77,8 +77,8 @@ def main(argv=None) -> dict:
     loop.env_stage()
     loop.reward("benchmarks.workloads:exact", concurrency=64)
     versions = Versions(loop)
-    # A backlog deeper than eta keeps both workers generating, so a swap waits on the batch in progress, never
-    # on the prompt source (rollout still pauses itself at eta).
+    # A backlog deeper than eta lets workers run ahead (rollout still pauses itself at eta); a rollout faster than
+    # the trainer drains it anyway, and then waits for the source (see README).
     source = PacedSource(loop, versions, mode="async", eta=2, groups_per_step=args.groups_per_step,
                          rollouts=ROLLOUTS, ahead=args.backlog_steps)
     admin = AdminClient({"bootstrap.servers": loop.bootstrap})
@@ -99,6 +99,8 @@ def main(argv=None) -> dict:
         last_measured = versions.latest()
         owners_after = assignment(admin, f"{loop.run}.rollout", loop.run)
         hists = {r: histogram(loop, r, "rlstream_policy_publish_latency_seconds") for r in ROLLOUTS}
+        # A worker swaps between batches, so the batch in progress is what a new version waits for.
+        batches = {r: loop.stage_profile(r) for r in ROLLOUTS}
         source.stop()
         time.sleep(3)  # the last generations reach the actions topic
     finally:
@@ -143,9 +145,12 @@ def main(argv=None) -> dict:
         under_1s = h["buckets"].get(1.0, 0) / h["count"] if h["count"] else float("nan")
         print(f"{r:9s} loaded:     mean {h['sum'] / max(h['count'], 1):6.3f} s over {h['count']:.0f} reloads, "
               f"{under_1s:.1%} within 1 s")
+        b = batches[r]
+        print(f"{r:9s} batches:    {b['batches']:.0f}, {b['records_per_batch']:.1f} records each, consume-to-commit "
+              f"mean {b['batch_s']:.2f} s")
         print(f"{r:9s} generating: p50 {percentile(latencies[r], 50):6.3f} s  p99 {percentile(latencies[r], 99):6.3f} s"
               f"  ({len(latencies[r])} versions)")
-        result[r] = {"loaded": h, "generating_p50": percentile(latencies[r], 50),
+        result[r] = {"loaded": h, "batches": b, "generating_p50": percentile(latencies[r], 50),
                      "generating_p99": percentile(latencies[r], 99), "n": len(latencies[r])}
     p50, p99 = percentile(every, 50), percentile(every, 99)
     print(f"every worker generating with the new version: p50 {p50:.3f} s  p99 {p99:.3f} s  "
