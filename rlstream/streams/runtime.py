@@ -183,6 +183,7 @@ class StageRunner:
         }
         self.producer = Producer(self._producer_config)
         self._wedged: list[Producer] = []  # producers stuck in a call, kept so that no destructor waits on them
+        self._replaced = 0  # producers replaced since the last commit
         self._pool = ThreadPoolExecutor(max_workers=max(1, settings.concurrency),
                                         thread_name_prefix=f"{stage.name}-handler")
         self._loop = asyncio.new_event_loop()
@@ -290,14 +291,17 @@ class StageRunner:
             # Anything else (including a crash in the stage) aborts: the batch is redone.
             self._abort_and_rewind(msgs)
             raise
+        self._replaced = 0
         metrics.TRANSACTIONS.labels(self.stage.name, "committed").inc()
         metrics.BATCH_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
 
-    def _replace_producer(self, exc: Wedged, msgs: list[Message]) -> None:
-        """Fence the stuck producer with a new one of the same transactional id, then redo the batch."""
-        log.error("%s: %s; replacing the producer (its open transaction is aborted by the fencing)",
-                  self.stage.name, exc)
+    def _replace_producer(self, exc: Exception, msgs: list[Message]) -> None:
+        """Fence a stuck or broken producer with a new one of the same transactional id, then redo the batch."""
+        log.error("%s: %s; replacing the producer (the new one aborts the open transaction)", self.stage.name, exc)
         metrics.TRANSACTIONS.labels(self.stage.name, "aborted").inc()
+        self._replaced += 1
+        if self._replaced > 5:  # no commit since several replacements: not a passing fault; exit
+            raise exc
         self._wedged.append(self.producer)
         self.producer = Producer(self._producer_config)
         init_transactions(self.producer, self.stage.name, stopping=lambda: self._stopping)
@@ -309,7 +313,10 @@ class StageRunner:
             log.warning("%s transaction failed (%s); aborting and redoing the batch", self.stage.name, err)
             self._abort_and_rewind(msgs)
             return
-        # Fatal (e.g. fenced by a newer instance with our transactional.id): exit, let the supervisor restart.
+        if err.fatal() and err.code() not in _FENCED:
+            self._replace_producer(exc, msgs)
+            return
+        # Fenced by a newer instance with our transactional.id: we are the zombie; exit.
         metrics.TRANSACTIONS.labels(self.stage.name, "fatal").inc()
         raise exc
 
@@ -325,6 +332,10 @@ class StageRunner:
                 return
             except KafkaException as exc:
                 err = exc.args[0]
+                if err.fatal() and err.code() not in _FENCED and not self._stopping:
+                    # E.g. INVALID_TXN_STATE after a broker restart aborted the transaction on its own.
+                    self._replace_producer(exc, msgs)
+                    return
                 # An abort times out while the broker is down or restarting: wait for it rather than exit.
                 if err.fatal() or not err.retriable() or self._stopping or time.monotonic() > deadline:
                     log.error("%s abort failed: %s", self.stage.name, exc)
@@ -515,6 +526,10 @@ def bounded(call, *args):
         raise result["error"]
     return result.get("value")
 
+
+#: Fatal errors that mean a newer instance with our transactional id exists: replacing the producer would
+#: fence that one in turn, so the process exits instead.
+_FENCED = (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH)
 
 #: What a broker still starting (or moving its transaction coordinator) answers; worth waiting out.
 _COORDINATOR_BUSY = (KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE,

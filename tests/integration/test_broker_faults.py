@@ -103,7 +103,8 @@ def test_broker_restart_mid_run_loses_nothing_and_the_stage_resumes(home, tmp_pa
         _wait_rewards(bootstrap, run, 40)
         broker.down(home)
         assert broker.status(home) == {}
-        time.sleep(5)  # the stage runs on without a broker
+        # Longer than transaction.timeout.ms (30 s): the open transaction expires while the broker is away.
+        time.sleep(35)
         assert proc.poll() is None, log.read_text()[-3000:]
         assert broker.up(home, port=port) == bootstrap
         produce(bootstrap, run, "trajectories", _trajectories(first, second))
