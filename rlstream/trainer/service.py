@@ -179,8 +179,9 @@ class TrainerService:
             except (hdr.HeaderError, DecodeError) as exc:
                 self._letters.append((m, exc.reason, str(exc)))
                 continue
-            if self.settings.reward_version and headers.get(hdr.REWARD_VERSION, b"").decode() != \
-                    self.settings.reward_version:
+            # Compared as bytes: a null or non-UTF-8 header is just another version, never a crash.
+            if self.settings.reward_version and headers.get(hdr.REWARD_VERSION) != \
+                    self.settings.reward_version.encode():
                 continue
             sample = RECORD_TYPES[record_name].from_dict(value)
             traj = sample.scored.trajectory if record_name == "TeacherFeedback" else sample.trajectory

@@ -327,3 +327,51 @@ def test_prompts_too_long_and_model_output_that_is_not_utf8(bootstrap, run_name,
             not_utf8 += 1
             assert "\ufffd" in turn.text
     assert not_utf8 > 0, "no sampled response was invalid UTF-8; the byte vocabulary should make most of them"
+
+
+# -- trainer ---------------------------------------------------------------------------------------------------
+
+
+def test_trainer_skips_samples_whose_reward_version_header_is_null_or_binary(bootstrap, run_name, tmp_path):
+    """The trainer told to train on one reward version meets null and non-UTF-8 reward_version headers: it
+    neither crashes nor trains on them, and it trains on the good groups."""
+    import threading
+
+    from rlstream.config import KafkaSettings
+    from rlstream.streams.runtime import RuntimeSettings
+    from rlstream.trainer.service import TrainerService, TrainerSettings
+
+    g = 2
+
+    def group(gid: int, reward_version) -> list[tuple]:
+        out = []
+        for i, r in enumerate((1.0, 0.0)):
+            traj = make_trajectory(gid * 10 + i, group=gid, response="cba" if r else "abc")
+            traj.task.group_size = g
+            traj.task.prompt_token_ids = [1, 5, 6, 7, 40]
+            headers = hdr.build(0, hdr.new_traceparent())
+            headers.append(("reward_version", reward_version))
+            out.append((traj.group_id.encode(), ScoredTrajectory(traj, Reward(total=r, reward_version="v1")), headers))
+        return out
+    # Bad headers first, in the same partition: a crash on them would hold back the good groups behind.
+    produce(bootstrap, run_name, "rewards", group(1, None) + group(2, b"\xff\xfe") + group(3, b"v1") + group(4, b"v1"))
+    trainer = TrainerService(TrainerSettings(weights=str(tmp_path / "weights"), warmup_steps=0, groups_per_step=2,
+                                             window_groups=4, reward_version="v1"))
+    errors = []
+
+    def serve():
+        try:
+            trainer.serve(KafkaSettings(bootstrap=bootstrap, run=run_name), RuntimeSettings(poll_timeout_s=0.1))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 180
+    while trainer.version < 1 and not errors:
+        assert time.monotonic() < deadline, f"trainer stuck at v{trainer.version}"
+        time.sleep(0.2)
+    trainer.stop()
+    thread.join(60)
+    assert errors == [] and trainer.version == 1
+    versions = [r["record"] for r in read_all(bootstrap, run_name, "policy-versions", expect=2)]
+    assert versions[-1].version == 1 and versions[-1].samples_trained == 2 * g  # groups 3 and 4 only
