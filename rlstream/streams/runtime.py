@@ -462,17 +462,22 @@ class StageRunner:
                                           self.settings.handler_timeout_s * max(1, math.ceil(n / 8)))
         try:
             return self._loop.run_until_complete(go())
-        except asyncio.TimeoutError:
-            return _Rejected("handler_timeout", f"handler exceeded {self.settings.handler_timeout_s}s")
-        except InvalidRecord as exc:
-            return _Rejected("invalid", str(exc))
         except Exception as exc:
-            return _Rejected("handler_error", f"{type(exc).__name__}: {exc}")
+            return self._rejection(exc)
+
+    def _rejection(self, exc: Exception) -> "_Rejected":
+        """The dead-letter reason for a handler's failure."""
+        if isinstance(exc, asyncio.TimeoutError):
+            return _Rejected("handler_timeout", f"handler exceeded {self.settings.handler_timeout_s}s")
+        if isinstance(exc, InvalidRecord):
+            return _Rejected("invalid", str(exc))
+        return _Rejected("handler_error", f"{type(exc).__name__}: {exc}")
 
     async def _handle_each(self, items: list[Incoming]) -> list[list[Output] | _Rejected]:
         sem = asyncio.Semaphore(max(1, self.settings.concurrency))
         handler = self.stage.handle
         is_async = asyncio.iscoroutinefunction(handler)
+        handler_seconds = metrics.HANDLER_SECONDS.labels(self.stage.name)  # one label lookup per batch
 
         async def one(item: Incoming):
             async with sem:
@@ -486,14 +491,10 @@ class StageRunner:
                     if not isinstance(result, list) or not all(isinstance(o, Output) for o in result):
                         raise TypeError(f"handler returned {type(result).__name__}, expected list[Output]")
                     return result
-                except asyncio.TimeoutError:
-                    return _Rejected("handler_timeout", f"handler exceeded {self.settings.handler_timeout_s}s")
-                except InvalidRecord as exc:
-                    return _Rejected("invalid", str(exc))
                 except Exception as exc:
-                    return _Rejected("handler_error", f"{type(exc).__name__}: {exc}")
+                    return self._rejection(exc)
                 finally:
-                    metrics.HANDLER_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
+                    handler_seconds.observe(time.monotonic() - started)
 
         return list(await asyncio.gather(*(one(it) for it in items)))
 
