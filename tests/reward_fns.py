@@ -1,4 +1,5 @@
 """Reward functions that tests load by dotted path (tests/ is on PYTHONPATH for stage subprocesses)."""
+import random
 import time
 
 from rlstream.streams.reward import exact_match
@@ -7,6 +8,13 @@ from rlstream.streams.reward import exact_match
 def slow(trajectory):
     """Exact match after a short sleep, so a SIGKILL lands in the middle of a batch."""
     time.sleep(0.05)
+    return exact_match(trajectory)
+
+
+def jittery(trajectory):
+    """Exact match after a heavy-tailed wait (most short, some 20x longer), seeded by the trajectory id."""
+    rnd = random.Random(trajectory.trajectory_id)
+    time.sleep(0.5 if rnd.random() < 0.05 else rnd.uniform(0.0, 0.05))
     return exact_match(trajectory)
 
 

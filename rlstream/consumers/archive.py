@@ -21,13 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from prometheus_client import Counter, Histogram
 
 from ..config import KafkaSettings, knob
-from ..infra.topics import MAX_MESSAGE_BYTES, TOPICS, create_topics, topic_name
+from ..infra.topics import TOPICS, create_topics, topic_name
 from ..schemas import headers as hdr
 from ..schemas.codec import HEADER_LEN, MARKER, DecodeError, default_codec, load_current, packed_paths
+from ..streams.group import GroupMember
 from .query import DATABASE, DEFAULT_ARCHIVE, ArchiveError, SqlEndpoint, connect, resolve, run_sql
 
 log = logging.getLogger(__name__)
@@ -405,7 +406,7 @@ class ArchiveSink:
         self.stats = {"rows": 0, "skipped": 0, "batches": 0, "first_consumed": None, "last_flushed": None}
         self._stopping = threading.Event()
         self._endpoint: SqlEndpoint | None = None
-        self._consumer: Consumer | None = None
+        self._member: GroupMember | None = None
         self._run = ""
         self._logical: dict[str, str] = {}
         self._native = settings.archive_clickhouse_decode and self.kind == "chdb"
@@ -629,7 +630,8 @@ class ArchiveSink:
                 create_topics(kafka.client_config(), kafka.run)
             except Exception as exc:  # the broker may forbid it; topics made elsewhere still get archived
                 log.warning("archive: could not create the run's topics: %s", exc)
-            self._consume(kafka, poll_s, idle_exit_s, getattr(runtime, "instance", "") or "")
+            self._consume(kafka, poll_s, idle_exit_s, getattr(runtime, "instance", "") or "",
+                          getattr(runtime, "session_timeout_ms", 10000))
         finally:
             gc.set_threshold(*thresholds)
             gc.unfreeze()
@@ -637,20 +639,17 @@ class ArchiveSink:
             log.info("archive stopped: %d rows inserted, %d records skipped as already archived",
                      self.stats["rows"], self.stats["skipped"])
 
-    def _consume(self, kafka: KafkaSettings, poll_s: float, idle_exit_s: float | None, instance: str) -> None:
+    def _consume(self, kafka: KafkaSettings, poll_s: float, idle_exit_s: float | None, instance: str,
+                 session_timeout_ms: int) -> None:
         group = f"{kafka.run}.archive"
-        self._consumer = consumer = Consumer({
-            **kafka.client_config(), "group.id": group, "client.id": f"{group}.{instance or os.getpid()}",
-            # Committed records only, and offsets move only after their rows are in ClickHouse.
-            "isolation.level": "read_committed", "enable.auto.commit": False, "enable.auto.offset.store": False,
-            "auto.offset.reset": "earliest", "max.partition.fetch.bytes": MAX_MESSAGE_BYTES,
-            "fetch.max.bytes": 4 * MAX_MESSAGE_BYTES, "session.timeout.ms": 10000, "heartbeat.interval.ms": 2000,
-            "max.poll.interval.ms": 600000})
         topics = [topic_name(kafka.run, t) for t in TOPICS]
         self._pending, self._pending_bytes, self._inflight = [], 0, None
         # One batch inserts in this thread while the next is consumed and wrapped (chDB releases the GIL).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive-insert")
-        consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost)
+        # Committed records only, and offsets move only after their rows are in ClickHouse (group.py).
+        self._member = GroupMember(kafka, group, topics, instance=instance, session_timeout_ms=session_timeout_ms,
+                                   on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost,
+                                   who="archive")
         log.info("archive consuming %d topics of run %s as group %s", len(topics), kafka.run, group)
         batch_rows, flush_s = self.settings.archive_batch_rows, self.settings.archive_flush_s
         oldest = idle_since = time.monotonic()
@@ -658,10 +657,7 @@ class ArchiveSink:
             while not self._stopping.is_set():
                 now = time.monotonic()
                 wait = poll_s if not self._pending else max(0.0, min(poll_s, oldest + flush_s - now))
-                msgs = consumer.consume(max(1, batch_rows - len(self._pending)), wait)
-                fresh = [m for m in msgs if m.error() is None]
-                if len(fresh) < len(msgs):
-                    self._errors([m for m in msgs if m.error() is not None])
+                fresh = self._member.consume(max(1, batch_rows - len(self._pending)), wait)
                 if fresh:
                     if not self._pending:
                         oldest = time.monotonic()
@@ -681,8 +677,8 @@ class ArchiveSink:
             self._reap(block=True)
         finally:
             self._pool.shutdown(wait=True)
-            consumer.close()
-            self._consumer = None
+            self._member.close()
+            self._member = None
 
     def _flush(self) -> None:
         """Wrap the pending records, wait for the batch in flight to commit, then start inserting these."""
@@ -707,7 +703,7 @@ class ArchiveSink:
             if m.offset() >= offsets.get(key, -1):
                 offsets[key] = m.offset()
         try:
-            self._consumer.commit(offsets=[TopicPartition(t, p, o + 1) for (t, p), o in offsets.items()],
+            self._member.consumer.commit(offsets=[TopicPartition(t, p, o + 1) for (t, p), o in offsets.items()],
                                   asynchronous=False)
         except KafkaException as exc:
             # The rows are in; whoever reads these offsets again skips them by watermark.
@@ -735,11 +731,3 @@ class ArchiveSink:
         self._pending = [m for m in self._pending if (m.topic(), m.partition()) not in gone]
         self._pending_bytes = sum(map(len, self._pending))
 
-    def _errors(self, msgs: list[Message]) -> None:
-        for m in msgs:
-            err = m.error()
-            if err.code() in (KafkaError._PARTITION_EOF, KafkaError.UNKNOWN_TOPIC_OR_PART):
-                continue
-            log.warning("archive consume error: %s", err)
-            if err.fatal():
-                raise KafkaException(err)

@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -26,6 +26,8 @@ from ..schemas import headers as hdr
 from ..schemas.codec import DecodeError, default_codec
 from ..schemas.records import RECORD_TYPES, DeadLetter, Record
 from . import metrics
+from .group import GroupMember
+from .inflight import InOrderWindow, Slot
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +40,19 @@ class RuntimeSettings:
     poll_timeout_s: float = knob(0.2, "How long one poll waits for records")
     handler_timeout_s: float = knob(30.0, "A record whose handler runs longer goes to dead-letters")
     concurrency: int = knob(64, "Records of one batch handled concurrently (threads for sync handlers)")
-    instance: str = knob("", "Stable worker id; a restarted worker with the same id fences its zombie at once "
-                             "(default: a random id, whose open transaction the broker aborts on timeout)")
+    instance: str = knob("", "Stable worker id: a restarted worker with the same id fences its zombie and takes "
+                             "its partitions back at once (default: a random id, whose open transaction the broker "
+                             "aborts on timeout and whose partitions move after the session timeout)")
+    session_timeout_ms: int = knob(10000, "Consumer-group session: how long a dead worker without a stable "
+                                          "--instance holds its partitions")
     transaction_timeout_ms: int = knob(30000, "Broker-side timeout of an open transaction")
     metrics_port: int = knob(0, "Prometheus /metrics port (0 picks a free port)")
     metrics_addr: str = knob("127.0.0.1", "Address /metrics listens on (0.0.0.0 in containers, for Prometheus)")
     max_record_bytes: int = knob(MAX_MESSAGE_BYTES, "Outputs larger than this are dead-lettered as oversized")
+    pipeline: bool = knob(True, "Per-record stages keep up to --concurrency records in flight across polls and "
+                                "commit them as they finish, in partition order (no batch waits for its slowest "
+                                "record); --no-pipeline handles and commits one batch at a time")
+    commit_interval_s: float = knob(0.1, "Pipelined stages: longest a finished record waits for its transaction")
 
 
 class InvalidRecord(ValueError):
@@ -152,27 +161,11 @@ class StageRunner:
         self.codec = default_codec()
         self.paused_topics: set[str] = set()
         self._stopping = False
-        instance = settings.instance or uuid.uuid4().hex[:12]
+        instance = settings.instance or uuid.uuid4().hex[:12]  # transactional id; static membership needs a set one
         base = kafka.client_config()
         self.group_id = f"{kafka.run}.{stage.name}"
-        self.consumer = Consumer({
-            **base,
-            "group.id": self.group_id,
-            "client.id": f"{self.group_id}.{instance}",
-            # No static membership (group.instance.id), although a restart would then skip waiting out its dead
-            # predecessor's session: after a broker outage longer than the session it fences itself, fatally.
-            # Downstream of a transactional stage, only committed records exist.
-            "isolation.level": "read_committed",
-            # Offsets move only inside our transactions, never on their own.
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "auto.offset.reset": "earliest",
-            "max.partition.fetch.bytes": MAX_MESSAGE_BYTES,
-            "fetch.max.bytes": 4 * MAX_MESSAGE_BYTES,
-            "session.timeout.ms": 10000,
-            "heartbeat.interval.ms": 2000,
-            "max.poll.interval.ms": 600000,
-        })
+        self._instance = settings.instance
+        self._member: GroupMember | None = None  # joins the group in run(), once the producer is ready
         self._producer_config = {
             **base,
             "transactional.id": f"{self.group_id}.{instance}",
@@ -187,8 +180,12 @@ class StageRunner:
         self._pool = ThreadPoolExecutor(max_workers=max(1, settings.concurrency),
                                         thread_name_prefix=f"{stage.name}-handler")
         self._loop = asyncio.new_event_loop()
+        # asyncio.to_thread (sync reward functions) uses the default executor: make it ours, sized by concurrency.
+        self._loop.set_default_executor(self._pool)
         self.ctx = StageContext(self)
         self._assigned: list[TopicPartition] = []
+        self._window = InOrderWindow()  # pipelined stages: records in flight, in partition order
+        self._held: list[Slot] = []  # pipelined stages: finished and released, waiting for the next transaction
         self._lag = metrics.LagProbe(stage.name, kafka.run)  # consumer lag gauge, refreshed every few seconds
 
     # -- lifecycle -----------------------------------------------------------------
@@ -203,34 +200,144 @@ class StageRunner:
         signal.signal(signal.SIGINT, self.request_stop)
         init_transactions(self.producer, self.stage.name, stopping=lambda: self._stopping)
         topics = [topic_name(self.kafka.run, t) for t in self.stage.inputs]
-        self.consumer.subscribe(topics, on_assign=self._on_assign, on_revoke=self._on_revoke)
-        log.info("%s consuming %s as group %s", self.stage.name, topics, self.group_id)
+        self._member = GroupMember(self.kafka, self.group_id, topics, instance=self._instance,
+                                   session_timeout_ms=self.settings.session_timeout_ms, on_assign=self._on_assign,
+                                   on_revoke=self._on_revoke, on_lost=self._on_revoke, who=self.stage.name)
+        pipelined = self.settings.pipeline and type(self.stage).handle_batch is Stage.handle_batch
+        log.info("%s consuming %s as group %s (%s)", self.stage.name, topics, self.group_id,
+                 "pipelined" if pipelined else "one batch per transaction")
+        try:
+            if pipelined:
+                self._run_pipelined(max_batches, idle_exit_s)
+            else:
+                self._run_batches(max_batches, idle_exit_s)
+        finally:
+            self.close()
+
+    def _run_batches(self, max_batches: int | None, idle_exit_s: float | None) -> None:
         batches, idle_since = 0, time.monotonic()
+        while not self._stopping:
+            self.stage.before_poll(self.ctx)
+            msgs = self._member.consume(self.settings.batch_size, self.settings.poll_timeout_s)
+            self._lag.maybe_update(self.consumer, self._assigned)
+            if not msgs:
+                if idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
+                    break
+                continue
+            idle_since = time.monotonic()
+            self._process_batch(msgs)
+            batches += 1
+            if max_batches is not None and batches >= max_batches:
+                break
+
+    def _run_pipelined(self, max_batches: int | None, idle_exit_s: float | None) -> None:
+        """Keep up to ``concurrency`` records in flight across polls; commit finished ones in partition order."""
+        worker = threading.Thread(target=self._loop.run_forever, name=f"{self.stage.name}-loop", daemon=True)
+        worker.start()
+        commits, idle_since, held_since = 0, time.monotonic(), 0.0
+        window, limit = self._window, max(1, self.settings.concurrency)
         try:
             while not self._stopping:
                 self.stage.before_poll(self.ctx)
-                msgs = self.consumer.consume(self.settings.batch_size, self.settings.poll_timeout_s)
-                msgs = [m for m in msgs if self._usable(m)]
+                busy = window.size > 0 or bool(self._held)
+                room = limit - window.size
+                msgs = self._member.consume(min(room, self.settings.batch_size),
+                                            0 if busy else self.settings.poll_timeout_s) if room > 0 else []
                 self._lag.maybe_update(self.consumer, self._assigned)
-                if not msgs:
-                    if idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
-                        break
-                    continue
-                idle_since = time.monotonic()
-                self._process_batch(msgs)
-                batches += 1
-                if max_batches is not None and batches >= max_batches:
+                now = time.monotonic()
+                for m in msgs:
+                    self._admit(m, now)
+                if msgs or busy:
+                    idle_since = now
+                elif idle_exit_s is not None and now - idle_since > idle_exit_s:
                     break
+                if window.size and not msgs:
+                    # Nothing new arrived: sleep until a handler finishes, looking for new records now and then.
+                    wait(window.unfinished(), timeout=0.05 if room > 0 else self.settings.poll_timeout_s,
+                         return_when=FIRST_COMPLETED)
+                released = window.release()
+                if released and not self._held:
+                    held_since = time.monotonic()
+                self._held.extend(released)
+                if self._held and (window.size == 0 or len(self._held) >= self.settings.batch_size
+                                   or time.monotonic() - held_since >= self.settings.commit_interval_s):
+                    self._commit_held()
+                    commits += 1
+                    if max_batches is not None and commits >= max_batches:
+                        break
+            self._drain()
         finally:
-            self.close()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            worker.join(5)
+
+    def _drain(self) -> None:
+        """On the way out, give records in flight a handler timeout to finish and commit those that did."""
+        unfinished = self._window.unfinished()
+        if unfinished:
+            wait(unfinished, timeout=self.settings.handler_timeout_s)
+        self._held.extend(self._window.release())
+        if self._held:
+            self._commit_held()
+
+    def _admit(self, m: Message, now: float) -> None:
+        logical = logical_name(self.kafka.run, m.topic())
+        metrics.RECORDS_IN.labels(self.stage.name, logical).inc()
+        slot = Slot(m, admitted_at=now)
+        try:
+            slot.item = self._decode(m, logical, hdr.now_ms())
+        except _Rejected as rej:
+            slot.resolve(rej)
+        else:
+            slot.future = asyncio.run_coroutine_threadsafe(self._handle_one(slot.item), self._loop)
+        self._window.add(slot)
+
+    def _commit_held(self) -> None:
+        held, self._held = self._held, []
+        started = min(s.admitted_at for s in held)
+        msgs = [s.msg for s in held]
+        self.producer.begin_transaction()
+        try:
+            for slot in held:
+                self._emit(slot.msg, slot.item, slot.outcome())
+            # Do not advance committed offsets outside of the transaction, and only past records whose outputs
+            # are in it: the window released these in partition order, so no earlier record is missing.
+            bounded(self.producer.send_offsets_to_transaction, _next_offsets(msgs),
+                    self.consumer.consumer_group_metadata(), 30)
+            bounded(self.producer.commit_transaction, 60)
+        except KafkaException as exc:
+            self._recover(exc, self._forget_in_flight(msgs))
+            return
+        except Wedged as exc:
+            self._replace_producer(exc, self._forget_in_flight(msgs))
+            return
+        except BaseException:
+            self._abort_and_rewind(self._forget_in_flight(msgs))
+            raise
+        self._replaced = 0
+        metrics.TRANSACTIONS.labels(self.stage.name, "committed").inc()
+        metrics.BATCH_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
+
+    def _forget_in_flight(self, msgs: list[Message]) -> list[Message]:
+        """An aborted transaction: drop every record in flight too; the rewind reads them all again."""
+        dropped = self._window.clear()
+        for slot in dropped:
+            if slot.future is not None:
+                slot.future.cancel()
+        return msgs + [s.msg for s in dropped]
 
     def close(self) -> None:
         self.stage.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         try:
-            self.consumer.close()
+            if self._member is not None:
+                self._member.close()
         finally:
             self._loop.close()
+
+    @property
+    def consumer(self) -> Consumer:
+        """The group member's current consumer (a new object after it was replaced)."""
+        return self._member.consumer
 
     def set_paused(self, logical_topic: str, paused: bool) -> None:
         physical = topic_name(self.kafka.run, logical_topic)
@@ -254,20 +361,14 @@ class StageRunner:
             consumer.pause(paused)
 
     def _on_revoke(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
-        # No transaction is open here: revocation only happens inside consume().
+        # No transaction is open here: revocation only happens inside consume(). Records in flight or held for
+        # these partitions are uncommitted; their next owner reads them again, so they are dropped, not produced.
         self._assigned = [tp for tp in self._assigned if tp not in parts]
-
-    def _usable(self, msg: Message) -> bool:
-        err = msg.error()
-        if err is None:
-            return True
-        if err.code() != KafkaError._PARTITION_EOF:
-            log.warning("%s consume error: %s", self.stage.name, err)
-            # A fatal consumer error arrives as code _FATAL without the fatal flag; the consumer never
-            # recovers from it, so exit for the supervisor to restart us rather than idle forever.
-            if err.fatal() or err.code() == KafkaError._FATAL:
-                raise KafkaException(err)
-        return False
+        gone = {(tp.topic, tp.partition) for tp in parts}
+        for slot in self._window.drop(gone):
+            if slot.future is not None:
+                slot.future.cancel()
+        self._held = [s for s in self._held if (s.msg.topic(), s.msg.partition()) not in gone]
 
     # -- one transaction -----------------------------------------------------------
 
@@ -347,7 +448,8 @@ class StageRunner:
         """The aborted outputs are gone, so the inputs must be read again."""
         first: dict[tuple[str, int], int] = {}
         for m in msgs:
-            first.setdefault((m.topic(), m.partition()), m.offset())
+            key = (m.topic(), m.partition())
+            first[key] = min(first.get(key, m.offset()), m.offset())
         for (topic, partition), offset in first.items():
             try:
                 self.consumer.seek(TopicPartition(topic, partition, offset))
@@ -367,18 +469,22 @@ class StageRunner:
             except _Rejected as rej:
                 self._dead_letter(m, rej.reason, str(rej))
         for msg, item, result in zip(sources, items, self._handle_all(items)):
-            if isinstance(result, _Rejected):
-                self._dead_letter(msg, result.reason, str(result))
-                continue
-            try:
-                encoded = [self._encode(item, out) for out in result]
-            except _Rejected as rej:
-                self._dead_letter(msg, rej.reason, str(rej))
-                continue
-            for out, (topic, key, value, headers) in zip(result, encoded):
-                self._produce(topic, key, value, headers)
-                metrics.RECORDS_OUT.labels(self.stage.name, out.topic).inc()
-                metrics.count_output(self.stage.name, out.topic, out.record)
+            self._emit(msg, item, result)
+
+    def _emit(self, msg: Message, item: Incoming | None, result: "list[Output] | _Rejected") -> None:
+        """Produce a record's outputs, or its dead letter, into the open transaction."""
+        if isinstance(result, _Rejected):
+            self._dead_letter(msg, result.reason, str(result))
+            return
+        try:
+            encoded = [self._encode(item, out) for out in result]
+        except _Rejected as rej:
+            self._dead_letter(msg, rej.reason, str(rej))
+            return
+        for out, (topic, key, value, headers) in zip(result, encoded):
+            self._produce(topic, key, value, headers)
+            metrics.RECORDS_OUT.labels(self.stage.name, out.topic).inc()
+            metrics.count_output(self.stage.name, out.topic, out.record)
 
     def _decode(self, m: Message, logical: str, now: int) -> Incoming:
         headers = hdr.as_dict(m.headers())
@@ -475,28 +581,30 @@ class StageRunner:
 
     async def _handle_each(self, items: list[Incoming]) -> list[list[Output] | _Rejected]:
         sem = asyncio.Semaphore(max(1, self.settings.concurrency))
-        handler = self.stage.handle
-        is_async = asyncio.iscoroutinefunction(handler)
-        handler_seconds = metrics.HANDLER_SECONDS.labels(self.stage.name)  # one label lookup per batch
 
         async def one(item: Incoming):
             async with sem:
-                started = time.monotonic()
-                try:
-                    if is_async:
-                        result = await asyncio.wait_for(handler(item), self.settings.handler_timeout_s)
-                    else:
-                        result = await asyncio.wait_for(self._loop.run_in_executor(self._pool, handler, item),
-                                                        self.settings.handler_timeout_s)
-                    if not isinstance(result, list) or not all(isinstance(o, Output) for o in result):
-                        raise TypeError(f"handler returned {type(result).__name__}, expected list[Output]")
-                    return result
-                except Exception as exc:
-                    return self._rejection(exc)
-                finally:
-                    handler_seconds.observe(time.monotonic() - started)
+                return await self._handle_one(item)
 
         return list(await asyncio.gather(*(one(it) for it in items)))
+
+    async def _handle_one(self, item: Incoming) -> list[Output] | _Rejected:
+        """One record through the stage's handler (async, or sync in the pool), with its timeout."""
+        handler = self.stage.handle
+        started = time.monotonic()
+        try:
+            if asyncio.iscoroutinefunction(handler):
+                result = await asyncio.wait_for(handler(item), self.settings.handler_timeout_s)
+            else:
+                result = await asyncio.wait_for(self._loop.run_in_executor(self._pool, handler, item),
+                                                self.settings.handler_timeout_s)
+            if not isinstance(result, list) or not all(isinstance(o, Output) for o in result):
+                raise TypeError(f"handler returned {type(result).__name__}, expected list[Output]")
+            return result
+        except Exception as exc:
+            return self._rejection(exc)
+        finally:
+            metrics.HANDLER_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
 
 
 def _first(result):

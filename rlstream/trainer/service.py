@@ -26,6 +26,7 @@ from ..schemas import headers as hdr
 from ..schemas.codec import DecodeError, default_codec
 from ..schemas.records import RECORD_TYPES, PolicyVersion
 from ..streams import metrics
+from ..streams.group import GroupMember
 from ..streams.runtime import RuntimeSettings, bounded, dead_letter, init_transactions
 from .engine import make_engine
 from .update import UpdateConfig, build_batch, policy_update
@@ -96,16 +97,14 @@ class TrainerService:
                                   "message.max.bytes": MAX_MESSAGE_BYTES + 65536})
         # A restarted trainer fences its predecessor here, aborting any half-done step.
         init_transactions(self.producer, "trainer")
-        self.consumer = Consumer({**base, "group.id": self.group_id, "isolation.level": "read_committed",
-                                  "enable.auto.commit": False, "enable.auto.offset.store": False,
-                                  "auto.offset.reset": "earliest", "max.partition.fetch.bytes": MAX_MESSAGE_BYTES,
-                                  "session.timeout.ms": 10000, "max.poll.interval.ms": 600000})
         self.window = WindowedFIFO(self.settings.window_groups, self.settings.head_timeout_s)
         self._lag = metrics.LagProbe("trainer", kafka.run)
         self._load_or_create()
-        self.consumer.subscribe([topic_name(kafka.run, self.settings.source)],
-                                on_revoke=lambda c, parts: self.window.clear(),
-                                on_assign=lambda c, parts: self.window.clear())
+        # One trainer per policy: the policy is its stable identity, so a restart rejoins without a rebalance.
+        self._member = GroupMember(kafka, self.group_id, [topic_name(kafka.run, self.settings.source)],
+                                   instance=self.settings.policy, session_timeout_ms=runtime.session_timeout_ms,
+                                   on_revoke=lambda c, parts: self.window.clear(),
+                                   on_assign=lambda c, parts: self.window.clear(), who="trainer")
         steps = 0
         try:
             while not self._stopping:
@@ -119,7 +118,12 @@ class TrainerService:
                     if self.settings.max_steps and steps >= self.settings.max_steps:
                         self._stopping = True
         finally:
-            self.consumer.close()
+            self._member.close()
+
+    @property
+    def consumer(self) -> Consumer:
+        """The group member's current consumer (a new object after it was replaced)."""
+        return self._member.consumer
 
     # -- resume / create -------------------------------------------------------------
 
@@ -169,9 +173,9 @@ class TrainerService:
     def _consume_once(self, runtime: RuntimeSettings) -> None:
         codec = default_codec()
         record_name = TOPICS[self.settings.source].record
-        for m in self.consumer.consume(runtime.batch_size, runtime.poll_timeout_s):
-            if m.error():
-                continue
+        # Wakes on the first record and takes only what is fetched already (GroupMember.consume): no step waits
+        # out a poll timeout for a batch that will not fill.
+        for m in self._member.consume(runtime.batch_size, runtime.poll_timeout_s):
             headers = hdr.as_dict(m.headers())
             try:
                 sample_version = hdr.policy_version(headers)

@@ -18,12 +18,17 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
 
-def test_sigkill_mid_batch_loses_and_duplicates_nothing(bootstrap, run_name, tmp_path):
+@pytest.mark.parametrize("n,mode", [
+    (400, ["--reward", "reward_fns:slow", "--batch-size", "25", "--concurrency", "1", "--no-pipeline"]),
+    # Pipelined: 32 heavy-tailed judgements in flight across polls, finished out of order, committed in order.
+    (4000, ["--reward", "reward_fns:jittery", "--batch-size", "25", "--concurrency", "32",
+            "--commit-interval-s", "0.05"]),
+], ids=["batch", "pipelined"])
+def test_sigkill_mid_batch_loses_and_duplicates_nothing(bootstrap, run_name, tmp_path, n, mode):
     """(a) Kill -9 a stage inside a transaction, restart it: every input appears exactly once downstream."""
-    n = 400
     produce(bootstrap, run_name, "trajectories",
             [(f"g{i % 50}".encode(), make_trajectory(i, group=i % 50), None) for i in range(n)])
-    args = ["--reward", "reward_fns:slow", "--batch-size", "25", "--concurrency", "1", "--instance", "w0"]
+    args = [*mode, "--instance", "w0"]
     log = tmp_path / "stage.log"
     proc = start_stage("reward", bootstrap, run_name, *args, log_path=log)
     # Let it commit a few transactions, then kill it while a batch is being handled.
