@@ -25,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ..config import KafkaSettings, knob
+from ..errors import UserError
 from ..infra.topics import topic_name
 from ..schemas import headers as hdr
 from ..schemas.codec import default_codec
@@ -113,6 +114,50 @@ def _read_committed() -> None:
     driver.AIOKafkaConsumerThread._create_worker_consumer = committed_only
 
 
+#: librdkafka settings faust_credentials() knows how to carry over to faust's aiokafka client.
+_CARRIED = {"bootstrap.servers", "security.protocol", "sasl.mechanism", "sasl.mechanisms", "sasl.username",
+            "sasl.password", "ssl.ca.location", "ssl.certificate.location", "ssl.key.location", "ssl.key.password",
+            "ssl.endpoint.identification.algorithm", "enable.ssl.certificate.verification", "client.id"}
+
+
+def faust_credentials(config: dict[str, str]):
+    """faust's broker credentials for the librdkafka settings of --kafka-config / RLSTREAM_KAFKA_* (None: plaintext).
+
+    faust talks to Kafka through aiokafka, not librdkafka, so the settings are translated; one it cannot carry
+    is refused with a UserError rather than silently connecting without it.
+    """
+    import ssl
+
+    import faust
+    protocol = config.get("security.protocol", "PLAINTEXT").upper()
+    dropped = sorted(k for k in config if k not in _CARRIED)
+    if dropped:
+        raise UserError(f"the faust monitor cannot use the Kafka settings {', '.join(dropped)}; "
+                        "run it with --monitor-backend plain (librdkafka, every setting)")
+    context = None
+    if protocol in ("SSL", "SASL_SSL"):
+        context = ssl.create_default_context(cafile=config.get("ssl.ca.location"))
+        if config.get("ssl.certificate.location"):
+            context.load_cert_chain(config["ssl.certificate.location"], config.get("ssl.key.location"),
+                                    config.get("ssl.key.password"))
+        if config.get("ssl.endpoint.identification.algorithm", "https").lower() == "none":
+            context.check_hostname = False
+        if config.get("enable.ssl.certificate.verification", "true").lower() == "false":
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    if protocol == "PLAINTEXT":
+        return None
+    if protocol == "SSL":
+        return faust.SSLCredentials(context)
+    if protocol in ("SASL_PLAINTEXT", "SASL_SSL"):
+        mechanism = config.get("sasl.mechanism", config.get("sasl.mechanisms", "GSSAPI")).upper()
+        if mechanism not in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+            raise UserError(f"the faust monitor supports SASL PLAIN and SCRAM only, not {mechanism}; "
+                            "run it with --monitor-backend plain")
+        return faust.SASLCredentials(username=config.get("sasl.username"), password=config.get("sasl.password"),
+                                     ssl_context=context, mechanism=mechanism)
+    raise UserError(f"unknown security.protocol {protocol!r}: expected PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL")
+
+
 def faust_app(settings: MonitorSettings, kafka: KafkaSettings):
     """The faust app: agents over rewards and policy-versions, tables, and the /versions/ page."""
     import faust
@@ -122,6 +167,7 @@ def faust_app(settings: MonitorSettings, kafka: KafkaSettings):
     os.makedirs(datadir, exist_ok=True)
     broker = ";".join(f"kafka://{h.strip()}" for h in kafka.bootstrap.split(",") if h.strip())
     app = faust.App(f"{run}.monitor", broker=broker, store="memory://", autodiscover=False,
+                    broker_credentials=faust_credentials(kafka.client_config()),
                     datadir=datadir, web_port=settings.monitor_port,
                     web_bind=settings.monitor_host, web_host=settings.monitor_host, topic_partitions=8,
                     consumer_auto_offset_reset="earliest", web_enabled=True)
@@ -284,6 +330,12 @@ class Monitor:
 
     def serve(self, kafka: KafkaSettings, runtime=None) -> None:
         """Run until SIGTERM/SIGINT."""
+        if self.backend == "faust" and self.settings.monitor_backend == "auto":
+            try:
+                faust_credentials(kafka.client_config())
+            except UserError as exc:
+                log.warning("monitor: %s; using the plain backend", exc)
+                self.backend = "plain"
         log.info("monitor (%s) for run %s on http://%s:%d/versions/", self.backend, kafka.run,
                  self.settings.monitor_host, self.settings.monitor_port)
         if self.backend == "faust":
