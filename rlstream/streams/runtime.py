@@ -259,8 +259,11 @@ class StageRunner:
                 if released and not self._held:
                     held_since = time.monotonic()
                 self._held.extend(released)
-                if self._held and (window.size == 0 or len(self._held) >= self.settings.batch_size
-                                   or time.monotonic() - held_since >= self.settings.commit_interval_s):
+                # Commit when a batch is full, when the oldest finished record has waited long enough, or when
+                # nothing is in flight and nothing came: a fast handler must not get a transaction per record.
+                if self._held and (len(self._held) >= self.settings.batch_size
+                                   or time.monotonic() - held_since >= self.settings.commit_interval_s
+                                   or (window.size == 0 and not msgs)):
                     self._commit_held()
                     commits += 1
                     if max_batches is not None and commits >= max_batches:
