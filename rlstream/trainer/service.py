@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from ..config import KafkaSettings, knob
 from ..consumers.staleness import StalenessCounter, StalenessFilter
@@ -275,8 +275,11 @@ class TrainerService:
 def _last_announced(kafka: KafkaSettings, policy: str) -> PolicyVersion | None:
     """The newest committed PolicyVersion of ``policy`` (reads the compacted topic to its end)."""
     name = topic_name(kafka.run, "policy-versions")
+    # The end of a partition is its last stable offset for a read_committed reader, and transaction markers take
+    # offsets too: only librdkafka's partition-EOF event says "caught up" without waiting for silence.
     consumer = Consumer({**kafka.client_config(), "group.id": f"{kafka.run}.trainer-resume",
-                         "enable.auto.commit": False, "isolation.level": "read_committed"})
+                         "enable.auto.commit": False, "isolation.level": "read_committed",
+                         "enable.partition.eof": True})
     try:
         parts = consumer.list_topics(name, timeout=30).topics[name].partitions
         latest: PolicyVersion | None = None
@@ -285,12 +288,12 @@ def _last_announced(kafka: KafkaSettings, policy: str) -> PolicyVersion | None:
             if high <= low:
                 continue
             consumer.assign([TopicPartition(name, p, low)])
-            idle = 0
-            # Transaction markers take offsets too, so "caught up" is: at the end, or nothing more arrives.
-            while idle < 3 and consumer.position([TopicPartition(name, p)])[0].offset < high:
-                msgs = [m for m in consumer.consume(500, 1.0) if not m.error()]
-                idle = 0 if msgs else idle + 1
-                for m in msgs:
+            deadline, at_end = time.monotonic() + 60, False
+            while not at_end and time.monotonic() < deadline:
+                for m in consumer.consume(500, 0.2):
+                    if m.error() is not None:
+                        at_end = at_end or m.error().code() == KafkaError._PARTITION_EOF
+                        continue
                     pv = PolicyVersion.from_dict(default_codec().decode(m.value(), expect="PolicyVersion")[1])
                     if pv.policy == policy and (latest is None or pv.version > latest.version):
                         latest = pv
