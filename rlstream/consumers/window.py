@@ -172,6 +172,15 @@ class WindowedFIFO:
         group.items.append(item)
         return True
 
+    def skip(self, position: tuple[str, int, int]) -> None:
+        """Count an item already trained or evicted before a restart as consumed, without holding it."""
+        topic, partition, offset = position
+        part = self._partitions.setdefault((topic, partition), _PartitionOffsets())
+        if offset > part.highest:
+            part.highest = offset
+            part.held.append(offset)
+            part.release(offset)
+
     # -- output --------------------------------------------------------------
 
     def take(self, max_groups: int | None = None, max_samples: int | None = None) -> list[Group]:
@@ -236,6 +245,14 @@ class WindowedFIFO:
         highest offset seen + 1 when nothing of that partition is held.
         """
         return {tp: part.committable() for tp, part in self._partitions.items()}
+
+    def released_ahead(self) -> list[tuple[str, int, int]]:
+        """Positions taken or evicted beyond their partition's committable offset.
+
+        Committed offsets cannot say "done except for the held head", so these are what a restart, which reads
+        again from the committed offsets, must skip to train no sample twice.
+        """
+        return sorted((tp[0], tp[1], o) for tp, part in self._partitions.items() for o in part.released)
 
     # -- inspection ----------------------------------------------------------
 

@@ -7,6 +7,7 @@ whose samples were not consumed, and a restart resumes from the last announced o
 """
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -32,6 +33,9 @@ from .engine import make_engine
 from .update import UpdateConfig, build_batch, policy_update
 
 log = logging.getLogger(__name__)
+
+#: In each checkpoint: the samples consumed beyond the offsets its PolicyVersion's transaction committed.
+CONSUMED_AHEAD = "consumed_ahead.json"
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class TrainerService:
         self.version = -1
         self._stopping = False
         self._letters: list = []  # (message, reason, error) to dead-letter in the next transaction
+        # Positions the resumed checkpoint had already trained (or evicted) beyond the committed offsets.
+        self._done_ahead: set[tuple[str, int, int]] = set()
         self.update_cfg = UpdateConfig(loss=settings.loss, clip_eps=settings.clip_eps, is_cap=settings.is_cap,
                                        kl_coef=settings.kl_coef)
 
@@ -136,6 +142,9 @@ class TrainerService:
             self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
             self.version = announced.version
             self.engine = self._engine()
+            ahead = folder / CONSUMED_AHEAD
+            if ahead.exists():
+                self._done_ahead = {tuple(p) for p in json.loads(ahead.read_text())}
             opt_state = folder / "optimizer.pt"
             if opt_state.exists():
                 self.engine.load_state_dict(torch.load(opt_state, weights_only=True))
@@ -176,6 +185,9 @@ class TrainerService:
         # Wakes on the first record and takes only what is fetched already (GroupMember.consume): no step waits
         # out a poll timeout for a batch that will not fill.
         for m in self._member.consume(runtime.batch_size, runtime.poll_timeout_s):
+            if self._done_ahead and (m.topic(), m.partition(), m.offset()) in self._done_ahead:
+                self.window.skip((m.topic(), m.partition(), m.offset()))  # trained before the restart
+                continue
             headers = hdr.as_dict(m.headers())
             try:
                 sample_version = hdr.policy_version(headers)
@@ -226,6 +238,9 @@ class TrainerService:
             self.model.save_pretrained(folder, safe_serialization=True)
             self.tokenizer.save_pretrained(folder)
             torch.save(self.engine.state_dict(), folder / "optimizer.pt")
+            # The window trains complete groups out of log order, so the committed offsets stop at the oldest
+            # held sample; what was trained past it is listed here for a restart to skip.
+            (folder / CONSUMED_AHEAD).write_text(json.dumps(self.window.released_ahead()))
 
         # The checkpoint exists before the record that announces it.
         uri = self.store.put(policy, version, write)

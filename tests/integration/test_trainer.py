@@ -103,3 +103,28 @@ def test_stale_samples_are_never_trained_on_and_restart_resumes(bootstrap, run_n
     assert versions[-1].parent_version == 4 and versions[-1].samples_trained == 2 * G
     letters = read_all(bootstrap, run_name, "dead-letters", idle=1.0)
     assert [(l["key"], l["record"].reason, l["record"].stage) for l in letters] == [(b"junk", "malformed", "trainer")]
+
+
+def test_groups_trained_past_a_held_head_are_not_trained_again_after_a_restart(bootstrap, run_name, tmp_path):
+    """The window trains complete groups out of log order; a restart reads again from the committed offsets
+    (the incomplete head) and must skip what was already trained past it."""
+    head = scored_group(0)
+    produce(bootstrap, run_name, "rewards", [(b"task-0", s, hdr.build(0, hdr.new_traceparent(), "v1"))
+                                             for s in head[:G - 1]])
+    produce_groups(bootstrap, run_name, [1, 2], version=0)
+    trainer, thread = start(bootstrap, run_name, tmp_path)
+    wait_version(trainer, 1)
+    trainer.stop()
+    thread.join(60)
+    assert trainer.trained == [(0, ["task-1", "task-2"])]
+
+    trainer2, thread2 = start(bootstrap, run_name, tmp_path)
+    wait_version(trainer2, 1)
+    produce_groups(bootstrap, run_name, [3], version=1)  # one complete group: not enough for a step of two
+    time.sleep(4)
+    assert trainer2.trained == [], "groups 1 and 2 were trained a second time after the restart"
+    produce(bootstrap, run_name, "rewards", [(b"task-0", head[G - 1], hdr.build(0, hdr.new_traceparent(), "v1"))])
+    wait_version(trainer2, 2)
+    trainer2.stop()
+    thread2.join(60)
+    assert trainer2.trained == [(1, ["task-0", "task-3"])]

@@ -177,6 +177,27 @@ def test_committable_offsets_only_up_to_consumed():
     assert win.committable_offsets() == {(TOPIC, 0): 3, (TOPIC, 1): 6}
 
 
+def test_released_ahead_lists_what_a_restart_must_skip():
+    win, _, f = make(w=3)
+    win.add(f.item("a", 2))  # 0, held head
+    win.add(f.item("b", 1))  # 1
+    win.add(f.item("c", 1))  # 2
+    assert ids(win.take()) == ["b", "c"]
+    assert win.committable_offsets() == {(TOPIC, 0): 0}
+    assert win.released_ahead() == [(TOPIC, 0, 1), (TOPIC, 0, 2)]
+
+    # After a restart the consumer reads from offset 0 again; skipped positions count as consumed.
+    again = WindowedFIFO(3, 10.0)
+    again.add(WindowItem("a", 2, (TOPIC, 0, 0), 0.0))
+    again.skip((TOPIC, 0, 1))
+    again.skip((TOPIC, 0, 2))
+    assert len(again) == 1 and again.pending_samples == 1
+    assert again.released_ahead() == [(TOPIC, 0, 1), (TOPIC, 0, 2)]  # still ahead of the held head
+    again.add(WindowItem("a", 2, (TOPIC, 0, 3), 0.0))
+    assert ids(again.take()) == ["a"]
+    assert again.committable_offsets() == {(TOPIC, 0): 4} and again.released_ahead() == []
+
+
 def test_clear_forgets_offsets_for_reread():
     win, _, f = make()
     it = f.item("a", 2)
