@@ -188,12 +188,12 @@ def test_released_ahead_lists_what_a_restart_must_skip():
 
     # After a restart the consumer reads from offset 0 again; skipped positions count as consumed.
     again = WindowedFIFO(3, 10.0)
-    again.add(WindowItem("a", 2, (TOPIC, 0, 0), 0.0))
+    again.add(WindowItem("a", 2, (TOPIC, 0, 0), 0.0, payload=None))
     again.skip((TOPIC, 0, 1))
     again.skip((TOPIC, 0, 2))
     assert len(again) == 1 and again.pending_samples == 1
     assert again.released_ahead() == [(TOPIC, 0, 1), (TOPIC, 0, 2)]  # still ahead of the held head
-    again.add(WindowItem("a", 2, (TOPIC, 0, 3), 0.0))
+    again.add(WindowItem("a", 2, (TOPIC, 0, 3), 0.0, payload=None))
     assert ids(again.take()) == ["a"]
     assert again.committable_offsets() == {(TOPIC, 0): 4} and again.released_ahead() == []
 
