@@ -52,7 +52,12 @@ class PolicyWatcher:
     def _loop(self) -> None:
         codec = default_codec()
         while not self._stop.is_set():
-            for msg in self._consumer.consume(100, 0.2):
+            # poll() returns on the first record; consume(n, t) would sit out its whole timeout waiting for
+            # n records, and every rollout would see each new version up to that much later.
+            first = self._consumer.poll(0.2)
+            if first is None:
+                continue
+            for msg in [first, *self._consumer.consume(100, 0)]:
                 if msg.error():
                     continue
                 try:
