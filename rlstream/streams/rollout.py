@@ -1,12 +1,22 @@
 """The rollout stage: prompts and observations in, one model turn per episode out to ``actions``.
 
 Rollout owns tokenization: it tokenizes prompts and the env's observation text,
-so environments stay tokenizer-agnostic. New policy versions are picked up
-between generation steps; each action turn records the version that made it.
+so environments stay tokenizer-agnostic.
+
+New policy versions go in as soon as they are announced (``--swap step``): a
+background thread loads them while the engine is idle, and a generation in
+progress loads them itself between two engine steps and carries on under the
+new weights (vLLM; AReaL's interruptible generation). Every token's behaviour
+log-prob comes from the weights that sampled it. An action turn's
+``policy_version`` is the oldest version that produced any of its tokens, so
+the staleness filter stays conservative; a turn continued under newer weights
+also gets a ``rollout.swap.v<N>`` stamp in ``stage_times`` (when version N took
+over). ``--swap batch`` loads only between batches.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -19,7 +29,7 @@ from ..producers.weights import WeightStore, local_path
 from ..schemas.headers import now_ms
 from ..schemas.records import Episode, Failure, SamplingParams, Task, Turn
 from . import metrics
-from .inference import make_backend
+from .inference import Generation, make_backend
 from .runtime import Incoming, Output, Stage, StageContext
 
 log = logging.getLogger(__name__)
@@ -38,6 +48,13 @@ class RolloutSettings:
     threads: int = knob(1, "Torch / engine threads for this process (small machines: give each stage a budget)")
     max_context: int = knob(64, "Longest prompt + response the engine takes; longer episodes fail as prompt_too_long")
     wait_policy_s: float = knob(600.0, "How long to wait at start for the first announced policy")
+    swap: str = knob("step", "When new weights go in: step (as soon as announced; between engine steps of a "
+                             "generation in progress where the backend can, vLLM) or batch (only between batches)",
+                     choices=("step", "batch"))
+    retry_load_s: float = knob(1.0, "After a failed load of a version, wait this long before trying it again")
+
+#: Prefix of the stage_times stamp a turn gets when newer weights took over during it (``rollout.swap.v<N>``).
+SWAP_STAMP = "rollout.swap.v"
 
 
 class RolloutStage(Stage):
@@ -53,6 +70,12 @@ class RolloutStage(Stage):
         self.backend = None
         self.version = -1
         self.watcher: PolicyWatcher | None = None
+        # The engine is used by one thread at a time: the batch handler (a pool thread), the swapper thread
+        # and before_poll (the main thread). A handler that outlived its timeout still holds it.
+        self._engine_lock = threading.Lock()
+        self._failed: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last failed load
+        self._stop = threading.Event()
+        self._swapper: threading.Thread | None = None
 
     # -- policy following ----------------------------------------------------------------
 
@@ -68,7 +91,7 @@ class RolloutStage(Stage):
         pv = self.watcher.latest
         folder = local_path(pv.weights_uri)
         self.backend = make_backend(self.settings.backend, folder, threads=self.settings.threads,
-                                    url=self.settings.engine_url, model=self.settings.engine_model)
+                                    url=self.settings.engine_url, model=self.settings.engine_model, version=pv.version)
         self.tokenizer = getattr(self.backend, "tokenizer", None)
         if self.tokenizer is None:
             from transformers import AutoTokenizer
@@ -76,19 +99,68 @@ class RolloutStage(Stage):
         self.version = pv.version
         metrics.POLICY_VERSION.labels(self.name).set(self.version)
         log.info("rollout generating with %s v%d on %s", pv.policy, pv.version, self.backend.name)
+        if self.settings.swap == "step":
+            self._swapper = threading.Thread(target=self._follow, name="rollout-swap", daemon=True)
+            self._swapper.start()
+
+    def _swap_to_latest(self) -> bool:
+        """Load the newest announced version if it is newer than the engine's; True if it loaded one.
+
+        The caller holds the engine lock. Called between batches, by the swapper thread while the engine
+        is idle, and by the backend between engine steps of a generation in progress.
+        """
+        latest = self.watcher.latest
+        if latest is None or latest.version <= self.version:
+            return False
+        failed_version, failed_at = self._failed
+        if latest.version == failed_version and time.monotonic() - failed_at < self.settings.retry_load_s:
+            return False  # not on every engine step: a load that failed is retried now and then
+        try:
+            self.backend.load_weights(local_path(latest.weights_uri), latest.version)
+        except (OSError, ValueError) as exc:
+            # Weights not readable (pruned, partial copy): keep the old ones and let η decide.
+            self._failed = (latest.version, time.monotonic())
+            log.warning("could not load v%d: %s", latest.version, exc)
+            return False
+        self.version = latest.version
+        metrics.POLICY_VERSION.labels(self.name).set(self.version)
+        metrics.PUBLISH_LATENCY.observe(max(0, now_ms() - latest.published_at) / 1000)
+        return True
+
+    def _between_steps(self) -> None:
+        """The backend's hook between engine steps: new weights, if any, go in now (the lock is ours)."""
+        self._swap_to_latest()
+
+    def _follow(self) -> None:
+        """Swapper thread: load each new version as soon as it is announced, whenever the engine is free.
+
+        While a generation runs it holds the engine lock and swaps between steps itself; this thread only
+        covers the idle engine, so the first batch after an announcement starts on the new weights.
+        """
+        while not self._stop.is_set():
+            if not self.watcher.wait_for(self.version + 1, 0.5):
+                continue
+            if not self._engine_lock.acquire(timeout=0.05):
+                continue  # a generation holds the engine and takes the new weights between its steps
+            try:
+                loaded = not self._stop.is_set() and self._swap_to_latest()
+            except Exception:  # an engine error surfaces on the next generation; keep following
+                log.exception("rollout: loading new weights failed")
+                loaded = False
+            finally:
+                self._engine_lock.release()
+            if not loaded and self.watcher.version > self.version:
+                # Unloadable for now: wait for a newer announcement or the retry interval, not spin.
+                self.watcher.wait_for(self.watcher.version + 1, self.settings.retry_load_s)
 
     def before_poll(self, ctx: StageContext) -> None:
         self._ensure_started(ctx)
-        latest = self.watcher.latest
-        if latest is not None and latest.version > self.version:
+        # Without a swapper this is where versions go in; with one, this only catches what it has not yet.
+        if self._engine_lock.acquire(blocking=False):
             try:
-                self.backend.load_weights(local_path(latest.weights_uri), latest.version)
-                self.version = latest.version
-                metrics.POLICY_VERSION.labels(self.name).set(self.version)
-                metrics.PUBLISH_LATENCY.observe(max(0, now_ms() - latest.published_at) / 1000)
-            except (OSError, ValueError) as exc:
-                # Weights not readable (pruned, partial copy): keep the old ones and let η decide.
-                log.warning("could not load v%d: %s", latest.version, exc)
+                self._swap_to_latest()
+            finally:
+                self._engine_lock.release()
         # AReaL's rule: do not start new episodes that will only be thrown away as stale.
         if rollout_should_pause(self.watcher.version, self.version, self.settings.eta):
             ctx.pause("prompts")
@@ -119,22 +191,36 @@ class RolloutStage(Stage):
             by_params[(s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed)].append((idx, ep))
         for key, group in by_params.items():
             params = SamplingParams(temperature=key[0], top_p=key[1], top_k=key[2], max_tokens=key[3], seed=key[4])
-            started = now_ms()
-            gens = self.backend.generate([ep.task.prompt_token_ids + ep.token_ids for _, ep in group], params)
-            finished = now_ms()
+            step = self.settings.swap == "step"
+            with self._engine_lock:
+                if step:
+                    self._swap_to_latest()  # announced since before_poll: start on it rather than one batch late
+                started, started_version = now_ms(), self.version
+                gens = self.backend.generate([ep.task.prompt_token_ids + ep.token_ids for _, ep in group], params,
+                                             between_steps=self._between_steps if step else None)
+                finished = now_ms()
             metrics.GENERATED_TOKENS.labels(self.backend.name).inc(sum(len(g.token_ids) for g in gens))
             for (idx, ep), gen in zip(group, gens):
-                start = len(ep.token_ids)
-                ep.token_ids += gen.token_ids
-                ep.loss_mask += [1] * len(gen.token_ids)
-                ep.behaviour_logprobs += gen.logprobs
-                text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-                ep.turns.append(Turn("action", text, start, len(ep.token_ids), policy_version=self.version,
-                                     finish_reason=gen.finish_reason, started_at=started, finished_at=finished))
-                ep.stage_times.setdefault("rollout.start", started)
-                ep.stage_times["rollout.end"] = finished
+                self._append_turn(ep, gen, started, finished, started_version)
                 results[idx].append(self._output(ep))
         return results
+
+    def _append_turn(self, ep: Episode, gen: Generation, started: int, finished: int, started_version: int) -> None:
+        """Add one generation to an episode as an action turn, versioned by the oldest weights in it."""
+        start = len(ep.token_ids)
+        ep.token_ids += gen.token_ids
+        ep.loss_mask += [1] * len(gen.token_ids)
+        ep.behaviour_logprobs += gen.logprobs
+        # Conservative for the staleness filter: the turn is as old as its oldest token.
+        version = min(gen.versions, default=started_version)
+        for v, at in sorted(gen.version_started_at.items()):
+            if v > version:
+                ep.stage_times[f"{SWAP_STAMP}{v}"] = at  # when newer weights took this turn over
+        text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        ep.turns.append(Turn("action", text, start, len(ep.token_ids), policy_version=version,
+                             finish_reason=gen.finish_reason, started_at=started, finished_at=finished))
+        ep.stage_times.setdefault("rollout.start", started)
+        ep.stage_times["rollout.end"] = finished
 
     def _start_episodes(self, task: Task) -> list[Episode]:
         if not task.prompt_token_ids:
@@ -159,6 +245,9 @@ class RolloutStage(Stage):
         return Output("actions", ep.episode_id, ep, policy_version=min(versions) if versions else self.version)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._swapper is not None:
+            self._swapper.join(5)
         if self.watcher is not None:
             self.watcher.close()
         if self.backend is not None:

@@ -1,0 +1,174 @@
+"""Rollout's weight swaps, on a fake engine: when versions go in, and how a turn that spans two is labelled."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlstream.schemas.records import PolicyVersion, SamplingParams, Task
+from rlstream.streams.inference import Generation, InferenceBackend
+from rlstream.streams.rollout import SWAP_STAMP, RolloutSettings, RolloutStage
+from rlstream.streams.runtime import Incoming
+
+
+class FakeWatcher:
+    """The newest announced version, settable by the test; ``announce_on_read`` announces one mid-generation."""
+
+    def __init__(self, pv: PolicyVersion):
+        self._latest = pv
+        self.pending: list[tuple[int, PolicyVersion]] = []  # (read number, version to announce at it)
+        self.reads = 0
+        self.changed = threading.Condition()
+
+    @property
+    def latest(self) -> PolicyVersion:
+        self.reads += 1
+        while self.pending and self.pending[0][0] <= self.reads:
+            self.announce(self.pending.pop(0)[1])
+        return self._latest
+
+    @property
+    def version(self) -> int:
+        return self._latest.version
+
+    def announce(self, pv: PolicyVersion) -> None:
+        with self.changed:
+            self._latest = pv
+            self.changed.notify_all()
+
+    def wait_for(self, version: int, timeout: float) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: self._latest.version >= version, timeout)
+
+    def close(self) -> None:
+        pass
+
+
+class FakeBackend(InferenceBackend):
+    """One token per step; each token's log-prob is -(version + 1), so a test can tell which weights made it."""
+
+    name = "fake"
+
+    def __init__(self, mid_generation: bool, steps: int = 4, fail: set[int] = frozenset()):
+        self.swaps_mid_generation = mid_generation
+        self.steps = steps
+        self.fail = set(fail)
+        self.loads: list[int] = []
+        self.version = 0
+
+    def load_weights(self, folder: Path, version: int) -> None:
+        self.loads.append(version)
+        if version in self.fail:
+            raise OSError(f"v{version} is gone")
+        self.version = version
+
+    def generate(self, prompts, params, between_steps=None):
+        gens = [Generation([], [], "length") for _ in prompts]
+        for step in range(self.steps):
+            for g in gens:
+                g.version_started_at.setdefault(self.version, 1000 + step)
+                g.token_ids.append(5)
+                g.logprobs.append(-(self.version + 1.0))
+                g.versions.append(self.version)
+            if step < self.steps - 1 and between_steps is not None and self.swaps_mid_generation:
+                between_steps()
+        return gens
+
+
+class FakeTokenizer:
+    def __call__(self, text, **_):
+        return {"input_ids": [1, 2, 3]}
+
+    def decode(self, ids, **_):
+        return "x" * len(ids)
+
+
+def pv(version: int) -> PolicyVersion:
+    return PolicyVersion("policy", version, f"file:///weights/v{version}", created_at=0, published_at=0)
+
+
+def stage_with(backend: FakeBackend, swap: str = "step") -> tuple[RolloutStage, FakeWatcher]:
+    stage = RolloutStage(RolloutSettings(swap=swap, retry_load_s=60))
+    stage.watcher = FakeWatcher(pv(0))
+    stage.backend, stage.tokenizer, stage.version = backend, FakeTokenizer(), 0
+    return stage, stage.watcher
+
+
+def prompt_item(group: str = "g") -> Incoming:
+    task = Task(task_id=group, group_id=group, task_name="t", env_name="e", env_version="1", prompt="abc>",
+                sampling=SamplingParams(temperature=1.0, max_tokens=4), created_at=0, group_size=2)
+    return Incoming("prompts", 0, 0, None, {}, -1, task)
+
+
+def test_a_swap_between_engine_steps_labels_the_turn_with_its_oldest_version():
+    stage, watcher = stage_with(FakeBackend(mid_generation=True))
+    watcher.pending = [(3, pv(1))]  # announced while the generation runs, after two engine steps
+    [outputs] = stage.handle_batch([prompt_item()])
+    assert stage.version == 1 and stage.backend.loads == [1]
+    for out in outputs:
+        ep = out.record
+        assert out.policy_version == 0, "the header must be the oldest version that produced a token"
+        assert [t.policy_version for t in ep.turns] == [0]
+        # per token: the weights that sampled it (v0 for the first tokens, v1 after the swap)
+        assert ep.behaviour_logprobs == [-1.0, -1.0, -2.0, -2.0]
+        assert ep.stage_times[f"{SWAP_STAMP}1"] == 1002 and f"{SWAP_STAMP}0" not in ep.stage_times
+    # The next batch starts on v1 alone: no swap stamp, header 1.
+    [outputs] = stage.handle_batch([prompt_item("h")])
+    assert {o.policy_version for o in outputs} == {1}
+    assert all(not any(k.startswith(SWAP_STAMP) for k in o.record.stage_times) for o in outputs)
+
+
+def test_swap_batch_keeps_each_generation_on_one_version():
+    stage, watcher = stage_with(FakeBackend(mid_generation=True), swap="batch")
+    watcher.pending = [(1, pv(1))]
+    [outputs] = stage.handle_batch([prompt_item()])
+    assert stage.backend.loads == [] and {o.policy_version for o in outputs} == {0}
+    assert all(o.record.behaviour_logprobs == [-1.0] * 4 for o in outputs)
+
+
+def test_a_version_announced_before_the_batch_is_loaded_before_generating():
+    # A backend that cannot swap mid-generation (transformers, openai) still starts the batch on the newest.
+    stage, watcher = stage_with(FakeBackend(mid_generation=False))
+    watcher.announce(pv(2))
+    [outputs] = stage.handle_batch([prompt_item()])
+    assert stage.backend.loads == [2] and {o.policy_version for o in outputs} == {2}
+    assert all(o.record.behaviour_logprobs == [-3.0] * 4 for o in outputs)
+
+
+def test_an_unloadable_version_is_not_retried_on_every_engine_step():
+    stage, watcher = stage_with(FakeBackend(mid_generation=True, steps=6, fail={1}))
+    watcher.announce(pv(1))
+    [outputs] = stage.handle_batch([prompt_item()])
+    assert stage.backend.loads == [1], "retried within retry_load_s"
+    assert stage.version == 0 and {o.policy_version for o in outputs} == {0}
+    watcher.announce(pv(2))  # a newer one is tried at once
+    stage.handle_batch([prompt_item("h")])
+    assert stage.backend.loads == [1, 2] and stage.version == 2
+
+
+def test_the_swapper_thread_loads_a_new_version_while_the_engine_is_idle():
+    stage, watcher = stage_with(FakeBackend(mid_generation=True))
+    swapper = threading.Thread(target=stage._follow, daemon=True)
+    swapper.start()
+    try:
+        watcher.announce(pv(1))
+        deadline = time.monotonic() + 5
+        while stage.version < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stage.version == 1 and stage.backend.loads == [1]
+    finally:
+        stage._stop.set()
+        swapper.join(5)
+    assert not swapper.is_alive()
+
+
+@pytest.mark.parametrize("swap", ["step", "batch"])
+def test_swap_is_a_typed_setting(swap, monkeypatch):
+    from rlstream.config import from_sources
+    monkeypatch.setenv("RLSTREAM_SWAP", swap)
+    assert from_sources(RolloutSettings).swap == swap
+    monkeypatch.setenv("RLSTREAM_SWAP", "sometimes")
+    with pytest.raises(ValueError):
+        from_sources(RolloutSettings)
