@@ -39,7 +39,7 @@ class RuntimeSettings:
     batch_size: int = knob(256, "Most records consumed and committed in one transaction")
     poll_timeout_s: float = knob(0.2, "How long one poll waits for records")
     handler_timeout_s: float = knob(30.0, "A record whose handler runs longer goes to dead-letters")
-    concurrency: int = knob(64, "Records of one batch handled concurrently (threads for sync handlers)")
+    concurrency: int = knob(64, "Records handled at once (threads for sync handlers)")
     instance: str = knob("", "Stable worker id: a restarted worker with the same id fences its zombie and takes "
                              "its partitions back at once (default: a random id, whose open transaction the broker "
                              "aborts on timeout and whose partitions move after the session timeout)")
@@ -53,6 +53,9 @@ class RuntimeSettings:
                                 "commit them as they finish, in partition order (no batch waits for its slowest "
                                 "record); --no-pipeline handles and commits one batch at a time")
     commit_interval_s: float = knob(0.1, "Pipelined stages: longest a finished record waits for its transaction")
+    max_in_flight: int = knob(1024, "Pipelined stages: most records consumed and not yet committed, finished ones "
+                                    "waiting behind a slow record of their partition included (at least "
+                                    "--concurrency); bounds memory, while --concurrency bounds running handlers")
 
 
 class InvalidRecord(ValueError):
@@ -235,7 +238,9 @@ class StageRunner:
         worker = threading.Thread(target=self._loop.run_forever, name=f"{self.stage.name}-loop", daemon=True)
         worker.start()
         commits, idle_since, held_since = 0, time.monotonic(), 0.0
-        window, limit = self._window, max(1, self.settings.concurrency)
+        window = self._window
+        limit = max(1, self.settings.concurrency, self.settings.max_in_flight)
+        self._running = asyncio.Semaphore(max(1, self.settings.concurrency))
         try:
             while not self._stopping:
                 self.stage.before_poll(self.ctx)
@@ -291,7 +296,7 @@ class StageRunner:
         except _Rejected as rej:
             slot.resolve(rej)
         else:
-            slot.future = asyncio.run_coroutine_threadsafe(self._handle_one(slot.item), self._loop)
+            slot.future = asyncio.run_coroutine_threadsafe(self._handle_when_free(slot.item), self._loop)
         self._window.add(slot)
 
     def _commit_held(self) -> None:
@@ -590,6 +595,11 @@ class StageRunner:
                 return await self._handle_one(item)
 
         return list(await asyncio.gather(*(one(it) for it in items)))
+
+    async def _handle_when_free(self, item: Incoming) -> list[Output] | _Rejected:
+        # The handler timeout starts once a handler slot is free, not while the record queues for one.
+        async with self._running:
+            return await self._handle_one(item)
 
     async def _handle_one(self, item: Incoming) -> list[Output] | _Rejected:
         """One record through the stage's handler (async, or sync in the pool), with its timeout."""
