@@ -26,39 +26,35 @@ class Batch:
 
 def build_batch(groups: list[list[ScoredTrajectory | TeacherFeedback]], advantage: str, pad_id: int) -> Batch:
     """Flatten complete groups into one padded batch; advantages are computed within each group."""
-    samples, advantages, rewards = [], [], []
-    for group in groups:
-        scored = [s.scored if isinstance(s, TeacherFeedback) else s for s in group]
-        r = torch.tensor([[s.reward.total for s in scored]], dtype=torch.float32)
-        advantages.append(compute_advantages(advantage, r)[0])
-        rewards.append(r[0])
-        samples += group
-    rows = []
-    for s in samples:
-        traj = (s.scored if isinstance(s, TeacherFeedback) else s).trajectory
+    samples = [s for group in groups for s in group]
+    scored = [s.scored if isinstance(s, TeacherFeedback) else s for s in samples]
+    rewards = torch.tensor([s.reward.total for s in scored], dtype=torch.float32)
+    # One estimator call per group: an estimator may normalise over all it is given (reinforce_pp whitens).
+    advantages = torch.cat([compute_advantages(advantage, r[None])[0] for r in rewards.split([len(g) for g in groups])])
+    width = max(len(s.trajectory.task.prompt_token_ids) + len(s.trajectory.token_ids) for s in scored)
+    ids, attn, mask, behaviour = [], [], [], []
+    teacher = [] if isinstance(samples[0], TeacherFeedback) else None
+    # Rows are padded as Python lists and become one tensor each: a tensor per row cost more than the rest.
+    for s, sc in zip(samples, scored):
+        traj = sc.trajectory
         prompt = traj.task.prompt_token_ids
-        rows.append((prompt + traj.token_ids, [0] * len(prompt) + traj.loss_mask,
-                     [0.0] * len(prompt) + traj.behaviour_logprobs,
-                     [0.0] * len(prompt) + s.teacher_logprobs if isinstance(s, TeacherFeedback) else None))
-    width = max(len(r[0]) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.float32)
-    behaviour = torch.zeros((len(rows), width), dtype=torch.float32)
-    teacher = torch.zeros((len(rows), width), dtype=torch.float32) if rows[0][3] is not None else None
-    for i, (seq, m, b, t) in enumerate(rows):
-        n = len(seq)
-        ids[i, :n] = torch.tensor(seq)
-        attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(m, dtype=torch.float32)
-        behaviour[i, :n] = torch.tensor(b, dtype=torch.float32)
+        n, pad = len(prompt), width - len(prompt) - len(traj.token_ids)
+        ids.append(prompt + traj.token_ids + [pad_id] * pad)
+        attn.append([1] * (width - pad) + [0] * pad)
+        mask.append([0] * n + traj.loss_mask + [0] * pad)
+        behaviour.append([0.0] * n + traj.behaviour_logprobs + [0.0] * pad)
         if teacher is not None:
-            teacher[i, :n] = torch.tensor(t, dtype=torch.float32)
+            teacher.append([0.0] * n + s.teacher_logprobs + [0.0] * pad)
+    ids = torch.tensor(ids, dtype=torch.long)
+    attn = torch.tensor(attn, dtype=torch.long)
+    mask = torch.tensor(mask, dtype=torch.float32)
+    behaviour = torch.tensor(behaviour, dtype=torch.float32)
+    teacher = torch.tensor(teacher, dtype=torch.float32) if teacher is not None else None
     first = samples[0].scored.trajectory if isinstance(samples[0], TeacherFeedback) else samples[0].trajectory
     temperature = first.task.sampling.temperature or 1.0
     # Token t is predicted from position t-1: masks and log-probs shift by one against the logits.
     return Batch(ids, attn, mask[:, 1:], behaviour[:, 1:], teacher[:, 1:] if teacher is not None else None,
-                 torch.cat(advantages), torch.cat(rewards), temperature)
+                 advantages, rewards, temperature)
 
 
 @dataclass(frozen=True)

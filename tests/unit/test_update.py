@@ -34,6 +34,23 @@ def test_batch_aligns_masks_and_logprobs_with_targets():
     assert b.advantages.tolist() == pytest.approx([1.0, -1.0], abs=1e-4)
 
 
+def test_batch_advantages_stay_within_groups_of_unequal_size():
+    # Group a: rewards 1, 0 -> +1, -1. Group b (three samples, the last padded wider): 1, 1, 0.
+    groups = [[scored("a", 0, 1.0), scored("a", 1, 0.0)],
+              [scored("b", 0, 1.0), scored("b", 1, 1.0), scored("b", 2, 0.0, response=(7, 8, 9, 2), mask=(1, 1, 1, 1))]]
+    groups[1][2].trajectory.behaviour_logprobs = [-1.0, -1.0, -1.0, -3.0]
+    b = build_batch(groups, "grpo", pad_id=0)
+    std_b = (2 / 9) ** 0.5  # population std of (1, 1, 0)
+    assert b.advantages.tolist() == pytest.approx([1, -1, (1 / 3) / std_b, (1 / 3) / std_b, -(2 / 3) / std_b],
+                                                  abs=1e-4)
+    assert b.rewards.tolist() == [1, 0, 1, 1, 0]
+    assert b.input_ids.shape == (5, 7)
+    assert b.input_ids[0].tolist() == [1, 5, 6, 7, 8, 2, 0]
+    assert b.attention_mask[0].tolist() == [1, 1, 1, 1, 1, 1, 0]
+    assert b.loss_mask[4].tolist() == [0, 0, 1, 1, 1, 1]
+    assert b.behaviour_logprobs[4].tolist() == [0, 0, -1, -1, -1, -3]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
