@@ -136,3 +136,55 @@ def test_vllm_swap_between_engine_steps_continues_under_the_new_weights(models):
     after = backend.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=4))[0]
     assert after.versions == [1] * len(after.token_ids)
     assert after.logprobs == pytest.approx(reference_logprobs(v1, prompts[0], after.token_ids), abs=1e-3)
+
+
+def test_rollout_stage_on_vllm_labels_a_turn_spanning_a_swap_with_its_oldest_version(models):
+    """The rollout stage end to end on vLLM: v1 is announced while a batch generates. Each episode's header and
+    turn carry v0 (the oldest weights in it); its log-probs are v0's up to the swap and v1's after it, given the
+    whole prefix; episodes continued under v1 carry the rollout.swap.v1 stamp."""
+    from rlstream.schemas.records import PolicyVersion, Task
+    from rlstream.streams.rollout import SWAP_STAMP, RolloutSettings, RolloutStage
+    from rlstream.streams.runtime import Incoming
+
+    tok, v0, v1 = models
+
+    class Watcher:  # announces v1 at the 4th look, i.e. after the engine's 3rd step of the batch
+        reads = 0
+
+        @property
+        def latest(self):
+            self.reads += 1
+            version, folder = (1, v1) if self.reads >= 4 else (0, v0)
+            return PolicyVersion("policy", version, folder.as_uri(), created_at=0, published_at=0)
+
+        @property
+        def version(self):
+            return self.latest.version
+
+        def close(self):
+            pass
+
+    stage = RolloutStage(RolloutSettings(swap="step", max_context=64))
+    stage.watcher, stage.backend, stage.version = Watcher(), VLLMBackend(v0), 0
+    stage.backend.version = 0
+    stage.tokenizer = stage.backend.tokenizer
+    task = Task(task_id="t", group_id="g", task_name="reverse", env_name="e", env_version="1", prompt="abc>",
+                sampling=SamplingParams(temperature=1.0, max_tokens=8, seed=5), created_at=0, group_size=6)
+    [outputs] = stage.handle_batch([Incoming("prompts", 0, 0, None, {}, -1, task)])
+    assert stage.version == 1 and len(outputs) == 6
+    spanned = 0
+    for out in outputs:
+        ep = out.record
+        prompt, tokens, lps = ep.task.prompt_token_ids, ep.token_ids, ep.behaviour_logprobs
+        assert out.policy_version == 0 and [t.policy_version for t in ep.turns] == [0]
+        ref0, ref1 = reference_logprobs(v0, prompt, tokens), reference_logprobs(v1, prompt, tokens)
+        # The first k tokens are v0's and the rest v1's, for one k: the swap point.
+        splits = [k for k in range(len(tokens) + 1)
+                  if lps[:k] == pytest.approx(ref0[:k], abs=1e-3) and lps[k:] == pytest.approx(ref1[k:], abs=1e-3)]
+        assert splits, f"log-probs {lps} fit no v0-then-v1 split"
+        if f"{SWAP_STAMP}1" in ep.stage_times:
+            spanned += 1
+            assert max(splits) < len(tokens), "stamped as continued under v1, yet no token scores as v1's"
+        else:
+            assert min(splits) == len(tokens), "a token scores only as v1's, yet the turn has no swap stamp"
+    assert spanned >= 1, "no episode was in flight across the swap"
