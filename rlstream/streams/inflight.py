@@ -1,17 +1,30 @@
-"""Records in flight in a pipelined stage, released per partition in offset order.
+"""Records in flight in a pipelined stage, committed as they finish, in any order.
 
-A stage with a heavy-tailed handler (an LLM judge, a sandbox) must not hold every record of a batch until the
-slowest one is done. The runtime keeps up to ``concurrency`` records in flight across polls instead and commits
-whatever is ready. Exactly-once still needs one rule: a transaction that commits offset ``o`` of a partition
-must carry the outputs of every record of that partition before ``o``. So a finished record is released only
-when every earlier record of its partition is finished too; a slow record delays its own partition's later
-records, never the other partitions or new work.
+A stage with a heavy-tailed handler (an LLM judge, a sandbox) must not hold finished records back until a slow
+one before them is done. So each transaction carries the outputs of every record finished since the last one,
+in any order, and commits per partition:
+
+- the offset of the first record not finished yet (Kafka's committed offset: everything before is done), and
+- in the offset's metadata, which records past it are done too ("done ahead"), as a bitmap.
+
+Both go into the same transaction as the outputs, so they become visible together or not at all. A worker that
+takes the partition over (after a crash or a rebalance) reads from the committed offset and skips the records
+the metadata lists: none is handled twice, none is lost. Confluent's Parallel Consumer keeps its offset map
+the same way.
 """
 from __future__ import annotations
 
+import base64
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
+
+#: Prefix of the committed-offset metadata this module writes; other metadata is ignored.
+METADATA_PREFIX = "rls1:"
+#: The broker refuses larger offset metadata (offset.metadata.max.bytes defaults to 4096).
+METADATA_MAX_BYTES = 4000
+
+Partition = tuple[str, int]
 
 
 @dataclass(eq=False)
@@ -21,8 +34,9 @@ class Slot:
     msg: Any  # confluent_kafka.Message (anything with topic(), partition(), offset())
     item: Any = None
     future: Any = None  # concurrent.futures.Future of the handler's result
-    result: Any = None  # final result when known without a future (a record rejected at decode)
+    result: Any = None  # final result when known without a future (rejected at decode, or done before)
     admitted_at: float = 0.0
+    emitted: bool = False  # its outputs are in an (open or committed) transaction, or it was done before
     _has_result: bool = field(default=False, repr=False)
 
     def resolve(self, result: Any) -> None:
@@ -38,60 +52,160 @@ class Slot:
         return self.result if self._has_result else self.future.result()
 
 
-class InOrderWindow:
-    """Slots keyed by partition, each partition in consumption (offset) order."""
+def encode_done_ahead(base: int, done: Iterable[int]) -> str:
+    """Metadata for a committed offset ``base``: a bitmap of the offsets from it on that are done."""
+    bits = sorted(o - base for o in done if o >= base)
+    if not bits:
+        return ""
+    raw = bytearray(bits[-1] // 8 + 1)
+    for b in bits:
+        raw[b // 8] |= 1 << (b % 8)
+    text = METADATA_PREFIX + base64.b64encode(bytes(raw)).decode()
+    if len(text) > METADATA_MAX_BYTES:
+        raise ValueError(f"done-ahead map of {len(bits)} offsets over {bits[-1]} exceeds {METADATA_MAX_BYTES} bytes")
+    return text
+
+
+def decode_done_ahead(base: int, metadata: str | None) -> set[int]:
+    """The offsets from ``base`` on that ``metadata`` (from encode_done_ahead) lists as done."""
+    if not metadata or not metadata.startswith(METADATA_PREFIX):
+        return set()
+    raw = base64.b64decode(metadata[len(METADATA_PREFIX):])
+    return {base + i * 8 + j for i, byte in enumerate(raw) for j in range(8) if byte >> j & 1}
+
+
+class _Partition:
+    __slots__ = ("slots", "done_before", "first")
 
     def __init__(self) -> None:
-        self._parts: dict[tuple[str, int], deque[Slot]] = {}
+        self.slots: deque[Slot] = deque()  # every consumed record not yet behind the commit point, in order
+        self.done_before: set[int] = set()  # offsets the committed metadata lists as done (skip on re-read)
+        # Where a rewind goes: the last committed offset, or the first record consumed when none is known.
+        self.first: int | None = None
+
+
+class OffsetWindow:
+    """The records a pipelined stage has consumed and not yet committed past, per partition in offset order."""
+
+    def __init__(self) -> None:
+        self._parts: dict[Partition, _Partition] = {}
+        self._committed: dict[Partition, tuple[int, str]] = {}  # the last commit point known to be committed
+        self.size = 0  # slots held (finished or not)
+
+    def set_committed(self, partition: Partition, base: int, metadata: str | None) -> None:
+        """What the partition's committed offset says: records it lists as done are skipped when read again."""
+        part = self._parts.setdefault(partition, _Partition())
+        part.done_before = decode_done_ahead(base, metadata)
+        part.first = base
+        self._committed[partition] = (base, metadata or "")
+
+    def mark_committed(self, points: dict[Partition, tuple[int, str]]) -> None:
+        """The transaction carrying these commit points (from commit_points) is committed."""
+        self._committed.update(points)
+        for key, (base, _) in points.items():
+            self._parts[key].first = base
+
+    def rewind(self) -> tuple[list[Slot], dict[Partition, int]]:
+        """The open transaction is aborted: forget every slot and return to the last committed points.
+
+        Returns the dropped slots and, per partition, the offset the consumer must seek back to.
+        """
+        dropped: list[Slot] = []
+        rewind_to: dict[Partition, int] = {}
+        for key, part in self._parts.items():
+            dropped.extend(part.slots)
+            if part.first is not None:
+                rewind_to[key] = part.first
+            part.slots.clear()
+            part.done_before.clear()
         self.size = 0
+        for key, (base, metadata) in self._committed.items():
+            self._parts[key].done_before = decode_done_ahead(base, metadata)
+        return dropped, rewind_to
 
     def add(self, slot: Slot) -> Slot:
+        """Hold a newly consumed record; one done before (per the committed metadata) is marked emitted."""
         key = (slot.msg.topic(), slot.msg.partition())
-        queue = self._parts.setdefault(key, deque())
-        if queue and queue[-1].msg.offset() >= slot.msg.offset():
-            # A rewind without a drop would release a record twice; refuse rather than duplicate.
-            raise ValueError(f"{key} offset {slot.msg.offset()} admitted after {queue[-1].msg.offset()}")
-        queue.append(slot)
+        part = self._parts.setdefault(key, _Partition())
+        offset = slot.msg.offset()
+        if part.slots and part.slots[-1].msg.offset() >= offset:
+            # A rewind without a drop would emit a record twice; refuse rather than duplicate.
+            raise ValueError(f"{key} offset {offset} admitted after {part.slots[-1].msg.offset()}")
+        if part.first is None:
+            part.first = offset
+        if offset in part.done_before:
+            part.done_before.discard(offset)
+            slot.resolve(None)
+            slot.emitted = True
+        part.slots.append(slot)
         self.size += 1
         return slot
 
-    def release(self) -> list[Slot]:
-        """Remove and return every slot that is done and has no unfinished slot before it in its partition."""
-        out: list[Slot] = []
-        for key in list(self._parts):
-            queue = self._parts[key]
-            while queue and queue[0].done:
-                out.append(queue.popleft())
-            if not queue:
-                del self._parts[key]
-        self.size -= len(out)
+    def is_done_before(self, partition: Partition, offset: int) -> bool:
+        part = self._parts.get(partition)
+        return part is not None and offset in part.done_before
+
+    def count_ready(self) -> int:
+        """How many finished slots wait for a transaction."""
+        return sum(1 for p in self._parts.values() for s in p.slots if not s.emitted and s.done)
+
+    def ready(self) -> list[Slot]:
+        """Finished slots whose outputs are not in a transaction yet; marks them emitted."""
+        out = []
+        for part in self._parts.values():
+            for slot in part.slots:
+                if not slot.emitted and slot.done:
+                    slot.emitted = True
+                    out.append(slot)
         return out
+
+    def commit_points(self) -> dict[Partition, tuple[int, str]]:
+        """Per partition with emitted records: (offset to commit, done-ahead metadata); trims what it passes.
+
+        Call after the ready() slots' outputs are produced into the transaction that commits these.
+        """
+        points: dict[Partition, tuple[int, str]] = {}
+        for key, part in self._parts.items():
+            slots = part.slots
+            if not any(s.emitted for s in slots):
+                continue
+            while slots and slots[0].emitted:
+                last = slots.popleft()
+                self.size -= 1
+                base = last.msg.offset() + 1
+            if slots:
+                base = slots[0].msg.offset()
+                ahead = [s.msg.offset() for s in slots if s.emitted]
+            else:
+                ahead = []
+            # Offsets listed before and not read again yet stay listed until the commit point passes them.
+            ahead += [o for o in part.done_before if o >= base]
+            points[key] = (base, encode_done_ahead(base, ahead) if ahead else "")
+        return points
 
     def unfinished(self) -> list[Any]:
         """The futures still running."""
-        return [s.future for q in self._parts.values() for s in q if s.future is not None and not s.future.done()]
+        return [s.future for p in self._parts.values() for s in p.slots
+                if s.future is not None and not s.future.done()]
 
-    def drop(self, partitions: Iterable[tuple[str, int]]) -> list[Slot]:
-        """Forget the slots of these partitions (revoked, or rewound); returns them so their futures can be cancelled."""
+    def drop(self, partitions: Iterable[Partition]) -> list[Slot]:
+        """Forget these partitions (revoked, or rewound); returns their slots so their futures can be cancelled."""
         gone: list[Slot] = []
         for key in partitions:
-            gone.extend(self._parts.pop(key, ()))
+            self._committed.pop(key, None)
+            part = self._parts.pop(key, None)
+            if part is not None:
+                gone.extend(part.slots)
         self.size -= len(gone)
         return gone
 
-    def clear(self) -> list[Slot]:
-        """Forget every slot; returns them in partition order."""
-        return self.drop(list(self._parts))
+    def remaining_done(self, partition: Partition, base: int) -> str:
+        """Metadata for committing ``base`` without a pipelined window: the listed offsets not passed yet."""
+        part = self._parts.get(partition)
+        if part is None:
+            return ""
+        return encode_done_ahead(base, part.done_before)
 
     def __iter__(self) -> Iterator[Slot]:
-        for queue in self._parts.values():
-            yield from queue
-
-
-def first_offsets(slots: Iterable[Slot]) -> dict[tuple[str, int], int]:
-    """The lowest offset of each partition among ``slots``: where a rewind must seek to."""
-    first: dict[tuple[str, int], int] = {}
-    for s in slots:
-        key = (s.msg.topic(), s.msg.partition())
-        first[key] = min(first.get(key, s.msg.offset()), s.msg.offset())
-    return first
+        for part in self._parts.values():
+            yield from part.slots

@@ -27,7 +27,7 @@ from ..schemas.codec import DecodeError, default_codec
 from ..schemas.records import RECORD_TYPES, DeadLetter, Record
 from . import metrics
 from .group import GroupMember
-from .inflight import InOrderWindow, Slot
+from .inflight import OffsetWindow, Slot
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +49,13 @@ class RuntimeSettings:
     metrics_port: int = knob(0, "Prometheus /metrics port (0 picks a free port)")
     metrics_addr: str = knob("127.0.0.1", "Address /metrics listens on (0.0.0.0 in containers, for Prometheus)")
     max_record_bytes: int = knob(MAX_MESSAGE_BYTES, "Outputs larger than this are dead-lettered as oversized")
-    pipeline: bool = knob(True, "Per-record stages keep up to --concurrency records in flight across polls and "
-                                "commit them as they finish, in partition order (no batch waits for its slowest "
-                                "record); --no-pipeline handles and commits one batch at a time")
+    pipeline: bool = knob(True, "Per-record stages keep records in flight across polls and commit each as it "
+                                "finishes, in any order (no record waits for a slower one); --no-pipeline "
+                                "handles and commits one batch at a time")
     commit_interval_s: float = knob(0.1, "Pipelined stages: longest a finished record waits for its transaction")
-    max_in_flight: int = knob(1024, "Pipelined stages: most records consumed and not yet committed, finished ones "
-                                    "waiting behind a slow record of their partition included (at least "
-                                    "--concurrency); bounds memory, while --concurrency bounds running handlers")
+    max_in_flight: int = knob(1024, "Pipelined stages: most records consumed and not yet committed past (at least "
+                                    "--concurrency, at most ~8000: the done-ahead map must fit the offset "
+                                    "metadata); bounds memory, while --concurrency bounds running handlers")
 
 
 class InvalidRecord(ValueError):
@@ -187,8 +187,8 @@ class StageRunner:
         self._loop.set_default_executor(self._pool)
         self.ctx = StageContext(self)
         self._assigned: list[TopicPartition] = []
-        self._window = InOrderWindow()  # pipelined stages: records in flight, in partition order
-        self._held: list[Slot] = []  # pipelined stages: finished and released, waiting for the next transaction
+        # Consumed records not yet committed past, and what each partition's committed offset metadata says.
+        self._window = OffsetWindow()
         self._lag = metrics.LagProbe(stage.name, kafka.run)  # consumer lag gauge, refreshed every few seconds
 
     # -- lifecycle -----------------------------------------------------------------
@@ -234,17 +234,17 @@ class StageRunner:
                 break
 
     def _run_pipelined(self, max_batches: int | None, idle_exit_s: float | None) -> None:
-        """Keep up to ``concurrency`` records in flight across polls; commit finished ones in partition order."""
+        """Keep up to ``max_in_flight`` records in flight across polls; commit finished ones in any order."""
         worker = threading.Thread(target=self._loop.run_forever, name=f"{self.stage.name}-loop", daemon=True)
         worker.start()
-        commits, idle_since, held_since = 0, time.monotonic(), 0.0
+        commits, idle_since, ready_since = 0, time.monotonic(), None
         window = self._window
         limit = max(1, self.settings.concurrency, self.settings.max_in_flight)
         self._running = asyncio.Semaphore(max(1, self.settings.concurrency))
         try:
             while not self._stopping:
                 self.stage.before_poll(self.ctx)
-                busy = window.size > 0 or bool(self._held)
+                busy = window.size > 0
                 room = limit - window.size
                 msgs = self._member.consume(min(room, self.settings.batch_size),
                                             0 if busy else self.settings.poll_timeout_s) if room > 0 else []
@@ -256,20 +256,23 @@ class StageRunner:
                     idle_since = now
                 elif idle_exit_s is not None and now - idle_since > idle_exit_s:
                     break
-                if window.size and not msgs:
+                running = window.unfinished()
+                if running and not msgs:
                     # Nothing new arrived: sleep until a handler finishes, looking for new records now and then.
-                    wait(window.unfinished(), timeout=0.05 if room > 0 else self.settings.poll_timeout_s,
+                    wait(running, timeout=0.05 if room > 0 else self.settings.poll_timeout_s,
                          return_when=FIRST_COMPLETED)
-                released = window.release()
-                if released and not self._held:
-                    held_since = time.monotonic()
-                self._held.extend(released)
+                ready = window.count_ready()
+                if not ready:
+                    ready_since = None
+                    continue
+                ready_since = ready_since or time.monotonic()
                 # Commit when a batch is full, when the oldest finished record has waited long enough, or when
-                # nothing is in flight and nothing came: a fast handler must not get a transaction per record.
-                if self._held and (len(self._held) >= self.settings.batch_size
-                                   or time.monotonic() - held_since >= self.settings.commit_interval_s
-                                   or (window.size == 0 and not msgs)):
-                    self._commit_held()
+                # nothing runs and nothing came: a fast handler must not get a transaction per record.
+                if (ready >= self.settings.batch_size
+                        or time.monotonic() - ready_since >= self.settings.commit_interval_s
+                        or (not msgs and not window.unfinished())):
+                    self._commit_ready()
+                    ready_since = None
                     commits += 1
                     if max_batches is not None and commits >= max_batches:
                         break
@@ -283,55 +286,58 @@ class StageRunner:
         unfinished = self._window.unfinished()
         if unfinished:
             wait(unfinished, timeout=self.settings.handler_timeout_s)
-        self._held.extend(self._window.release())
-        if self._held:
-            self._commit_held()
+        if self._window.count_ready():
+            self._commit_ready()
 
     def _admit(self, m: Message, now: float) -> None:
         logical = logical_name(self.kafka.run, m.topic())
+        slot = self._window.add(Slot(m, admitted_at=now))
+        if slot.emitted:
+            return  # handled before a crash or rebalance; the committed offset metadata says so
         metrics.RECORDS_IN.labels(self.stage.name, logical).inc()
-        slot = Slot(m, admitted_at=now)
         try:
             slot.item = self._decode(m, logical, hdr.now_ms())
         except _Rejected as rej:
             slot.resolve(rej)
         else:
             slot.future = asyncio.run_coroutine_threadsafe(self._handle_when_free(slot.item), self._loop)
-        self._window.add(slot)
 
-    def _commit_held(self) -> None:
-        held, self._held = self._held, []
-        started = min(s.admitted_at for s in held)
-        msgs = [s.msg for s in held]
+    def _commit_ready(self) -> None:
+        ready = self._window.ready()
+        started = min(s.admitted_at for s in ready)
         self.producer.begin_transaction()
         try:
-            for slot in held:
+            for slot in ready:
                 self._emit(slot.msg, slot.item, slot.outcome())
-            # Do not advance committed offsets outside of the transaction, and only past records whose outputs
-            # are in it: the window released these in partition order, so no earlier record is missing.
-            bounded(self.producer.send_offsets_to_transaction, _next_offsets(msgs),
+            # Do not advance committed offsets outside of the transaction. Each partition commits the offset of
+            # its first unfinished record, and lists the finished ones after it in the offset's metadata: all
+            # of their outputs are in this transaction or an earlier one.
+            points = self._window.commit_points()
+            bounded(self.producer.send_offsets_to_transaction,
+                    [TopicPartition(t, p, base, metadata=meta) for (t, p), (base, meta) in points.items()],
                     self.consumer.consumer_group_metadata(), 30)
             bounded(self.producer.commit_transaction, 60)
         except KafkaException as exc:
-            self._recover(exc, self._forget_in_flight(msgs))
+            self._recover(exc, self._rewind_window())
             return
         except Wedged as exc:
-            self._replace_producer(exc, self._forget_in_flight(msgs))
+            self._replace_producer(exc, self._rewind_window())
             return
         except BaseException:
-            self._abort_and_rewind(self._forget_in_flight(msgs))
+            self._abort_and_rewind(self._rewind_window())
             raise
+        self._window.mark_committed(points)
         self._replaced = 0
         metrics.TRANSACTIONS.labels(self.stage.name, "committed").inc()
         metrics.BATCH_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
 
-    def _forget_in_flight(self, msgs: list[Message]) -> list[Message]:
-        """An aborted transaction: drop every record in flight too; the rewind reads them all again."""
-        dropped = self._window.clear()
+    def _rewind_window(self) -> dict[tuple[str, int], int]:
+        """An aborted transaction: every record since the last commit is read again (its outputs are gone)."""
+        dropped, rewind_to = self._window.rewind()
         for slot in dropped:
             if slot.future is not None:
                 slot.future.cancel()
-        return msgs + [s.msg for s in dropped]
+        return rewind_to
 
     def close(self) -> None:
         self.stage.close()
@@ -363,10 +369,19 @@ class StageRunner:
 
     def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
         self._assigned = list(parts)
+        self._load_committed(consumer, parts)
         # A rebalance resumes everything; re-apply the stage's backpressure.
         paused = [tp for tp in parts if logical_name(self.kafka.run, tp.topic) in self.paused_topics]
         if paused:
             consumer.pause(paused)
+
+    def _load_committed(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+        """Learn which records past each committed offset a pipelined worker already finished (its metadata)."""
+        if not parts:
+            return
+        for tp in consumer.committed(parts, timeout=30):
+            if tp.offset >= 0:
+                self._window.set_committed((tp.topic, tp.partition), tp.offset, tp.metadata)
 
     def _on_revoke(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
         # No transaction is open here: revocation only happens inside consume(). Records in flight or held for
@@ -376,7 +391,6 @@ class StageRunner:
         for slot in self._window.drop(gone):
             if slot.future is not None:
                 slot.future.cancel()
-        self._held = [s for s in self._held if (s.msg.topic(), s.msg.partition()) not in gone]
 
     # -- one transaction -----------------------------------------------------------
 
@@ -387,24 +401,26 @@ class StageRunner:
             self._handle_and_produce(msgs)
             # Do not advance committed offsets outside of the transaction: the
             # outputs and the input positions become visible together or not at all.
-            bounded(self.producer.send_offsets_to_transaction, _next_offsets(msgs),
-                          self.consumer.consumer_group_metadata(), 30)
+            offsets = [TopicPartition(tp.topic, tp.partition, tp.offset,
+                                      metadata=self._window.remaining_done((tp.topic, tp.partition), tp.offset))
+                       for tp in _next_offsets(msgs)]
+            bounded(self.producer.send_offsets_to_transaction, offsets, self.consumer.consumer_group_metadata(), 30)
             bounded(self.producer.commit_transaction, 60)
         except KafkaException as exc:
-            self._recover(exc, msgs)
+            self._recover(exc, _first_offsets(msgs))
             return
         except Wedged as exc:
-            self._replace_producer(exc, msgs)
+            self._replace_producer(exc, _first_offsets(msgs))
             return
         except BaseException:
             # Anything else (including a crash in the stage) aborts: the batch is redone.
-            self._abort_and_rewind(msgs)
+            self._abort_and_rewind(_first_offsets(msgs))
             raise
         self._replaced = 0
         metrics.TRANSACTIONS.labels(self.stage.name, "committed").inc()
         metrics.BATCH_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
 
-    def _replace_producer(self, exc: Exception, msgs: list[Message]) -> None:
+    def _replace_producer(self, exc: Exception, rewind_to: dict[tuple[str, int], int]) -> None:
         """Fence a stuck or broken producer with a new one of the same transactional id, then redo the batch."""
         log.error("%s: %s; replacing the producer (the new one aborts the open transaction)", self.stage.name, exc)
         metrics.TRANSACTIONS.labels(self.stage.name, "aborted").inc()
@@ -414,22 +430,22 @@ class StageRunner:
         self._wedged.append(self.producer)
         self.producer = Producer(self._producer_config)
         init_transactions(self.producer, self.stage.name, stopping=lambda: self._stopping)
-        self._rewind(msgs)
+        self._rewind(rewind_to)
 
-    def _recover(self, exc: KafkaException, msgs: list[Message]) -> None:
+    def _recover(self, exc: KafkaException, rewind_to: dict[tuple[str, int], int]) -> None:
         err = exc.args[0]
         if err.txn_requires_abort() or err.retriable():
             log.warning("%s transaction failed (%s); aborting and redoing the batch", self.stage.name, err)
-            self._abort_and_rewind(msgs)
+            self._abort_and_rewind(rewind_to)
             return
         if err.fatal() and err.code() not in _FENCED:
-            self._replace_producer(exc, msgs)
+            self._replace_producer(exc, rewind_to)
             return
         # Fenced by a newer instance with our transactional.id: we are the zombie; exit.
         metrics.TRANSACTIONS.labels(self.stage.name, "fatal").inc()
         raise exc
 
-    def _abort_and_rewind(self, msgs: list[Message]) -> None:
+    def _abort_and_rewind(self, rewind_to: dict[tuple[str, int], int]) -> None:
         metrics.TRANSACTIONS.labels(self.stage.name, "aborted").inc()
         deadline = time.monotonic() + 600
         while True:
@@ -437,28 +453,24 @@ class StageRunner:
                 bounded(self.producer.abort_transaction, 30)
                 break
             except Wedged as exc:
-                self._replace_producer(exc, msgs)  # the new producer's fencing aborts the transaction
+                self._replace_producer(exc, rewind_to)  # the new producer's fencing aborts the transaction
                 return
             except KafkaException as exc:
                 err = exc.args[0]
                 if err.fatal() and err.code() not in _FENCED and not self._stopping:
                     # E.g. INVALID_TXN_STATE after a broker restart aborted the transaction on its own.
-                    self._replace_producer(exc, msgs)
+                    self._replace_producer(exc, rewind_to)
                     return
                 # An abort times out while the broker is down or restarting: wait for it rather than exit.
                 if err.fatal() or not err.retriable() or self._stopping or time.monotonic() > deadline:
                     log.error("%s abort failed: %s", self.stage.name, exc)
                     raise
                 log.warning("%s abort not done yet (%s); retrying", self.stage.name, err.str())
-        self._rewind(msgs)
+        self._rewind(rewind_to)
 
-    def _rewind(self, msgs: list[Message]) -> None:
-        """The aborted outputs are gone, so the inputs must be read again."""
-        first: dict[tuple[str, int], int] = {}
-        for m in msgs:
-            key = (m.topic(), m.partition())
-            first[key] = min(first.get(key, m.offset()), m.offset())
-        for (topic, partition), offset in first.items():
+    def _rewind(self, rewind_to: dict[tuple[str, int], int]) -> None:
+        """The aborted outputs are gone, so the inputs must be read again from these offsets."""
+        for (topic, partition), offset in rewind_to.items():
             try:
                 self.consumer.seek(TopicPartition(topic, partition, offset))
             except KafkaException:
@@ -469,6 +481,8 @@ class StageRunner:
         sources: list[Message] = []
         now = hdr.now_ms()
         for m in msgs:
+            if self._window.is_done_before((m.topic(), m.partition()), m.offset()):
+                continue  # a pipelined worker finished it before this one took the partition over
             logical = logical_name(self.kafka.run, m.topic())
             metrics.RECORDS_IN.labels(self.stage.name, logical).inc()
             try:
@@ -708,6 +722,15 @@ def wire_bytes(value: bytes, key: str | bytes | None, headers: list[tuple[str, b
     key_len = len(key.encode()) if isinstance(key, str) else len(key or b"")
     raw = len(value) + key_len + sum(len(k) + len(v or b"") + 10 for k, v in headers) + 128
     return raw + raw // 255 + 64
+
+
+def _first_offsets(msgs: Sequence[Message]) -> dict[tuple[str, int], int]:
+    """Where a rewind of a batch starts: the first offset of each partition in it."""
+    first: dict[tuple[str, int], int] = {}
+    for m in msgs:
+        key = (m.topic(), m.partition())
+        first[key] = min(first.get(key, m.offset()), m.offset())
+    return first
 
 
 def _next_offsets(msgs: Sequence[Message]) -> list[TopicPartition]:

@@ -1,12 +1,13 @@
-"""The pipelined stage's in-order window: what may be committed, and when."""
+"""The pipelined stage's offset window: what each transaction may commit, and what a successor must skip."""
 from __future__ import annotations
 
 from concurrent.futures import Future
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlstream.streams.inflight import InOrderWindow, Slot, first_offsets
+from rlstream.streams.inflight import OffsetWindow, Slot, decode_done_ahead, encode_done_ahead
 
 
 class Msg:
@@ -29,60 +30,95 @@ def slot(partition: int, offset: int) -> Slot:
     return Slot(Msg("t", partition, offset), future=Future())
 
 
-def test_a_slow_record_holds_back_only_its_own_partition():
-    w = InOrderWindow()
+def test_done_ahead_metadata_round_trips_and_stays_small():
+    done = {105, 106, 200, 1100}
+    meta = encode_done_ahead(100, done | {99})  # offsets before the base are never listed
+    assert meta.startswith("rls1:") and decode_done_ahead(100, meta) == done
+    assert encode_done_ahead(100, []) == "" and decode_done_ahead(100, "") == set()
+    assert decode_done_ahead(100, "someone else's metadata") == set()
+    assert len(encode_done_ahead(0, range(0, 20000, 3))) < 4000
+    with pytest.raises(ValueError):
+        encode_done_ahead(0, [40000])
+
+
+def test_a_slow_record_holds_back_only_the_committed_offset_not_the_outputs():
+    w = OffsetWindow()
     slow, fast, other = w.add(slot(0, 0)), w.add(slot(0, 1)), w.add(slot(1, 0))
     fast.future.set_result(["f"])
     other.future.set_result(["o"])
-    assert [s.msg.offset() for s in w.release()] == [0] and w.size == 2  # partition 1's record only
+    assert [(s.msg.partition(), s.msg.offset()) for s in w.ready()] == [(0, 1), (1, 0)]
+    points = w.commit_points()
+    assert points[("t", 1)] == (1, "")
+    base, meta = points[("t", 0)]
+    assert base == 0 and decode_done_ahead(0, meta) == {1}  # offset 0 unfinished; 1 done past it
+    assert w.ready() == []  # nothing is emitted twice
     slow.future.set_result(["s"])
-    assert [(s.msg.partition(), s.msg.offset()) for s in w.release()] == [(0, 0), (0, 1)]
-    assert w.size == 0
+    assert [s.msg.offset() for s in w.ready()] == [0]
+    assert w.commit_points() == {("t", 0): (2, "")} and w.size == 0
 
 
-def test_a_record_rejected_at_decode_is_released_in_its_place():
-    w = InOrderWindow()
-    head = w.add(slot(0, 0))
-    bad = w.add(Slot(Msg("t", 0, 1)))
-    bad.resolve("rejected")
-    assert w.release() == []
+def test_a_successor_skips_what_the_metadata_lists_and_keeps_listing_what_it_has_not_reread():
+    w = OffsetWindow()
+    w.set_committed(("t", 0), 10, encode_done_ahead(10, {12, 15}))
+    head, done = w.add(slot(0, 10)), w.add(slot(0, 12))
+    assert done.emitted and not head.emitted  # 12 finished before the takeover: no handler, no output
     head.future.set_result([])
-    assert [s.outcome() for s in w.release()] == [[], "rejected"]
+    assert w.ready() == [head]
+    base, meta = w.commit_points()[("t", 0)]
+    assert base == 13 and decode_done_ahead(13, meta) == {15}  # 15 not read again yet: still listed
 
 
-def test_dropping_partitions_forgets_their_records_and_a_rewind_may_admit_them_again():
-    w = InOrderWindow()
-    for o in range(3):
-        w.add(slot(0, o))
-    w.add(slot(1, 5))
-    dropped = w.drop([("t", 0)])
-    assert first_offsets(dropped) == {("t", 0): 0} and w.size == 1
-    w.add(slot(0, 0))  # read again after the rewind
-    try:
+def test_an_abort_returns_to_the_last_committed_points():
+    w = OffsetWindow()
+    w.set_committed(("t", 0), 0, encode_done_ahead(0, {3}))
+    slots = [w.add(slot(0, o)) for o in range(3)]
+    for s in slots[1:]:
+        s.future.set_result([])
+    w.ready()
+    points = w.commit_points()
+    w.mark_committed(points)
+    slots[0].future.set_result([])
+    w.ready()
+    w.commit_points()  # ... and the transaction carrying this is aborted
+    dropped, rewind_to = w.rewind()
+    assert dropped == [] and w.size == 0  # the aborted commit point had passed every slot
+    assert rewind_to == {("t", 0): 0}  # so the rewind goes to the last committed offset
+    # Read again from offset 0: 1 and 2 are done per the committed metadata, 0 is not, 3 still is.
+    again = [w.add(slot(0, o)) for o in range(4)]
+    assert [s.emitted for s in again] == [False, True, True, True]
+
+
+def test_admitting_an_offset_twice_is_refused():
+    w = OffsetWindow()
+    w.add(slot(0, 0))
+    with pytest.raises(ValueError):
         w.add(slot(0, 0))
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("admitting an offset twice must be refused")
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.randoms())
-def test_released_records_form_a_gapless_prefix_of_each_partition(partitions, rnd):
-    w, next_offset, slots = InOrderWindow(), {}, []
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.randoms(), st.integers(1, 5))
+def test_every_record_is_emitted_once_and_commit_points_never_pass_an_unfinished_one(partitions, rnd, every):
+    w, next_offset, slots = OffsetWindow(), {}, []
     for partition in partitions:
         offset = next_offset.get(partition, 0)
         next_offset[partition] = offset + 1
         slots.append(w.add(slot(partition, offset)))
-    released: dict[int, list[int]] = {}
     order = list(range(len(slots)))
     rnd.shuffle(order)
-    for i in order:  # finish in any order
+    emitted: list[tuple[int, int]] = []
+    for n, i in enumerate(order, 1):  # finish in any order, commit every few
         slots[i].future.set_result([])
-        for s in w.release():
-            released.setdefault(s.msg.partition(), []).append(s.msg.offset())
-        for p, offsets in released.items():
-            assert offsets == list(range(len(offsets))), "released out of order or with a gap"
-            # Nothing still held in the window is before a released record of its partition.
-            assert all(s.msg.offset() > offsets[-1] for s in w if s.msg.partition() == p)
-    assert w.size == 0 and sum(map(len, released.values())) == len(slots)
+        if n % every and n != len(order):
+            continue
+        emitted += [(s.msg.partition(), s.msg.offset()) for s in w.ready()]
+        for (_, p), (base, meta) in w.commit_points().items():
+            unfinished = [s.msg.offset() for s in slots if s.msg.partition() == p and not s.future.done()]
+            assert not unfinished or base <= min(unfinished), "committed past an unfinished record"
+            listed = decode_done_ahead(base, meta)
+            assert all(slots_done(slots, p, o) for o in listed) and not listed & set(unfinished)
+    assert sorted(emitted) == sorted({(s.msg.partition(), s.msg.offset()) for s in slots})
+    assert w.size == 0
+
+
+def slots_done(slots, partition, offset):
+    return any(s.msg.partition() == partition and s.msg.offset() == offset and s.future.done() for s in slots)
