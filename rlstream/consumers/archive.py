@@ -649,7 +649,7 @@ class ArchiveSink:
         # Committed records only, and offsets move only after their rows are in ClickHouse (group.py).
         self._member = GroupMember(kafka, group, topics, instance=instance, session_timeout_ms=session_timeout_ms,
                                    on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost,
-                                   who="archive")
+                                   who="archive").subscribe()
         log.info("archive consuming %d topics of run %s as group %s", len(topics), kafka.run, group)
         batch_rows, flush_s = self.settings.archive_batch_rows, self.settings.archive_flush_s
         oldest = idle_since = time.monotonic()

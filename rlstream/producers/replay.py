@@ -11,6 +11,7 @@ same runtime, committing the archived offsets in the same group.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import logging
 import re
@@ -179,7 +180,8 @@ class ReplayRunner(StageRunner):
     """The shared runtime over a fixed offset range of the trajectories topic."""
 
     def __init__(self, stage: ReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings, settings: ReplaySettings):
-        super().__init__(stage, kafka, runtime)
+        # One batch per transaction: a replay's bounds and its pause past the end are per batch.
+        super().__init__(stage, kafka, dataclasses.replace(runtime, pipeline=False))
         self.replay_settings = settings  # self.settings is the runtime's
         self.topic = topic_name(kafka.run, "trajectories")
         self.bounds: dict[int, tuple[int, int]] = {}  # partition -> [start, end)

@@ -50,10 +50,11 @@ def group_consumer_config(kafka: KafkaSettings, group_id: str, instance: str = "
 
 
 class GroupMember:
-    """One consumer of a group, subscribed to ``topics``; replaced in-process when librdkafka gives up on it.
+    """One consumer of a group, for ``topics``; replaced in-process when librdkafka gives up on it.
 
-    Always reach the consumer through ``.consumer``: it is a new object after a replacement. The rebalance
-    callbacks fire again for the new consumer, so state keyed by assignment is rebuilt by them.
+    ``subscribe()`` joins the group (the consumer exists before, for offset lookups). Always reach the consumer
+    through ``.consumer``: it is a new object after a replacement. The rebalance callbacks fire again for the
+    new consumer, so state keyed by assignment is rebuilt by them.
     """
 
     def __init__(self, kafka: KafkaSettings, group_id: str, topics: list[str], *, instance: str = "",
@@ -66,12 +67,14 @@ class GroupMember:
         self._callbacks = {k: v for k, v in (("on_assign", on_assign), ("on_revoke", on_revoke),
                                              ("on_lost", on_lost)) if v is not None}
         self._replaced_at: list[float] = []
-        self.consumer = self._subscribe()
+        self._subscribed = False
+        self.consumer = Consumer(self._config)
 
-    def _subscribe(self) -> Consumer:
-        consumer = Consumer(self._config)
-        consumer.subscribe(self.topics, **self._callbacks)
-        return consumer
+    def subscribe(self) -> "GroupMember":
+        """Join the group."""
+        self.consumer.subscribe(self.topics, **self._callbacks)
+        self._subscribed = True
+        return self
 
     def consume(self, num: int, timeout: float) -> list[Message]:
         """Up to ``num`` records: waits at most ``timeout`` for the first, then takes only what is already fetched.
@@ -114,7 +117,9 @@ class GroupMember:
             old.close()
         except (KafkaException, RuntimeError) as exc:  # a fenced consumer may refuse a clean close
             log.info("%s: closing the failed consumer: %s", self.who, exc)
-        self.consumer = self._subscribe()
+        self.consumer = Consumer(self._config)
+        if self._subscribed:
+            self.consumer.subscribe(self.topics, **self._callbacks)
 
     def close(self) -> None:
         """Leave (static members keep their slot until the session times out, so a restart finds it)."""

@@ -167,8 +167,11 @@ class StageRunner:
         instance = settings.instance or uuid.uuid4().hex[:12]  # transactional id; static membership needs a set one
         base = kafka.client_config()
         self.group_id = f"{kafka.run}.{stage.name}"
-        self._instance = settings.instance
-        self._member: GroupMember | None = None  # joins the group in run(), once the producer is ready
+        topics = [topic_name(kafka.run, t) for t in stage.inputs]
+        # Joins the group in run(), once the producer is ready; replay uses the consumer before that.
+        self._member = GroupMember(kafka, self.group_id, topics, instance=settings.instance,
+                                   session_timeout_ms=settings.session_timeout_ms, on_assign=self._on_assign,
+                                   on_revoke=self._on_revoke, on_lost=self._on_revoke, who=stage.name)
         self._producer_config = {
             **base,
             "transactional.id": f"{self.group_id}.{instance}",
@@ -202,10 +205,7 @@ class StageRunner:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         init_transactions(self.producer, self.stage.name, stopping=lambda: self._stopping)
-        topics = [topic_name(self.kafka.run, t) for t in self.stage.inputs]
-        self._member = GroupMember(self.kafka, self.group_id, topics, instance=self._instance,
-                                   session_timeout_ms=self.settings.session_timeout_ms, on_assign=self._on_assign,
-                                   on_revoke=self._on_revoke, on_lost=self._on_revoke, who=self.stage.name)
+        topics = self._member.subscribe().topics
         pipelined = self.settings.pipeline and type(self.stage).handle_batch is Stage.handle_batch
         log.info("%s consuming %s as group %s (%s)", self.stage.name, topics, self.group_id,
                  "pipelined" if pipelined else "one batch per transaction")
@@ -343,8 +343,7 @@ class StageRunner:
         self.stage.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         try:
-            if self._member is not None:
-                self._member.close()
+            self._member.close()
         finally:
             self._loop.close()
 

@@ -110,7 +110,7 @@ class TrainerService:
         self._member = GroupMember(kafka, self.group_id, [topic_name(kafka.run, self.settings.source)],
                                    instance=self.settings.policy, session_timeout_ms=runtime.session_timeout_ms,
                                    on_revoke=lambda c, parts: self.window.clear(),
-                                   on_assign=lambda c, parts: self.window.clear(), who="trainer")
+                                   on_assign=lambda c, parts: self.window.clear(), who="trainer").subscribe()
         steps = 0
         try:
             while not self._stopping:

@@ -25,7 +25,7 @@ def test_a_member_fenced_by_its_own_instance_id_rejoins_and_reads_on(bootstrap, 
     group = f"{run_name}.members"
     produce(bootstrap, run_name, "prompts", [(f"k{i}", make_task(i), None) for i in range(6)])
     topic = topic_name(run_name, "prompts")
-    member = GroupMember(kafka, group, [topic], instance="w0", session_timeout_ms=6000, who="test")
+    member = GroupMember(kafka, group, [topic], instance="w0", session_timeout_ms=6000, who="test").subscribe()
     try:
         assert len(_drain(member, 6, 60)) == 6
         first = member.consumer
