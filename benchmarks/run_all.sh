@@ -21,7 +21,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run, keep stdout+stderr in $OUT/NAME.l
 }
 
 rlstream up >/dev/null
-step bus_hop 60 python benchmarks/bus_hop.py --records 5000
+step bus_hop 120 python benchmarks/bus_hop.py --records 5000
 step reward_scaling 150 python benchmarks/reward_scaling.py --per-consumer 400 --json "$OUT/reward_scaling.json"
 step weight_publish 200 python benchmarks/weight_publish.py --seconds 50 --json "$OUT/weight_publish.json"
 step memory 200 python benchmarks/memory.py --minutes 1.5 --json "$OUT/memory.json"
