@@ -236,6 +236,20 @@ class WindowedFIFO:
             out.append(self._close(head))
         return out
 
+    def discard(self, group_id: str) -> Group | None:
+        """Remove and return an open group that can no longer complete (one of its samples was refused as stale).
+
+        Waiting for its head timeout would hold a window slot, and the step behind it, for nothing.
+        """
+        group = self._groups.get(group_id)
+        if group is not None:
+            return self._close(group)
+        late = self._late.pop(group_id, None)
+        if late is not None:
+            self._release(late)
+            return late.freeze(late=True)
+        return None
+
     # -- offsets -------------------------------------------------------------
 
     def committable_offsets(self) -> dict[TopicPartition, int]:

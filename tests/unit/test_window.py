@@ -198,6 +198,20 @@ def test_released_ahead_lists_what_a_restart_must_skip():
     assert again.committable_offsets() == {(TOPIC, 0): 4} and again.released_ahead() == []
 
 
+def test_a_group_that_cannot_complete_is_discarded_at_once_and_frees_its_slot():
+    win, _, f = make(w=2)
+    win.add(f.item("a", 2))  # 0: a's other sample was refused as stale
+    win.add(f.item("b", 1))  # 1
+    win.add(f.item("c", 1))  # 2: beyond the window while a holds a slot
+    assert ids(win.take()) == ["b"]
+    gone = win.discard("a")
+    assert gone is not None and gone.group_id == "a" and len(gone.items) == 1
+    assert ids(win.take()) == ["c"] and win.committable_offsets() == {(TOPIC, 0): 3}
+    assert win.discard("a") is None and win.discard("never-seen") is None
+    win.add(f.item("a", 2))  # a late sample of the discarded group is held as late, not as a new head
+    assert len(win) == 0 and win.pending_samples == 1
+
+
 def test_clear_forgets_offsets_for_reread():
     win, _, f = make()
     it = f.item("a", 2)
