@@ -22,6 +22,9 @@ Choices the spec leaves open:
   below the highest one seen on its partition is a redelivery and is ignored.
   This keeps dedup O(1) in memory per partition instead of remembering every
   position. Call :meth:`WindowedFIFO.clear` after seeking back.
+* **Refused samples.** A sample the trainer refuses (stale) will never arrive;
+  :meth:`WindowedFIFO.refuse` counts it, and the group completes without it
+  (trained as a smaller group, or dropped if nothing of it arrived in time).
 * **Group age** is measured on the window's own clock, stamped when the group's
   first item is added, not from ``WindowItem.arrived_at``, which the caller may
   take from any clock (e.g. a record's ``produced_at``).
@@ -64,11 +67,12 @@ class Group:
     items: tuple[WindowItem, ...]
     first_arrived_at: float
     late: bool = False
+    refused: int = 0  # samples of the group that were refused (stale) and will never arrive
 
     @property
     def complete(self) -> bool:
-        """True if the group holds at least ``group_size`` items."""
-        return len(self.items) >= self.group_size
+        """True if every sample of the group arrived or was refused."""
+        return len(self.items) + self.refused >= self.group_size
 
     def __len__(self) -> int:
         return len(self.items)
@@ -80,9 +84,14 @@ class _OpenGroup:
     group_size: int
     first_arrived_at: float
     items: list[WindowItem] = field(default_factory=list)
+    refused: int = 0
+
+    @property
+    def done(self) -> bool:
+        return len(self.items) + self.refused >= self.group_size
 
     def freeze(self, late: bool = False) -> Group:
-        return Group(self.group_id, self.group_size, tuple(self.items), self.first_arrived_at, late)
+        return Group(self.group_id, self.group_size, tuple(self.items), self.first_arrived_at, late, self.refused)
 
 
 class _PartitionOffsets:
@@ -200,7 +209,7 @@ class WindowedFIFO:
         out: list[Group] = []
         samples = 0
         for group in window:
-            if len(group.items) < group.group_size:
+            if not group.done:
                 continue
             n = len(group.items)
             if max_samples is not None and out and samples + n > max_samples:
@@ -229,26 +238,28 @@ class WindowedFIFO:
         now = self._clock()
         while self._groups:
             head = next(iter(self._groups.values()))
-            if len(head.items) >= head.group_size:
+            if head.done:
                 break
             if now - head.first_arrived_at <= self.head_timeout_s:
                 break
             out.append(self._close(head))
         return out
 
-    def discard(self, group_id: str) -> Group | None:
-        """Remove and return an open group that can no longer complete (one of its samples was refused as stale).
+    def refuse(self, group_id: str, group_size: int, position: tuple[str, int, int]) -> None:
+        """A sample of ``group_id`` was refused (stale): its group completes without it.
 
-        Waiting for its head timeout would hold a window slot, and the step behind it, for nothing.
+        Its offset counts as consumed. Waiting for it would hold the group, and a window slot, until the head
+        timeout; the group's other samples are trained as a smaller group (advantages are per group).
         """
+        self.skip(position)
         group = self._groups.get(group_id)
-        if group is not None:
-            return self._close(group)
-        late = self._late.pop(group_id, None)
-        if late is not None:
-            self._release(late)
-            return late.freeze(late=True)
-        return None
+        if group is None:
+            if group_id in self._closed:
+                return  # its group was taken or evicted already
+            group = self._groups[group_id] = _OpenGroup(group_id, group_size, self._clock())
+        group.refused += 1
+        if group.done and not group.items:
+            self._close(group)  # nothing of it arrived in time: nothing to train
 
     # -- offsets -------------------------------------------------------------
 
@@ -288,7 +299,7 @@ class WindowedFIFO:
         return sum(
             1
             for g in itertools.islice(self._groups.values(), self.window_groups)
-            if len(g.items) >= g.group_size
+            if g.done
         )
 
     def clear(self) -> None:

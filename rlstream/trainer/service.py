@@ -207,12 +207,9 @@ class TrainerService:
             accepted = self.counter.observe(self.filter, self.version, sample_version)
             metrics.count_staleness("trainer", accepted, self.counter.stale_ratio)
             if not accepted:
-                # Its group can never complete now: drop the samples it already has rather than let it hold a
-                # window slot until the head timeout (the version moved on between samples of one group).
-                gone = self.window.discard(traj.group_id)
-                if gone is not None:
-                    self.evicted += len(gone.items)
-                    metrics.EVICTED_SAMPLES.labels("trainer").inc(len(gone.items))
+                # The version moved on between samples of one group: the group completes without this one
+                # rather than holding a window slot (and the pipeline behind it) until the head timeout.
+                self.window.refuse(traj.group_id, traj.task.group_size, (m.topic(), m.partition(), m.offset()))
                 continue
             self.window.add(WindowItem(traj.group_id, traj.task.group_size, (m.topic(), m.partition(), m.offset()),
                                        time.monotonic(), sample))

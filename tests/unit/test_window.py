@@ -198,18 +198,32 @@ def test_released_ahead_lists_what_a_restart_must_skip():
     assert again.committable_offsets() == {(TOPIC, 0): 4} and again.released_ahead() == []
 
 
-def test_a_group_that_cannot_complete_is_discarded_at_once_and_frees_its_slot():
+def test_a_group_completes_without_its_refused_samples():
     win, _, f = make(w=2)
-    win.add(f.item("a", 2))  # 0: a's other sample was refused as stale
-    win.add(f.item("b", 1))  # 1
-    win.add(f.item("c", 1))  # 2: beyond the window while a holds a slot
+    win.add(f.item("a", 3))  # 0
+    win.refuse("a", 3, (TOPIC, 0, 1))  # a stale sample of a: a can never hold 3 items
+    f.next_offset[0] = 2
+    win.add(f.item("b", 1))  # 2
+    win.add(f.item("c", 1))  # 3: beyond the window while a is open
+    assert ids(win.take()) == ["b"]  # c slides into the window only now
+    assert win.complete_in_window() == 1  # c; a still waits for its third sample
+    win.refuse("a", 3, (TOPIC, 0, 4))
+    taken = win.take(max_groups=1)
+    assert ids(taken) == ["a"] and len(taken[0]) == 1 and taken[0].refused == 2 and taken[0].complete
+    assert ids(win.take()) == ["c"] and win.committable_offsets() == {(TOPIC, 0): 5}
+
+
+def test_a_group_refused_whole_is_dropped_and_a_refusal_after_take_only_counts_the_offset():
+    win, _, f = make(w=2)
+    win.refuse("a", 2, (TOPIC, 0, 0))
+    assert len(win) == 1 and win.complete_in_window() == 0
+    win.refuse("a", 2, (TOPIC, 0, 1))
+    assert len(win) == 0 and win.take() == [] and win.committable_offsets() == {(TOPIC, 0): 2}
+    f.next_offset[0] = 2
+    win.add(f.item("b", 1))
     assert ids(win.take()) == ["b"]
-    gone = win.discard("a")
-    assert gone is not None and gone.group_id == "a" and len(gone.items) == 1
-    assert ids(win.take()) == ["c"] and win.committable_offsets() == {(TOPIC, 0): 3}
-    assert win.discard("a") is None and win.discard("never-seen") is None
-    win.add(f.item("a", 2))  # a late sample of the discarded group is held as late, not as a new head
-    assert len(win) == 0 and win.pending_samples == 1
+    win.refuse("b", 1, (TOPIC, 0, 3))  # b was taken already
+    assert len(win) == 0 and win.committable_offsets() == {(TOPIC, 0): 4}
 
 
 def test_clear_forgets_offsets_for_reread():
