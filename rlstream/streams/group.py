@@ -124,4 +124,7 @@ class GroupMember:
     def close(self) -> None:
         """Leave (static members keep their slot until the session times out, so a restart finds it)."""
         if self.consumer is not None:
-            self.consumer.close()
+            try:
+                self.consumer.close()
+            except Exception as exc:  # e.g. a rebalance callback that could not finish: we are leaving anyway
+                log.warning("%s: closing the consumer: %s", self.who, exc)

@@ -164,6 +164,7 @@ class StageRunner:
         self.codec = default_codec()
         self.paused_topics: set[str] = set()
         self._stopping = False
+        self._closing = False
         instance = settings.instance or uuid.uuid4().hex[:12]  # transactional id; static membership needs a set one
         base = kafka.client_config()
         self.group_id = f"{kafka.run}.{stage.name}"
@@ -340,6 +341,7 @@ class StageRunner:
         return rewind_to
 
     def close(self) -> None:
+        self._closing = True  # a close may still deliver an assignment; it needs no committed offsets then
         self.stage.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         try:
@@ -368,6 +370,8 @@ class StageRunner:
 
     def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
         self._assigned = list(parts)
+        if self._closing:
+            return
         self._load_committed(consumer, parts)
         # A rebalance resumes everything; re-apply the stage's backpressure.
         paused = [tp for tp in parts if logical_name(self.kafka.run, tp.topic) in self.paused_topics]

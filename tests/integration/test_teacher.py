@@ -68,4 +68,4 @@ def test_teacher_with_another_tokenizer_is_refused(bootstrap, run_name, tmp_path
     code = proc.wait(120)
     text = log.read_text()
     assert code != 0 and "differs from the student" in text, text[-2000:]
-    assert "Traceback" not in text
+    assert "Traceback" not in text, text[-4000:]
