@@ -82,3 +82,33 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.3):
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def free_base_port(n: int = 2) -> int:
+    """A port p with p .. p+n-1 all free, below the kernel's ephemeral range (each broker node takes a broker and a
+    controller port). An ephemeral port can be taken by any outgoing connection while a broker is down between two
+    starts, which made restarts fail now and then."""
+    import random
+    import socket
+    low = 32768
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    top = min(low, 32000) - n if low > 20000 + 10 * n else 32000 - n
+    rnd = random.Random()
+    for _ in range(100):
+        port = rnd.randrange(20000, top)
+        socks = []
+        try:
+            for p in range(port, port + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no run of free ports below the ephemeral range")

@@ -1,33 +1,15 @@
 """The local Kafka broker: idempotent up, records and topics surviving down and up again."""
 
-import socket
 import uuid
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from kafka_util import free_base_port
 from rlstream.infra import broker
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
-
-
-def _free_base_port() -> int:
-    """A port whose neighbour (the controller port) is free too, so a broker on 9092 is left alone."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port > 65000:
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    pytest.skip("no pair of free ports")
 
 
 def _consume_one(bootstrap: str, topic: str, group: str):
@@ -55,7 +37,7 @@ def home(tmp_path):
 
 
 def test_up_is_idempotent_and_data_survives_restart(home):
-    port = _free_base_port()
+    port = free_base_port(2)
     bootstrap = broker.up(home, port=port)
     assert bootstrap == f"127.0.0.1:{port}"
     pid = broker.status(home)[1]["pid"]

@@ -3,7 +3,6 @@ a restart of the only broker, and the loss of one broker of three. Nothing is lo
 from __future__ import annotations
 
 import collections
-import socket
 import time
 import uuid
 
@@ -11,7 +10,7 @@ import pytest
 from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from kafka_util import make_trajectory, produce, read_all
+from kafka_util import free_base_port, make_trajectory, produce, read_all
 from rlstream.infra import broker
 from rlstream.infra.topics import create_topics, topic_name
 from proc_guard import stop_or_kill as stop
@@ -19,29 +18,6 @@ from stage_proc import start_stage
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 GROUPS = 40
-
-
-def _free_base_port(n: int) -> int:
-    """A port p with p .. p+n-1 all free (each node takes a broker and a controller port)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + n > 65000:
-            continue
-        socks = []
-        try:
-            for p in range(port, port + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    pytest.skip(f"no {n} consecutive free ports")
 
 
 @pytest.fixture
@@ -89,7 +65,7 @@ def _exactly_once(bootstrap: str, run: str, n: int, log) -> None:
 def test_broker_restart_mid_run_loses_nothing_and_the_stage_resumes(home, tmp_path):
     """Stop the only broker while a stage is mid-run and start it again with its data: the same stage
     process carries on by itself, and every input reaches the output exactly once."""
-    port = _free_base_port(2)
+    port = free_base_port(2)
     bootstrap = broker.up(home, port=port)
     run = "bf" + uuid.uuid4().hex[:8]
     create_topics({"bootstrap.servers": bootstrap}, run, partitions=2)
@@ -118,7 +94,7 @@ def test_broker_restart_mid_run_loses_nothing_and_the_stage_resumes(home, tmp_pa
 def test_three_brokers_replication_three_survive_losing_one(home, tmp_path):
     """On `rlstream up --brokers 3` with replication 3 and min.insync.replicas 2, SIGKILL the broker that
     coordinates the stage's consumer group mid-run: the stage carries on without loss or duplicates."""
-    port = _free_base_port(6)
+    port = free_base_port(6)
     bootstrap = broker.up(home, brokers=3, port=port)
     assert len(broker.status(home)) == 3
     run = "bf3" + uuid.uuid4().hex[:8]
