@@ -94,9 +94,9 @@ def eos_hop(bootstrap: str, run: str, n: int, pipeline: bool, concurrency: int) 
         process_batch(msgs)
         count(len(msgs))
 
-    def timed_admit(m, now):
+    def timed_admit(m, now, now_ms):
         counted["t0"] = counted["t0"] or time.perf_counter()
-        admit(m, now)
+        admit(m, now, now_ms)
 
     def timed_commit():
         k = len(runner._held)

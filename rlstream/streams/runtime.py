@@ -250,9 +250,9 @@ class StageRunner:
                 msgs = self._member.consume(min(room, self.settings.batch_size),
                                             0 if busy else self.settings.poll_timeout_s) if room > 0 else []
                 self._lag.maybe_update(self.consumer, self._assigned)
-                now = time.monotonic()
+                now, now_ms = time.monotonic(), hdr.now_ms()
                 for m in msgs:
-                    self._admit(m, now)
+                    self._admit(m, now, now_ms)
                 if msgs or busy:
                     idle_since = now
                 elif idle_exit_s is not None and now - idle_since > idle_exit_s:
@@ -271,7 +271,7 @@ class StageRunner:
                 # nothing runs and nothing came: a fast handler must not get a transaction per record.
                 if (ready >= self.settings.batch_size
                         or time.monotonic() - ready_since >= self.settings.commit_interval_s
-                        or (not msgs and not window.unfinished())):
+                        or (not msgs and all(f.done() for f in running))):  # nothing admitted since `running`
                     self._commit_ready()
                     ready_since = None
                     commits += 1
@@ -290,14 +290,14 @@ class StageRunner:
         if self._window.count_ready():
             self._commit_ready()
 
-    def _admit(self, m: Message, now: float) -> None:
+    def _admit(self, m: Message, now: float, now_ms: int) -> None:
         logical = logical_name(self.kafka.run, m.topic())
         slot = self._window.add(Slot(m, admitted_at=now))
         if slot.emitted:
             return  # handled before a crash or rebalance; the committed offset metadata says so
         metrics.RECORDS_IN.labels(self.stage.name, logical).inc()
         try:
-            slot.item = self._decode(m, logical, hdr.now_ms())
+            slot.item = self._decode(m, logical, now_ms)
         except _Rejected as rej:
             slot.resolve(rej)
         else:
