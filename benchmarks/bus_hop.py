@@ -82,7 +82,7 @@ def eos_hop(bootstrap: str, run: str, n: int, pipeline: bool, concurrency: int) 
                          RuntimeSettings(batch_size=500, concurrency=concurrency, pipeline=pipeline))
     # The clock starts at the first record handed to the stage, so the timed part excludes group join.
     counted = {"n": 0, "t0": None}
-    process_batch, admit, commit_held = runner._process_batch, runner._admit, runner._commit_held
+    process_batch, admit, commit_ready = runner._process_batch, runner._admit, runner._commit_ready
 
     def count(k: int) -> None:
         counted["n"] += k
@@ -99,11 +99,11 @@ def eos_hop(bootstrap: str, run: str, n: int, pipeline: bool, concurrency: int) 
         admit(m, now, now_ms)
 
     def timed_commit():
-        k = len(runner._held)
-        commit_held()
+        k = runner._window.count_ready()
+        commit_ready()
         count(k)
 
-    runner._process_batch, runner._admit, runner._commit_held = timed_batch, timed_admit, timed_commit
+    runner._process_batch, runner._admit, runner._commit_ready = timed_batch, timed_admit, timed_commit
     runner.run()
     return n / (time.perf_counter() - counted["t0"])
 
