@@ -15,8 +15,8 @@ import statistics
 import tempfile
 import time
 
-from rlstream.consumers.archive import META, TABLES, ArchiveSettings, ArchiveSink
-from rlstream.consumers.views import install_views, standard_queries, trajectory_timeline_sql
+from rlstream.archive.sink import META, TABLES, ArchiveSettings, ArchiveSink
+from rlstream.archive.views import install_views, standard_queries, trajectory_timeline_sql
 
 GOAL_S = 1.0
 RUN = "bench"

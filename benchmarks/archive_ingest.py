@@ -20,8 +20,8 @@ import uuid
 from confluent_kafka import Producer
 
 from rlstream.config import KafkaSettings
-from rlstream.consumers.archive import ROW_FNS, ArchiveSettings, ArchiveSink, _meta, _NativeTable
-from rlstream.infra.topics import create_topics, topic_name
+from rlstream.archive.sink import ROW_FNS, ArchiveSettings, ArchiveSink, _meta, _NativeTable
+from rlstream.kafka.topics import create_topics, topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import SamplingParams, Task, Trajectory, Turn

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loop_procs import ROOT, StageProc, Supervisor, TopicTail, free_port, stage_env  # noqa: E402
 from rlstream.config import KafkaSettings  # noqa: E402
 from rlstream.infra import broker  # noqa: E402
-from rlstream.infra.topics import create_topics  # noqa: E402
-from rlstream.producers.weights import local_path  # noqa: E402
-from rlstream.producers.prompts import PromptProducer, make_task, task_items  # noqa: E402
+from rlstream.kafka.topics import create_topics  # noqa: E402
+from rlstream.policy.weights import local_path  # noqa: E402
+from rlstream.sources.prompts import PromptProducer, make_task, task_items  # noqa: E402
 from rlstream.schemas.records import PolicyVersion, SamplingParams  # noqa: E402
 
 #: Stop order: the source is already stopped; upstream first so each stage finishes what it holds.

@@ -23,11 +23,11 @@ from kafka_util import make_trajectory  # noqa: E402
 
 from rlstream.config import KafkaSettings  # noqa: E402
 from rlstream.infra import broker  # noqa: E402
-from rlstream.infra.topics import create_topics, topic_name  # noqa: E402
+from rlstream.kafka.topics import create_topics, topic_name  # noqa: E402
 from rlstream.schemas import headers as hdr  # noqa: E402
 from rlstream.schemas.codec import default_codec  # noqa: E402
-from rlstream.streams.reward import RewardSettings, RewardStage  # noqa: E402
-from rlstream.streams.runtime import RuntimeSettings, StageRunner  # noqa: E402
+from rlstream.stages.reward import RewardSettings, RewardStage  # noqa: E402
+from rlstream.runtime.runner import RuntimeSettings, StageRunner  # noqa: E402
 
 
 def constant_reward(trajectory) -> float:

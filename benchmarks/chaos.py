@@ -46,8 +46,8 @@ from confluent_kafka.admin import AdminClient  # noqa: E402
 from loop_procs import (ROOT, StageProc, Supervisor, TopicTail, advanced, group_offsets, p99, stage_env,  # noqa: E402
                         wait_until)
 from rlstream.config import KafkaSettings  # noqa: E402
-from rlstream.infra.topics import create_topics  # noqa: E402
-from rlstream.producers.prompts import PromptProducer, make_task, task_items  # noqa: E402
+from rlstream.kafka.topics import create_topics  # noqa: E402
+from rlstream.sources.prompts import PromptProducer, make_task, task_items  # noqa: E402
 from rlstream.schemas.codec import default_codec  # noqa: E402
 from rlstream.schemas.records import RECORD_TYPES, SamplingParams  # noqa: E402
 
@@ -240,7 +240,7 @@ def policy_order(tail: TopicTail) -> list[str]:
 
 def archive_check(url: str, run: str, tail: TopicTail) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """(missing, duplicated, extra) archive rows per table, against the committed records of the topics."""
-    from rlstream.consumers.query import open_archive
+    from rlstream.archive.query import open_archive
     ids = {"tasks": "task_id", "episodes": "(direction, episode_id, length(`turns.role`))",
            "trajectories": "trajectory_id", "rewards": "(trajectory_id, reward_version)",
            "policy_versions": "(policy, version)", "dead_letters": "(stage, original_topic, original_partition, "
@@ -267,7 +267,7 @@ def archive_check(url: str, run: str, tail: TopicTail) -> tuple[dict[str, int], 
 
 def archive_counts(url: str, run: str) -> dict[str, int] | None:
     """Rows per archived topic while the loop runs (None while the archive does not answer)."""
-    from rlstream.consumers.query import ArchiveError, open_archive
+    from rlstream.archive.query import ArchiveError, open_archive
     sql = " UNION ALL ".join(f"SELECT topic, count() FROM rlstream.{t} WHERE run = '{run}' GROUP BY topic"
                              for t in ARCHIVE_TABLES)
     try:

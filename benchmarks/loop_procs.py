@@ -20,7 +20,7 @@ from typing import Callable
 from confluent_kafka import OFFSET_BEGINNING, Consumer, ConsumerGroupTopicPartitions, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from rlstream.infra.topics import TOPICS, topic_name
+from rlstream.kafka.topics import TOPICS, topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import RECORD_TYPES, Record

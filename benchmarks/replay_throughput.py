@@ -22,14 +22,14 @@ import uuid
 from confluent_kafka import Producer
 
 from rlstream.config import KafkaSettings
-from rlstream.consumers.query import open_archive, read_endpoint
-from rlstream.infra.topics import create_topics, topic_name
-from rlstream.producers.replay import ReplaySettings, replay
+from rlstream.archive.query import open_archive, read_endpoint
+from rlstream.kafka.topics import create_topics, topic_name
+from rlstream.stages.replay import ReplaySettings, replay
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import SamplingParams, Task, Trajectory, Turn
-from rlstream.streams.reward import RewardSettings, RewardStage
-from rlstream.streams.runtime import RuntimeSettings, StageRunner
+from rlstream.stages.reward import RewardSettings, RewardStage
+from rlstream.runtime.runner import RuntimeSettings, StageRunner
 
 
 def trajectory(i: int, tokens: int) -> Trajectory:

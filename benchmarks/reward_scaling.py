@@ -27,7 +27,7 @@ from confluent_kafka.admin import AdminClient  # noqa: E402
 from bench_loop import Loop, log  # noqa: E402
 from kafka_util import make_trajectory  # noqa: E402
 from loop_procs import group_offsets  # noqa: E402
-from rlstream.infra.topics import topic_name  # noqa: E402
+from rlstream.kafka.topics import topic_name  # noqa: E402
 from rlstream.schemas import headers as hdr  # noqa: E402
 from rlstream.schemas.codec import default_codec  # noqa: E402
 

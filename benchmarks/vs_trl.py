@@ -2,7 +2,7 @@
 
     python benchmarks/vs_trl.py [--target 0.5] [--latencies 0.2,0] [--max-seconds 600]
 
-Both start from the same tiny Qwen2 (rlstream.trainer.tiny_model, seed 0) after the same 300-step supervised
+Both start from the same tiny Qwen2 (rlstream.models.tiny, seed 0) after the same 300-step supervised
 warm-up, learn to reverse 3 letters with GRPO (groups of 8, 128 completions per update, beta 0, temperature 1),
 and are scored by benchmarks/workloads.py:reverse_score, with an added judge latency per completion:
 - rlstream: the demo's loop (trainer lr 1e-4, eta 2, vLLM-CPU rollout, env, reward, paced source), each stage
@@ -47,8 +47,8 @@ def trl_worker(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     import workloads
-    from rlstream.producers.tasks import get_task
-    from rlstream.trainer.tiny_model import build_model, build_tokenizer
+    from rlstream.sources.tasks import get_task
+    from rlstream.models.tiny import build_model, build_tokenizer
     from rlstream.trainer.warmup import greedy_exact_match, supervised_warmup
 
     torch.set_num_threads(args.threads)
@@ -139,7 +139,7 @@ def run_rlstream(latency: float, args) -> dict:
     from transformers import AutoModelForCausalLM
 
     from bench_loop import Loop, PacedSource, Versions, log, snapshot
-    from rlstream.trainer.tiny_model import build_tokenizer
+    from rlstream.models.tiny import build_tokenizer
     from rlstream.trainer.warmup import greedy_exact_match
 
     torch.set_num_threads(1)

@@ -33,7 +33,7 @@ from bench_loop import Loop, PacedSource, Versions, log  # noqa: E402
 from loop_procs import TopicTail  # noqa: E402
 
 ROLLOUTS = ("rollout", "rollout1")
-SWAP_STAMP = "rollout.swap.v"  # rlstream.streams.rollout.SWAP_STAMP; spelled out so older checkouts run this too
+SWAP_STAMP = "rollout.swap.v"  # rlstream.stages.rollout.SWAP_STAMP; spelled out so older checkouts run this too
 
 
 def percentile(values: list[float], q: float) -> float:

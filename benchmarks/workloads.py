@@ -11,7 +11,7 @@ import os
 import random
 import time
 
-from rlstream.producers.tasks import clean_response
+from rlstream.sources.tasks import clean_response
 
 # Knobs come from the environment: a reward loaded by dotted path in its own process takes no arguments.
 MEDIAN_S = float(os.environ.get("BENCH_LATENCY_MEDIAN_S", "0.1"))

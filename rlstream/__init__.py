@@ -1,0 +1,9 @@
+"""rlstream: a post-training RL runtime for LLMs as an asynchronous event-streaming pipeline on Kafka.
+
+Folders by concept: kafka/ (every Kafka client), schemas/ (records and codec),
+runtime/ (the exactly-once stage runtime), stages/ (rollout, env, reward,
+teacher, replay), policy/ (weights, versions, staleness), trainer/, models/,
+sources/ (prompts and tasks), archive/ (ClickHouse), monitoring/ (metrics),
+infra/ (broker and supervisor). cli.py is the command line; config.py the typed
+settings; errors.py the errors a user is told how to fix.
+"""

@@ -8,19 +8,19 @@ import os
 import sys
 from pathlib import Path
 
-from . import config
-from .config import KafkaSettings
-from .errors import UserError
+from rlstream import config
+from rlstream.config import KafkaSettings
+from rlstream.errors import UserError
 
 #: Stage name -> (module, stage class, settings class or None). Imported lazily: torch is slow to load.
 STAGES: dict[str, tuple[str, str, str | None]] = {
-    "reward": ("rlstream.streams.reward", "RewardStage", "RewardSettings"),
-    "env": ("rlstream.streams.env", "EnvStage", "EnvSettings"),
-    "rollout": ("rlstream.streams.rollout", "RolloutStage", "RolloutSettings"),
-    "teacher": ("rlstream.streams.teacher", "TeacherStage", "TeacherSettings"),
+    "reward": ("rlstream.stages.reward", "RewardStage", "RewardSettings"),
+    "env": ("rlstream.stages.env", "EnvStage", "EnvSettings"),
+    "rollout": ("rlstream.stages.rollout", "RolloutStage", "RolloutSettings"),
+    "teacher": ("rlstream.stages.teacher", "TeacherStage", "TeacherSettings"),
     "trainer": ("rlstream.trainer.service", "TrainerService", "TrainerSettings"),
-    "archive": ("rlstream.consumers.archive", "ArchiveSink", "ArchiveSettings"),
-    "monitor": ("rlstream.consumers.monitor", "Monitor", "MonitorSettings"),
+    "archive": ("rlstream.archive.sink", "ArchiveSink", "ArchiveSettings"),
+    "monitor": ("rlstream.monitoring.monitor", "Monitor", "MonitorSettings"),
 }
 
 
@@ -41,18 +41,18 @@ def _home() -> Path:
 
 
 def cmd_up(args: argparse.Namespace) -> None:
-    from .infra import broker
+    from rlstream.infra import broker
     print(broker.up(_home(), brokers=args.brokers))
 
 
 def cmd_down(args: argparse.Namespace) -> None:
-    from .infra import broker
+    from rlstream.infra import broker
     broker.down(_home())
     print("broker stopped (data kept under", _home(), ")")
 
 
 def cmd_topics(args: argparse.Namespace) -> None:
-    from .infra.topics import TOPICS, create_topics, topic_name
+    from rlstream.kafka.topics import TOPICS, create_topics, topic_name
     kafka = settings(KafkaSettings, args)
     created = create_topics(kafka.client_config(), kafka.run, replication=args.replication)
     for logical in TOPICS:
@@ -68,8 +68,8 @@ def _stage_parts(stage: str):
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    from .streams import metrics
-    from .streams.runtime import RuntimeSettings, StageRunner
+    from rlstream.monitoring import metrics
+    from rlstream.runtime.runner import RuntimeSettings, StageRunner
     kafka = settings(KafkaSettings, args)
     runtime = settings(RuntimeSettings, args)
     stage_cls, settings_cls = _stage_parts(args.stage)
@@ -109,7 +109,7 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run one stage process: " + ", ".join(STAGES))
     p.add_argument("stage", choices=sorted(STAGES), metavar="STAGE", help="one of " + ", ".join(STAGES))
     config.add_arguments(p, KafkaSettings)
-    from .streams.runtime import RuntimeSettings
+    from rlstream.runtime.runner import RuntimeSettings
     config.add_arguments(p, RuntimeSettings)
     if stage in STAGES:
         _, settings_cls = _stage_parts(stage)
@@ -117,8 +117,8 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
             config.add_arguments(p, settings_cls)
     p.set_defaults(func=cmd_run)
 
-    for extra in ("rlstream.producers.prompts", "rlstream.consumers.query", "rlstream.producers.replay",
-                  "rlstream.consumers.report", "rlstream.demo"):
+    for extra in ("rlstream.sources.prompts", "rlstream.archive.query", "rlstream.stages.replay",
+                  "rlstream.archive.report", "rlstream.demo"):
         try:
             module = importlib.import_module(extra)
         except ModuleNotFoundError as exc:

@@ -19,11 +19,11 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, TopicPartition
 
-from .config import add_arguments, knob
-from .infra.topics import create_topics, topic_name
-from .schemas import headers as hdr
-from .schemas.codec import default_codec
-from .schemas.records import PolicyVersion, ScoredTrajectory
+from rlstream.config import add_arguments, knob
+from rlstream.kafka.topics import create_topics, topic_name
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import default_codec
+from rlstream.schemas.records import PolicyVersion, ScoredTrajectory
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _spawn(stage_args: list[str], log: Path, env: dict) -> subprocess.Popen:
 
 
 def run_demo(s: DemoSettings) -> int:
-    from .infra import broker
+    from rlstream.infra import broker
     started = time.monotonic()
     bootstrap = broker.up()
     run = s.run or time.strftime("demo-%Y%m%d-%H%M%S")
@@ -217,7 +217,7 @@ def _plot(progress: Progress, path: Path, task: str) -> Path:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from .cli import settings
+    from rlstream.cli import settings
     sys.exit(run_demo(settings(DemoSettings, args)))
 
 

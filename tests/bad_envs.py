@@ -7,8 +7,8 @@ import sys
 import time
 
 from rlstream.schemas.records import Trajectory
-from rlstream.streams.env import Environment, StepResult, register_environment
-from rlstream.streams.reward import RewardResult, exact_match
+from rlstream.stages.env import Environment, StepResult, register_environment
+from rlstream.stages.reward import RewardResult, exact_match
 
 
 class HangingEnv(Environment):

@@ -23,7 +23,7 @@ def bootstrap() -> str:
 @pytest.fixture
 def run_name(bootstrap) -> str:
     """A fresh run whose topics exist, so tests never see each other's records."""
-    from rlstream.infra.topics import create_topics
+    from rlstream.kafka.topics import create_topics
     name = "t" + uuid.uuid4().hex[:10]
     create_topics({"bootstrap.servers": bootstrap}, name, partitions=2)
     return name

@@ -5,7 +5,7 @@ import time
 
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from rlstream.infra.topics import TOPICS, topic_name
+from rlstream.kafka.topics import TOPICS, topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import RECORD_TYPES, SamplingParams, Task, Trajectory, Turn

@@ -2,7 +2,7 @@
 import random
 import time
 
-from rlstream.streams.reward import exact_match
+from rlstream.stages.reward import exact_match
 
 
 def slow(trajectory):

@@ -10,7 +10,7 @@ import sys
 
 from fastavro.schema import expand_schema
 
-from .codec import HISTORY_DIR, RECORDS, iter_history, load_current, schema_fingerprint
+from rlstream.schemas.codec import HISTORY_DIR, RECORDS, iter_history, load_current, schema_fingerprint
 
 
 def freeze() -> list[str]:

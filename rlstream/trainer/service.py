@@ -18,19 +18,19 @@ from pathlib import Path
 import torch
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from ..config import KafkaSettings, knob
-from ..consumers.staleness import StalenessCounter, StalenessFilter
-from ..consumers.window import WindowedFIFO, WindowItem
-from ..infra.topics import MAX_MESSAGE_BYTES, TOPICS, topic_name
-from ..producers.weights import WeightStore, local_path, tokenizer_hash
-from ..schemas import headers as hdr
-from ..schemas.codec import DecodeError, default_codec
-from ..schemas.records import RECORD_TYPES, PolicyVersion
-from ..streams import metrics
-from ..streams.group import GroupMember
-from ..streams.runtime import RuntimeSettings, bounded, dead_letter, init_transactions
-from .engine import make_engine
-from .update import UpdateConfig, build_batch, policy_update
+from rlstream.config import KafkaSettings, knob
+from rlstream.policy.staleness import StalenessCounter, StalenessFilter
+from rlstream.trainer.window import WindowedFIFO, WindowItem
+from rlstream.kafka.topics import MAX_MESSAGE_BYTES, TOPICS, topic_name
+from rlstream.policy.weights import WeightStore, local_path, tokenizer_hash
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import DecodeError, default_codec
+from rlstream.schemas.records import RECORD_TYPES, PolicyVersion
+from rlstream.monitoring import metrics
+from rlstream.kafka.group import GroupMember
+from rlstream.runtime.runner import RuntimeSettings, bounded, dead_letter, init_transactions
+from rlstream.trainer.engine import make_engine
+from rlstream.trainer.update import UpdateConfig, build_batch, policy_update
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +150,8 @@ class TrainerService:
                 self.engine.load_state_dict(torch.load(opt_state, weights_only=True))
             log.info("trainer resumed %s at v%d", self.settings.policy, self.version)
         else:
-            from .tiny_model import build_model, build_tokenizer
-            from .warmup import supervised_warmup
+            from rlstream.models.tiny import build_model, build_tokenizer
+            from rlstream.trainer.warmup import supervised_warmup
             self.tokenizer = build_tokenizer()
             self.model = build_model(self.tokenizer, seed=self.settings.seed)
             if self.settings.warmup_steps > 0:

@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schemas.records import ScoredTrajectory, TeacherFeedback
-from .advantages import compute_advantages
-from .losses import kl_penalty, opd_reverse_kl_loss, ppo_clip_loss, token_logprobs
+from rlstream.schemas.records import ScoredTrajectory, TeacherFeedback
+from rlstream.trainer.advantages import compute_advantages
+from rlstream.trainer.losses import kl_penalty, opd_reverse_kl_loss, ppo_clip_loss, token_logprobs
 
 
 @dataclass

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from rlstream.producers.tasks import clean_response, get_task
+from rlstream.sources.tasks import clean_response, get_task
 
 
 def encode_prompts(tok, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,8 +13,8 @@ from confluent_kafka.admin import AdminClient
 
 from kafka_util import make_task, make_trajectory, produce
 from kafka_util import wait_for as _wait_for
-from rlstream.consumers.query import ENDPOINT_FILE, ArchiveError, open_archive, read_endpoint
-from rlstream.infra.topics import TOPICS, topic_name
+from rlstream.archive.query import ENDPOINT_FILE, ArchiveError, open_archive, read_endpoint
+from rlstream.kafka.topics import TOPICS, topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import (DeadLetter, Episode, Failure, PolicyVersion, Reward, ScoredTrajectory,
@@ -196,7 +196,7 @@ class _Msg:
 
 def test_clickhouse_and_python_decoding_store_identical_rows(tmp_path):
     """The chDB fast path (ClickHouse decodes the Avro) and the Python path give the same rows, bad records included."""
-    from rlstream.consumers.archive import META, TABLES, ArchiveSettings, ArchiveSink
+    from rlstream.archive.sink import META, TABLES, ArchiveSettings, ArchiveSink
     codec = default_codec()
     heads = [hdr.build(3, hdr.new_traceparent(), "v2", produced_at=1_700_000_000_500), None,
              [("policy_version", b"99999999999"), ("produced_at", b"soon")]]

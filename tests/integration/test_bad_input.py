@@ -19,7 +19,7 @@ import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from kafka_util import make_task, make_trajectory, produce, read_all
-from rlstream.infra.topics import topic_name
+from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import Episode, PolicyVersion, Reward, SamplingParams, ScoredTrajectory, Task, Turn
@@ -234,7 +234,7 @@ def _byte_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from rlstream.trainer.tiny_model import BOS, CHARS, EOS, PAD, SPECIALS, UNK
+    from rlstream.models.tiny import BOS, CHARS, EOS, PAD, SPECIALS, UNK
     alphabet = _bytes_to_unicode()
     vocab = {t: i for i, t in enumerate(SPECIALS + CHARS + [alphabet[b] for b in range(0x80, 0x100)])}
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
@@ -249,8 +249,8 @@ def _byte_tokenizer():
 
 def _publish_policy(bootstrap: str, run: str, root):
     """Version 0 of a random tiny policy over the byte tokenizer, as the trainer would announce it."""
-    from rlstream.producers.weights import WeightStore
-    from rlstream.trainer.tiny_model import build_model
+    from rlstream.policy.weights import WeightStore
+    from rlstream.models.tiny import build_model
     tokenizer = _byte_tokenizer()
     model = build_model(tokenizer, seed=0)
 
@@ -338,7 +338,7 @@ def test_trainer_skips_samples_whose_reward_version_header_is_null_or_binary(boo
     import threading
 
     from rlstream.config import KafkaSettings
-    from rlstream.streams.runtime import RuntimeSettings
+    from rlstream.runtime.runner import RuntimeSettings
     from rlstream.trainer.service import TrainerService, TrainerSettings
 
     g = 2

@@ -12,7 +12,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 
 from kafka_util import free_base_port, make_trajectory, produce, read_all
 from rlstream.infra import broker
-from rlstream.infra.topics import create_topics, topic_name
+from rlstream.kafka.topics import create_topics, topic_name
 from proc_guard import stop_or_kill as stop
 from stage_proc import start_stage
 

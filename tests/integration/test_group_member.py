@@ -7,8 +7,8 @@ from confluent_kafka import Consumer
 
 from kafka_util import make_task, produce
 from rlstream.config import KafkaSettings
-from rlstream.infra.topics import topic_name
-from rlstream.streams.group import GroupMember, group_consumer_config
+from rlstream.kafka.topics import topic_name
+from rlstream.kafka.group import GroupMember, group_consumer_config
 
 
 def _drain(member: GroupMember, want: int, timeout: float) -> set[int]:

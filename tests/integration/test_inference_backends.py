@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rlstream.schemas.records import SamplingParams
-from rlstream.streams.inference import OpenAIBackend, TransformersBackend, VLLMBackend
-from rlstream.trainer.tiny_model import build_model, build_tokenizer, save_pretrained
+from rlstream.stages.inference import OpenAIBackend, TransformersBackend, VLLMBackend
+from rlstream.models.tiny import build_model, build_tokenizer, save_pretrained
 
 pytestmark = pytest.mark.slow
 
@@ -143,8 +143,8 @@ def test_rollout_stage_on_vllm_labels_a_turn_spanning_a_swap_with_its_oldest_ver
     turn carry v0 (the oldest weights in it); its log-probs are v0's up to the swap and v1's after it, given the
     whole prefix; episodes continued under v1 carry the rollout.swap.v1 stamp."""
     from rlstream.schemas.records import PolicyVersion, Task
-    from rlstream.streams.rollout import SWAP_STAMP, RolloutSettings, RolloutStage
-    from rlstream.streams.runtime import Incoming
+    from rlstream.stages.rollout import SWAP_STAMP, RolloutSettings, RolloutStage
+    from rlstream.runtime.runner import Incoming
 
     tok, v0, v1 = models
 

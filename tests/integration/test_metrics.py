@@ -14,13 +14,13 @@ from confluent_kafka import Producer
 from kafka_util import make_trajectory, produce
 from kafka_util import wait_for as _wait
 from rlstream.config import KafkaSettings
-from rlstream.consumers.monitor import faust_available
-from rlstream.infra.topics import topic_name
+from rlstream.monitoring.monitor import faust_available
+from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import PolicyVersion, Reward, ScoredTrajectory
-from rlstream.streams import metrics
-from rlstream.streams.runtime import RuntimeSettings
+from rlstream.monitoring import metrics
+from rlstream.runtime.runner import RuntimeSettings
 from stage_proc import ROOT, start_stage, stop
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -179,7 +179,7 @@ def test_grafana_dashboard_uses_only_declared_series():
     """Every series the provisioned dashboard queries is one the processes declare."""
     from prometheus_client import REGISTRY
 
-    import rlstream.consumers.archive  # noqa: F401 (declares the archive's series)
+    import rlstream.archive.sink  # noqa: F401 (declares the archive's series)
     dashboard = json.loads((ROOT / "infra" / "grafana" / "dashboards" / "rlstream.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = {re.sub(r"_(bucket|count|sum)$", "", n) for e in exprs for n in re.findall(r"rlstream_\w+", e)}

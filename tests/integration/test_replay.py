@@ -12,12 +12,12 @@ import pytest
 from kafka_util import make_trajectory, produce, read_all
 from kafka_util import wait_for as _wait_for
 from rlstream.config import KafkaSettings
-from rlstream.consumers.query import open_archive, read_endpoint
-from rlstream.producers.replay import ReplaySettings, parse_since, parse_versions, replay
+from rlstream.archive.query import open_archive, read_endpoint
+from rlstream.stages.replay import ReplaySettings, parse_since, parse_versions, replay
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Reward, ScoredTrajectory
-from rlstream.streams.reward import exact_match
-from rlstream.streams.runtime import RuntimeSettings
+from rlstream.stages.reward import exact_match
+from rlstream.runtime.runner import RuntimeSettings
 from stage_proc import ROOT, start_stage, stop
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -11,8 +11,8 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from kafka_util import make_trajectory
-from rlstream.consumers.query import open_archive, read_endpoint
-from rlstream.infra.topics import topic_name
+from rlstream.archive.query import open_archive, read_endpoint
+from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import DeadLetter, Failure, PolicyVersion, Reward, ScoredTrajectory, ToolResult

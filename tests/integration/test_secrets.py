@@ -14,7 +14,7 @@ import pytest
 from kafka_util import make_trajectory, produce, read_all
 from rlstream import cli
 from rlstream.config import KafkaSettings, from_sources
-from rlstream.consumers import query
+from rlstream.archive import query
 from rlstream.schemas import headers as hdr
 from proc_guard import stop_or_kill as stop
 from stage_proc import ROOT
@@ -174,7 +174,7 @@ def _start_verbose(stage: str, bootstrap: str, run: str, log_path, *args: str) -
 
 def _archived_rows(archive: str, run: str, expect: int, timeout: float = 120) -> list[str]:
     """Every archived row of the run, every column as text (strings, maps, arrays, raw bytes)."""
-    from rlstream.consumers.archive import TABLES
+    from rlstream.archive.sink import TABLES
     deadline = time.monotonic() + timeout
     while True:
         rows = []

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kafka_util import make_trajectory, produce, read_all
-from rlstream.producers.weights import WeightStore, tokenizer_hash
+from rlstream.policy.weights import WeightStore, tokenizer_hash
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, Reward, ScoredTrajectory
-from rlstream.trainer.tiny_model import build_model, build_tokenizer, save_pretrained
+from rlstream.models.tiny import build_model, build_tokenizer, save_pretrained
 from stage_proc import start_stage, stop
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from rlstream.producers import tool_tasks
+from rlstream.sources import tool_tasks
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Trajectory, Turn
-from rlstream.streams.env import (ENVIRONMENTS, Calculator, EnvSettings, EnvStage, Environment, SingleTurn,
+from rlstream.stages.env import (ENVIRONMENTS, Calculator, EnvSettings, EnvStage, Environment, SingleTurn,
                                   StepResult, tool_calls)
-from rlstream.streams.runtime import Incoming, InvalidRecord
+from rlstream.runtime.runner import Incoming, InvalidRecord
 
 
 def make_task(env: str = "single", max_turns: int = 1, answer: str = "46") -> Task:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlstream.streams.inflight import OffsetWindow, Slot, decode_done_ahead, encode_done_ahead
+from rlstream.kafka.inflight import OffsetWindow, Slot, decode_done_ahead, encode_done_ahead
 
 
 class Msg:

@@ -6,7 +6,7 @@ import ssl
 import pytest
 
 from rlstream.config import KafkaSettings
-from rlstream.consumers.monitor import Monitor, MonitorSettings, faust_credentials
+from rlstream.monitoring.monitor import Monitor, MonitorSettings, faust_credentials
 from rlstream.errors import UserError
 
 faust = pytest.importorskip("faust")
@@ -46,12 +46,12 @@ def test_auto_backend_falls_back_to_plain_rather_than_connecting_without_the_set
     monitor = Monitor(MonitorSettings(monitor_backend="auto"))
     assert monitor.backend == "faust"
     started = []
-    monkeypatch.setattr("rlstream.consumers.monitor.PlainMonitor.consume", lambda self: started.append("consume"))
-    monkeypatch.setattr("rlstream.consumers.monitor.signal.signal", lambda *a: None)
+    monkeypatch.setattr("rlstream.monitoring.monitor.PlainMonitor.consume", lambda self: started.append("consume"))
+    monkeypatch.setattr("rlstream.monitoring.monitor.signal.signal", lambda *a: None)
 
     class Server:
         def shutdown(self):
             started.append("shutdown")
-    monkeypatch.setattr("rlstream.consumers.monitor.PlainMonitor.serve_http", lambda self: Server())
+    monkeypatch.setattr("rlstream.monitoring.monitor.PlainMonitor.serve_http", lambda self: Server())
     monitor.serve(KafkaSettings(kafka_config="security.protocol=SASL_SSL,sasl.mechanism=GSSAPI"))
     assert monitor.backend == "plain" and started == ["consume", "shutdown"]

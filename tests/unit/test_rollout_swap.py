@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from rlstream.schemas.records import PolicyVersion, SamplingParams, Task
-from rlstream.streams.inference import Generation, InferenceBackend
-from rlstream.streams.rollout import SWAP_STAMP, RolloutSettings, RolloutStage
-from rlstream.streams.runtime import Incoming
+from rlstream.stages.inference import Generation, InferenceBackend
+from rlstream.stages.rollout import SWAP_STAMP, RolloutSettings, RolloutStage
+from rlstream.runtime.runner import Incoming
 
 
 class FakeWatcher:

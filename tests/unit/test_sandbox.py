@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlstream.streams.sandbox import Sandbox, SandboxLimits, docker_available, namespaces_available
+from rlstream.stages.sandbox import Sandbox, SandboxLimits, docker_available, namespaces_available
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ["unshare", "audit"] if namespaces_available() else ["audit"]
@@ -222,7 +222,7 @@ def test_docker_backend_passes_limits_and_classifies(monkeypatch):
     import sys
     import types
 
-    from rlstream.streams import sandbox as sandbox_module
+    from rlstream.stages import sandbox as sandbox_module
 
     runs = []
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlstream.consumers.staleness import (
+from rlstream.policy.staleness import (
     StalenessCounter,
     StalenessFilter,
     rollout_should_pause,

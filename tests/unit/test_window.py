@@ -12,7 +12,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from rlstream.consumers.window import Group, WindowedFIFO, WindowItem
+from rlstream.trainer.window import Group, WindowedFIFO, WindowItem
 
 TOPIC = "samples"
 

@@ -21,16 +21,16 @@ from dataclasses import dataclass
 
 from confluent_kafka import OFFSET_INVALID, KafkaException, TopicPartition
 
-from ..config import KafkaSettings, add_arguments, knob
-from ..consumers.query import DATABASE, DEFAULT_ARCHIVE, ArchiveError, open_archive
-from ..consumers.views import quote
-from ..infra.topics import topic_name
-from ..schemas import headers as hdr
-from ..schemas.codec import default_codec
-from ..schemas.headers import now_ms
-from ..schemas.records import Failure, SamplingParams, Task, ToolCall, ToolResult, Trajectory, Turn
-from ..streams.reward import RewardSettings, RewardStage
-from ..streams.runtime import Incoming, Output, RuntimeSettings, Stage, StageRunner
+from rlstream.config import KafkaSettings, add_arguments, knob
+from rlstream.archive.query import DATABASE, DEFAULT_ARCHIVE, ArchiveError, open_archive
+from rlstream.archive.views import quote
+from rlstream.kafka.topics import topic_name
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import default_codec
+from rlstream.schemas.headers import now_ms
+from rlstream.schemas.records import Failure, SamplingParams, Task, ToolCall, ToolResult, Trajectory, Turn
+from rlstream.stages.reward import RewardSettings, RewardStage
+from rlstream.runtime.runner import Incoming, Output, RuntimeSettings, Stage, StageRunner
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class ReplaySettings:
     """What to replay and how to score it."""
 
-    reward: str = knob("rlstream.streams.reward:exact_match", "Reward function as a dotted path (module:function)")
+    reward: str = knob("rlstream.stages.reward:exact_match", "Reward function as a dotted path (module:function)")
     reward_version: str = knob("", "Version written on every replayed reward (required; a new one per replay)")
     since: str = knob("", "Only trajectories produced at or after TIME: ISO 8601 (UTC unless it says), "
                           "epoch milliseconds, or an age such as 90m, 6h, 2d")
@@ -418,7 +418,7 @@ def replay(settings: ReplaySettings, kafka: KafkaSettings, runtime: RuntimeSetti
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
-    from ..cli import UsageError, settings as load
+    from rlstream.cli import UsageError, settings as load
     replay_settings = load(ReplaySettings, args)
     kafka, runtime = load(KafkaSettings, args), load(RuntimeSettings, args)
     try:

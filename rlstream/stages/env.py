@@ -17,12 +17,12 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from ..config import knob
-from ..schemas.headers import now_ms
-from ..schemas.records import Episode, Failure, Task, ToolCall, ToolResult, Trajectory, Turn
-from . import metrics
-from .runtime import Incoming, InvalidRecord, Output, Stage
-from .sandbox import Sandbox, SandboxLimits, SandboxResult
+from rlstream.config import knob
+from rlstream.schemas.headers import now_ms
+from rlstream.schemas.records import Episode, Failure, Task, ToolCall, ToolResult, Trajectory, Turn
+from rlstream.monitoring import metrics
+from rlstream.runtime.runner import Incoming, InvalidRecord, Output, Stage
+from rlstream.stages.sandbox import Sandbox, SandboxLimits, SandboxResult
 
 log = logging.getLogger(__name__)
 

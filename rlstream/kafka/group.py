@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 
-from ..config import KafkaSettings
-from ..infra.topics import MAX_MESSAGE_BYTES
+from rlstream.config import KafkaSettings
+from rlstream.kafka.topics import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ..config import KafkaSettings, knob
-from ..errors import UserError
-from ..infra.topics import topic_name
-from ..schemas import headers as hdr
-from ..schemas.codec import default_codec
+from rlstream.config import KafkaSettings, knob
+from rlstream.errors import UserError
+from rlstream.kafka.topics import topic_name
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import default_codec
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..config import knob
-from ..schemas.headers import now_ms
-from ..schemas.records import Reward, ScoredTrajectory, Trajectory
-from .runtime import Incoming, InvalidRecord, Output, Stage
+from rlstream.config import knob
+from rlstream.schemas.headers import now_ms
+from rlstream.schemas.records import Reward, ScoredTrajectory, Trajectory
+from rlstream.runtime.runner import Incoming, InvalidRecord, Output, Stage
 
 
 @dataclass
@@ -86,7 +86,7 @@ def to_reward(raw: Any, reward_version: str, latency_ms: float) -> Reward:
 class RewardSettings:
     """The reward stage's knobs."""
 
-    reward: str = knob("rlstream.streams.reward:exact_match", "Reward function as a dotted path (module:function)")
+    reward: str = knob("rlstream.stages.reward:exact_match", "Reward function as a dotted path (module:function)")
     reward_version: str = knob("v1", "Version written on every reward; replay scores again under a new one")
 
 

@@ -35,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..schemas.records import ToolResult
+from rlstream.schemas.records import ToolResult
 
 log = logging.getLogger(__name__)
 

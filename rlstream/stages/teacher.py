@@ -11,13 +11,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import knob
-from ..errors import UserError
-from ..consumers.policy_watch import PolicyWatcher
-from ..producers.weights import local_path, tokenizer_hash
-from ..schemas.headers import now_ms
-from ..schemas.records import ScoredTrajectory, TeacherFeedback
-from .runtime import Incoming, Output, Stage, StageContext
+from rlstream.config import knob
+from rlstream.errors import UserError
+from rlstream.policy.watcher import PolicyWatcher
+from rlstream.policy.weights import local_path, tokenizer_hash
+from rlstream.schemas.headers import now_ms
+from rlstream.schemas.records import ScoredTrajectory, TeacherFeedback
+from rlstream.runtime.runner import Incoming, Output, Stage, StageContext
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class TeacherStage(Stage):
         log.info("teacher %s loaded from %s", self.version, folder)
 
     def handle_batch(self, items: list[Incoming]) -> list[list[Output]]:
-        from ..trainer.losses import token_logprobs
+        from rlstream.trainer.losses import token_logprobs
         torch = self.torch
         started = time.perf_counter()
         rows = []

@@ -18,11 +18,11 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 
-from ..config import KafkaSettings, add_arguments, from_sources, knob
-from ..infra.topics import topic_name
-from ..schemas import headers as hdr
-from ..schemas.codec import default_codec
-from ..schemas.records import SamplingParams, Task
+from rlstream.config import KafkaSettings, add_arguments, from_sources, knob
+from rlstream.kafka.topics import topic_name
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import default_codec
+from rlstream.schemas.records import SamplingParams, Task
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,9 @@ def task_items(name: str, split: str, seed: int) -> tuple[Iterator[tuple[str, st
                         row.get("split", split)
         return lines(), 16
     if name == "calculator":
-        from . import tool_tasks
+        from rlstream.sources import tool_tasks
         return tool_tasks.generate(name, seed=seed, split=split), tool_tasks.get_task(name).max_new_tokens
-    from . import tasks
+    from rlstream.sources import tasks
     try:
         task = tasks.get_task(name)
     except KeyError as exc:
@@ -133,7 +133,7 @@ def produce(kafka: KafkaSettings, s: PromptSettings, stop=lambda: False) -> int:
 
 
 def _produce_paced(kafka, s: PromptSettings, name, items, out: PromptProducer, sampled, greedy, stop) -> int:
-    from ..consumers.policy_watch import PolicyWatcher
+    from rlstream.policy.watcher import PolicyWatcher
     watcher = PolicyWatcher(kafka.client_config(), kafka.run, s.policy)
     n, evaluated, round_ = 0, -1, 0
     try:
@@ -160,12 +160,12 @@ def _produce_paced(kafka, s: PromptSettings, name, items, out: PromptProducer, s
 
 
 def cmd_prompts(args: argparse.Namespace) -> None:
-    from ..cli import settings
+    from rlstream.cli import settings
     kafka, s = settings(KafkaSettings, args), settings(PromptSettings, args)
     try:
         n = produce(kafka, s)
     except ValueError as exc:
-        from ..cli import UsageError
+        from rlstream.cli import UsageError
         raise UsageError(str(exc)) from None
     print(f"produced {n} {s.split} tasks of {s.task} to {topic_name(kafka.run, 'prompts')}")
 

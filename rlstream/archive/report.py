@@ -1,6 +1,6 @@
 """``rlstream report --run R``: the loop's figures from the archive as an HTML page of PNG plots and tables.
 
-Every figure is a query over the views in consumers/views.py, so each one can also be
+Every figure is a query over the views in archive/views.py, so each one can also be
 asked in plain SQL (``rlstream sql``); the page lists the SQL under each table.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .query import DATABASE, DEFAULT_ARCHIVE, format_table, open_archive
-from .views import install_views, quote, standard_queries, trajectory_timeline
+from rlstream.archive.query import DATABASE, DEFAULT_ARCHIVE, format_table, open_archive
+from rlstream.archive.views import install_views, quote, standard_queries, trajectory_timeline
 
 #: Figure key -> section title (keys of standard_queries).
 SECTIONS = [
@@ -237,7 +237,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     out = Path(args.out or Path(os.environ.get("RLSTREAM_HOME", ".rlstream")) / "runs" / run / "report")
     compare = tuple(args.compare.split(",", 1)) if args.compare else None
     if compare is not None and len(compare) != 2:
-        from ..cli import UsageError
+        from rlstream.cli import UsageError
         raise UsageError("--compare takes two reward versions: A,B")
     with open_archive(args.archive) as archive:
         page, figures = build_report(archive, run, out, compare, args.trajectory)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..schemas.records import SamplingParams
+from rlstream.schemas.records import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class VLLMBackend(InferenceBackend):
         from vllm import SamplingParams as VSampling
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
-        from ..schemas.headers import now_ms
+        from rlstream.schemas.headers import now_ms
         if not prompts:
             return []
         # DELTA: each step hands back only its new tokens, so each token is stamped with the version now loaded.

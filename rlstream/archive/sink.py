@@ -24,12 +24,12 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from prometheus_client import Counter, Histogram
 
-from ..config import KafkaSettings, knob
-from ..infra.topics import TOPICS, create_topics, topic_name
-from ..schemas import headers as hdr
-from ..schemas.codec import HEADER_LEN, MARKER, DecodeError, default_codec, load_current, packed_paths
-from ..streams.group import GroupMember
-from .query import DATABASE, DEFAULT_ARCHIVE, ArchiveError, SqlEndpoint, connect, resolve, run_sql
+from rlstream.config import KafkaSettings, knob
+from rlstream.kafka.topics import TOPICS, create_topics, topic_name
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import HEADER_LEN, MARKER, DecodeError, default_codec, load_current, packed_paths
+from rlstream.kafka.group import GroupMember
+from rlstream.archive.query import DATABASE, DEFAULT_ARCHIVE, ArchiveError, SqlEndpoint, connect, resolve, run_sql
 
 log = logging.getLogger(__name__)
 
@@ -432,7 +432,7 @@ class ArchiveSink:
                             self.client.command(f"ALTER TABLE {DATABASE}.{table} "
                                                 f"ADD COLUMN IF NOT EXISTS `{name}` {kind}")
                 # The analytics views exist from the start, so plain SQL works on a live run.
-                from .views import install_views
+                from rlstream.archive.views import install_views
                 install_views(self.client)
         except Exception as exc:
             raise ArchiveError(f"cannot create the archive tables: {exc}") from None

@@ -21,16 +21,16 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..config import knob
-from ..errors import UserError
-from ..consumers.policy_watch import PolicyWatcher
-from ..consumers.staleness import rollout_should_pause
-from ..producers.weights import WeightStore, local_path
-from ..schemas.headers import now_ms
-from ..schemas.records import Episode, Failure, SamplingParams, Task, Turn
-from . import metrics
-from .inference import Generation, make_backend
-from .runtime import Incoming, Output, Stage, StageContext
+from rlstream.config import knob
+from rlstream.errors import UserError
+from rlstream.policy.watcher import PolicyWatcher
+from rlstream.policy.staleness import rollout_should_pause
+from rlstream.policy.weights import WeightStore, local_path
+from rlstream.schemas.headers import now_ms
+from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn
+from rlstream.monitoring import metrics
+from rlstream.stages.inference import Generation, make_backend
+from rlstream.runtime.runner import Incoming, Output, Stage, StageContext
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ import time
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-from ..infra.topics import topic_name
-from ..schemas.codec import DecodeError, default_codec
-from ..schemas.records import PolicyVersion
+from rlstream.kafka.topics import topic_name
+from rlstream.schemas.codec import DecodeError, default_codec
+from rlstream.schemas.records import PolicyVersion
 
 log = logging.getLogger(__name__)
 

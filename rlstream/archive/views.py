@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .query import DATABASE
+from rlstream.archive.query import DATABASE
 
 D = DATABASE
 

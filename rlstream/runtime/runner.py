@@ -20,14 +20,14 @@ from typing import Any, Callable, Sequence
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
-from ..config import KafkaSettings, knob
-from ..infra.topics import MAX_MESSAGE_BYTES, TOPICS, logical_name, topic_name
-from ..schemas import headers as hdr
-from ..schemas.codec import DecodeError, default_codec
-from ..schemas.records import RECORD_TYPES, DeadLetter, Record
-from . import metrics
-from .group import GroupMember
-from .inflight import OffsetWindow, Slot
+from rlstream.config import KafkaSettings, knob
+from rlstream.kafka.topics import MAX_MESSAGE_BYTES, TOPICS, logical_name, topic_name
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import DecodeError, default_codec
+from rlstream.schemas.records import RECORD_TYPES, DeadLetter, Record
+from rlstream.monitoring import metrics
+from rlstream.kafka.group import GroupMember
+from rlstream.kafka.inflight import OffsetWindow, Slot
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..schemas.records import Trajectory
-from .tasks import Task, TaskItem, clean_response
+from rlstream.schemas.records import Trajectory
+from rlstream.sources.tasks import Task, TaskItem, clean_response
 
 
 def _calculator_pairs() -> list[tuple[str, str]]:
@@ -47,9 +47,9 @@ def generate(name: str, seed: int = 0, split: str = "train", count: int | None =
 def calculator_reward(trajectory: Trajectory):
     """1.0 for the right final answer reached after a successful ``calc`` call, else 0.0.
 
-    Use as ``--reward rlstream.producers.tool_tasks:calculator_reward``.
+    Use as ``--reward rlstream.sources.tool_tasks:calculator_reward``.
     """
-    from ..streams.reward import RewardResult  # the reward stage's type; imported late to keep producers light
+    from rlstream.stages.reward import RewardResult  # the reward stage's type; imported late to keep producers light
     answer = trajectory.task.answer or ""
     final = trajectory.turns[-1].text if trajectory.turns else trajectory.response
     correct = clean_response(final) == answer.strip()
