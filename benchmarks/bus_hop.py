@@ -27,7 +27,8 @@ from rlstream.kafka.topics import create_topics, topic_name  # noqa: E402
 from rlstream.schemas import headers as hdr  # noqa: E402
 from rlstream.schemas.codec import default_codec  # noqa: E402
 from rlstream.stages.reward import RewardSettings, RewardStage  # noqa: E402
-from rlstream.runtime.runner import RuntimeSettings, StageRunner  # noqa: E402
+from rlstream.runtime.runner import StageRunner
+from rlstream.runtime.settings import RuntimeSettings  # noqa: E402
 
 
 def constant_reward(trajectory) -> float:

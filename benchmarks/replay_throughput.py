@@ -29,7 +29,8 @@ from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import SamplingParams, Task, Trajectory, Turn
 from rlstream.stages.reward import RewardSettings, RewardStage
-from rlstream.runtime.runner import RuntimeSettings, StageRunner
+from rlstream.runtime.runner import StageRunner
+from rlstream.runtime.settings import RuntimeSettings
 
 
 def trajectory(i: int, tokens: int) -> Trajectory:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from rlstream import config
 from rlstream.config import KafkaSettings
-from rlstream.errors import UserError
+from rlstream.config import load as settings
+from rlstream.errors import UsageError, UserError
 
 #: Stage name -> (module, stage class, settings class or None). Imported lazily: torch is slow to load.
 STAGES: dict[str, tuple[str, str, str | None]] = {
@@ -22,18 +23,6 @@ STAGES: dict[str, tuple[str, str, str | None]] = {
     "archive": ("rlstream.archive.sink", "ArchiveSink", "ArchiveSettings"),
     "monitor": ("rlstream.monitoring.monitor", "Monitor", "MonitorSettings"),
 }
-
-
-class UsageError(UserError):
-    """A wrong command-line argument; printed with exit code 2."""
-
-
-def settings(cls, args: argparse.Namespace):
-    """Typed settings from flags and RLSTREAM_* variables; a bad value is a usage error."""
-    try:
-        return config.from_sources(cls, args)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
 
 
 def _home() -> Path:
@@ -69,7 +58,8 @@ def _stage_parts(stage: str):
 
 def cmd_run(args: argparse.Namespace) -> None:
     from rlstream.monitoring import metrics
-    from rlstream.runtime.runner import RuntimeSettings, StageRunner
+    from rlstream.runtime.runner import StageRunner
+    from rlstream.runtime.settings import RuntimeSettings
     kafka = settings(KafkaSettings, args)
     runtime = settings(RuntimeSettings, args)
     stage_cls, settings_cls = _stage_parts(args.stage)
@@ -109,7 +99,7 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run one stage process: " + ", ".join(STAGES))
     p.add_argument("stage", choices=sorted(STAGES), metavar="STAGE", help="one of " + ", ".join(STAGES))
     config.add_arguments(p, KafkaSettings)
-    from rlstream.runtime.runner import RuntimeSettings
+    from rlstream.runtime.settings import RuntimeSettings
     config.add_arguments(p, RuntimeSettings)
     if stage in STAGES:
         _, settings_cls = _stage_parts(stage)

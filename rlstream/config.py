@@ -12,6 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from rlstream.errors import UsageError
+
 T = TypeVar("T")
 
 
@@ -90,6 +92,14 @@ def from_sources(cls: type[T], args: argparse.Namespace | dict | None = None, **
             if choices and values[f.name] not in choices:
                 raise ValueError(f"{env_name(f.name)}: expected one of {', '.join(choices)}, got {raw!r}")
     return cls(**values)
+
+
+def load(cls: type[T], args: argparse.Namespace | dict | None = None, **overrides) -> T:
+    """Settings for a command from its flags and the environment; a bad value is a UsageError."""
+    try:
+        return from_sources(cls, args, **overrides)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 @dataclass(frozen=True)

@@ -217,7 +217,7 @@ def _plot(progress: Progress, path: Path, task: str) -> Path:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from rlstream.cli import settings
+    from rlstream.config import load as settings
     sys.exit(run_demo(settings(DemoSettings, args)))
 
 

@@ -237,7 +237,7 @@ def cmd_report(args: argparse.Namespace) -> None:
     out = Path(args.out or Path(os.environ.get("RLSTREAM_HOME", ".rlstream")) / "runs" / run / "report")
     compare = tuple(args.compare.split(",", 1)) if args.compare else None
     if compare is not None and len(compare) != 2:
-        from rlstream.cli import UsageError
+        from rlstream.errors import UsageError
         raise UsageError("--compare takes two reward versions: A,B")
     with open_archive(args.archive) as archive:
         page, figures = build_report(archive, run, out, compare, args.trajectory)

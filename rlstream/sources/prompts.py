@@ -160,12 +160,12 @@ def _produce_paced(kafka, s: PromptSettings, name, items, out: PromptProducer, s
 
 
 def cmd_prompts(args: argparse.Namespace) -> None:
-    from rlstream.cli import settings
+    from rlstream.config import load as settings
     kafka, s = settings(KafkaSettings, args), settings(PromptSettings, args)
     try:
         n = produce(kafka, s)
     except ValueError as exc:
-        from rlstream.cli import UsageError
+        from rlstream.errors import UsageError
         raise UsageError(str(exc)) from None
     print(f"produced {n} {s.split} tasks of {s.task} to {topic_name(kafka.run, 'prompts')}")
 

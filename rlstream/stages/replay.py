@@ -19,18 +19,21 @@ import sys
 import time
 from dataclasses import dataclass
 
-from confluent_kafka import OFFSET_INVALID, KafkaException, TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 
-from rlstream.config import KafkaSettings, add_arguments, knob
-from rlstream.archive.query import DATABASE, DEFAULT_ARCHIVE, ArchiveError, open_archive
-from rlstream.archive.views import quote
+from rlstream.archive.query import DEFAULT_ARCHIVE
+from rlstream.archive.replay_source import ArchivedTrajectories
+from rlstream.config import KafkaSettings, add_arguments, knob, load
+from rlstream.errors import UsageError, UserError
+from rlstream.kafka import records
+from rlstream.kafka.group import GroupMember
 from rlstream.kafka.topics import topic_name
-from rlstream.schemas import headers as hdr
-from rlstream.schemas.codec import default_codec
+from rlstream.runtime.runner import StageRunner
+from rlstream.runtime.settings import RuntimeSettings
+from rlstream.runtime.sources import BoundedTopicSource
+from rlstream.runtime.stage import Incoming, Output, Stage
 from rlstream.schemas.headers import now_ms
-from rlstream.schemas.records import Failure, SamplingParams, Task, ToolCall, ToolResult, Trajectory, Turn
 from rlstream.stages.reward import RewardSettings, RewardStage
-from rlstream.runtime.runner import Incoming, Output, RuntimeSettings, Stage, StageRunner
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +105,6 @@ class ReplayStage(Stage):
         # The reward logic is the reward stage's own, not a copy of it.
         self.reward = RewardStage(RewardSettings(reward=settings.reward, reward_version=settings.reward_version))
         self.scored = self.skipped = 0
-        self.on_poll = None
 
     def wanted(self, policy_version: int) -> bool:
         lo, hi = self.versions
@@ -116,10 +118,6 @@ class ReplayStage(Stage):
         out = await self.reward.handle(item)
         self.scored += 1
         return out
-
-    def before_poll(self, ctx) -> None:
-        if self.on_poll is not None:
-            self.on_poll()
 
     def close(self) -> None:
         self.reward.close()
@@ -176,147 +174,44 @@ class ReplayResult:
 
 # -- from the topic ----------------------------------------------------------------------------------------------
 
-class ReplayRunner(StageRunner):
-    """The shared runtime over a fixed offset range of the trajectories topic."""
+def _replay_topic(stage: ReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings,
+                  s: ReplaySettings) -> ReplayResult:
+    """The runtime over the trajectories topic's offsets as they stand now, from the requested start."""
+    started = time.monotonic()
+    group = f"{kafka.run}.{stage.name}"
+    source = BoundedTopicSource(kafka, group, topic_name(kafka.run, "trajectories"), who=stage.name)
+    since = parse_since(s.since)
+    try:
+        by_time = source.offsets_for_time(since) if since is not None else {}
 
-    def __init__(self, stage: ReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings, settings: ReplaySettings):
-        # One batch per transaction: a replay's bounds and its pause past the end are per batch.
-        super().__init__(stage, kafka, dataclasses.replace(runtime, pipeline=False))
-        self.replay_settings = settings  # self.settings is the runtime's
-        self.topic = topic_name(kafka.run, "trajectories")
-        self.bounds: dict[int, tuple[int, int]] = {}  # partition -> [start, end)
-        self.done_to: dict[int, int] = {}
-        stage.on_poll = self._check
-
-    def plan(self) -> int:
-        """Fix each partition's [start, end): end is the offset now, start the request or where the group stopped."""
-        meta = self.consumer.list_topics(self.topic, timeout=30).topics.get(self.topic)
-        if meta is None or meta.error is not None:
-            raise ArchiveError(f"no topic {self.topic} (is --run right?)")
-        parts = [TopicPartition(self.topic, p) for p in sorted(meta.partitions)]
-        since = parse_since(self.replay_settings.since)
-        by_time = {}
-        if since is not None:
-            by_time = {tp.partition: tp.offset for tp in self.consumer.offsets_for_times(
-                [TopicPartition(self.topic, tp.partition, since) for tp in parts], timeout=30)}
-        committed = {tp.partition: tp.offset for tp in self.consumer.committed(parts, timeout=30)}
-        for tp in parts:
-            low, high = self.consumer.get_watermark_offsets(tp, timeout=30)
+        def start_at(partition: int, low: int, high: int) -> int:
             start = low
-            if self.replay_settings.from_offset >= 0:
-                start = min(max(self.replay_settings.from_offset, low), high)
+            if s.from_offset >= 0:
+                start = min(max(s.from_offset, low), high)
             if since is not None:
-                found = by_time.get(tp.partition, -1)
+                found = by_time.get(partition, -1)
                 start = max(start, found if found >= 0 else high)  # -1: nothing that recent
-            if committed.get(tp.partition, OFFSET_INVALID) >= 0:
-                start = max(start, committed[tp.partition])  # this replay's group already did the rest
-            self.bounds[tp.partition] = (start, high)
-            self.done_to[tp.partition] = start
-        return sum(max(0, end - start) for start, end in self.bounds.values())
-
-    def _on_assign(self, consumer, parts) -> None:
-        try:
-            committed = {tp.partition: tp.offset for tp in consumer.committed(parts, timeout=30)}
-        except KafkaException:
-            committed = {}
-        for tp in parts:
-            start, _ = self.bounds.get(tp.partition, (OFFSET_INVALID, 0))
-            # After a rebalance, what this group already committed wins over the planned start.
-            tp.offset = max(start, committed.get(tp.partition, OFFSET_INVALID))
-        consumer.assign(parts)
-        super()._on_assign(consumer, parts)
-
-    def _process_batch(self, msgs) -> None:
-        keep, beyond = [], set()
-        for m in msgs:
-            start, end = self.bounds.get(m.partition(), (0, 0))
-            if start <= m.offset() < end:
-                keep.append(m)
-            elif m.offset() >= end:
-                beyond.add(m.partition())
-        if beyond:
-            # Records written after the replay began are not part of it.
-            self.consumer.pause([TopicPartition(self.topic, p) for p in beyond])
-            for p in beyond:
-                self.done_to[p] = self.bounds[p][1]
-        if keep:
-            super()._process_batch(keep)
-
-    def _check(self) -> None:
-        """Track positions for the progress bar, and stop once every assigned partition reached its end."""
-        assigned = [tp for tp in self._assigned if tp.partition in self.bounds]
-        if assigned:
-            for tp in self.consumer.position(assigned):
-                if tp.offset >= 0:
-                    self.done_to[tp.partition] = max(self.done_to[tp.partition], min(tp.offset,
-                                                                                      self.bounds[tp.partition][1]))
-        self.progress.update(sum(self.done_to[p] - s for p, (s, _) in self.bounds.items()))
-        finished = all(self.done_to[p] >= e for p, (_, e) in self.bounds.items())
-        mine = assigned and all(self.done_to[tp.partition] >= self.bounds[tp.partition][1] for tp in assigned)
-        if finished or mine:
-            self.request_stop()
-
-    def replay(self) -> ReplayResult:
-        started = time.monotonic()
-        total = self.plan()
-        self.progress = _Progress(total, self.replay_settings.progress, "offsets")
-        log.info("replaying %d offsets of %s as group %s", total, self.topic, self.group_id)
-        try:
-            if total:
-                self.run()
-            else:
-                self.close()
-        finally:
-            self.progress.close()
-        return ReplayResult(self.stage.scored, self.stage.skipped, time.monotonic() - started, "topic")
+            return start
+        total = source.plan(start_at)
+    except (LookupError, KeyError) as exc:
+        source.close()
+        raise UserError(f"no topic {topic_name(kafka.run, 'trajectories')} (is --run right?)") from exc
+    progress = _Progress(total, s.progress, "offsets")
+    # One batch per transaction: the range's end is checked per batch.
+    runner = StageRunner(stage, kafka, dataclasses.replace(runtime, pipeline=False), source,
+                         on_committed=lambda n: progress.update(source.done()))
+    log.info("replaying %d offsets of %s as group %s", total, source.topic, group)
+    try:
+        if total:
+            runner.run()
+        else:
+            runner.close()
+    finally:
+        progress.close()
+    return ReplayResult(stage.scored, stage.skipped, time.monotonic() - started, "topic")
 
 
 # -- from the archive --------------------------------------------------------------------------------------------
-
-def _ms(col: str) -> str:
-    return f"toUnixTimestamp64Milli({col})"
-
-
-_TURN_COLS = ["role", "text", "token_start", "token_end", "policy_version", "finish_reason", "tool_name",
-              "tool_arguments", "tool_output", "tool_exit_code", "tool_duration_ms", "tool_truncated",
-              "tool_failure_class"]
-_ROW_SQL = (["partition", "offset", "kafka_key", "header_policy_version", "traceparent", _ms("produced_at"),
-             "trajectory_id", "group_id", "sample_index", "task_id", "task_name", "env_name", "env_version", "prompt",
-             "prompt_token_ids", "answer", "task_metadata", "group_size", "split", "max_turns",
-             _ms("task_created_at"), "temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "response",
-             "token_ids", "loss_mask", "behaviour_logprobs"] + [f"`turns.{c}`" for c in _TURN_COLS]
-            + [f"arrayMap(x -> {_ms('x')}, `turns.started_at`)", f"arrayMap(x -> {_ms('x')}, `turns.finished_at`)",
-               "min_policy_version", "max_policy_version", "status", "failure_class", "failure_message",
-               "failure_stage", "stage_times", "trace_id"])
-
-
-def trajectory_from_row(row: list) -> tuple[int, int, bytes, list, Trajectory]:
-    """(partition, offset, key, headers, Trajectory) from one archived row selected with _ROW_SQL."""
-    (partition, offset, key, pv, traceparent, produced, tid, gid, sample, task_id, task_name, env_name, env_version,
-     prompt, prompt_ids, answer, metadata, group_size, split, max_turns, created, temperature, top_p, top_k,
-     max_tokens, seed, stop, response, token_ids, loss_mask, logprobs, *rest) = row
-    turn_cols, rest = rest[:len(_TURN_COLS) + 2], rest[len(_TURN_COLS) + 2:]
-    min_pv, max_pv, status, f_class, f_message, f_stage, stage_times, trace_id = rest
-    turns = []
-    for (role, text, t0, t1, tpv, finish, tool, args, out, code, dur, trunc, t_fail, started, finished) in \
-            zip(*turn_cols):
-        result = None
-        if out or code or dur or trunc or t_fail:
-            result = ToolResult(out, code, dur, bool(trunc), t_fail or None)
-        turns.append(Turn(role, text, t0, t1, tpv, finish, ToolCall(tool, args) if tool else None, result,
-                          started, finished))
-    task = Task(task_id=task_id, group_id=gid, task_name=task_name, env_name=env_name, env_version=env_version,
-                prompt=prompt, sampling=SamplingParams(temperature, top_p, top_k, max_tokens, seed, list(stop)),
-                created_at=created, prompt_token_ids=prompt_ids, answer=answer, metadata=dict(metadata),
-                group_size=group_size, split=split, max_turns=max_turns, trace_id=trace_id)
-    traj = Trajectory(trajectory_id=tid, group_id=gid, sample_index=sample, task=task, response=response,
-                      min_policy_version=min_pv, max_policy_version=max_pv, token_ids=token_ids, loss_mask=loss_mask,
-                      behaviour_logprobs=logprobs, turns=turns, status=status,
-                      failure=Failure(f_class, f_message, f_stage) if f_class else None,
-                      stage_times={k: int(v) for k, v in stage_times.items()}, trace_id=trace_id)
-    headers = hdr.build(pv, traceparent or hdr.new_traceparent(), produced_at=produced)
-    return partition, offset, (key or "").encode("utf-8"), headers, traj
-
 
 class _Archived:
     """An archived trajectory dressed as a consumed Kafka message, so the stage runtime handles it unchanged."""
@@ -338,74 +233,91 @@ class _Archived:
     def __len__(self): return len(self._value)
 
 
-class ArchiveReplayRunner(StageRunner):
-    """Replays archived trajectories through the runtime; the archived offsets commit in the replay's group."""
+class ArchiveSource:
+    """Archived trajectories, page by page in (partition, offset) order, as the runner's input.
 
-    def __init__(self, stage: ReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings, settings: ReplaySettings):
-        super().__init__(stage, kafka, runtime)
-        self.replay_settings = settings  # self.settings is the runtime's
+    Their original offsets commit in the replay's consumer group, as a replay from the topic would: a killed
+    replay resumes after the last committed page, whichever source it ran from.
+    """
+
+    def __init__(self, kafka: KafkaSettings, group_id: str, s: ReplaySettings):
         self.topic = topic_name(kafka.run, "trajectories")
-
-    def _where(self, archive) -> str:
-        s, run = self.replay_settings, quote(self.kafka.run)
-        where = [f"run = {run}"]
-        since = parse_since(s.since)
-        if since is not None:
-            where.append(f"kafka_timestamp >= fromUnixTimestamp64Milli({since}, 'UTC')")
-        if s.from_offset >= 0:
-            where.append(f"offset >= {int(s.from_offset)}")
-        lo, hi = parse_versions(s.policy_version)
-        if lo is not None:
-            where.append(f"header_policy_version >= {lo}")
-        if hi is not None:
-            where.append(f"header_policy_version <= {hi}")
-        _, rows = archive.query(f"SELECT DISTINCT partition FROM {DATABASE}.trajectories WHERE run = {run}")
+        # Never subscribed: it exists for the group's metadata, which the transactions commit offsets with.
+        self.member = GroupMember(kafka, group_id, [self.topic], who=group_id)
+        self.rows = ArchivedTrajectories(s.archive, kafka.run, since_ms=parse_since(s.since),
+                                         from_offset=s.from_offset, versions=parse_versions(s.policy_version))
+        parts = [TopicPartition(self.topic, p) for p in self.rows.partitions()]
         try:
-            parts = [TopicPartition(self.topic, int(r[0])) for r in rows]
             done = {tp.partition: tp.offset for tp in self.consumer.committed(parts, timeout=30) if tp.offset >= 0}
         except KafkaException:  # the topic itself may be gone: then nothing of this group was committed for it
             done = {}
-        if done:
-            # Resume: what this replay's group already committed (from the topic or the archive) is done.
-            keys, values = zip(*sorted(done.items()))
-            where.append(f"offset >= mapFromArrays({list(keys)}::Array(Int32), {list(values)}::Array(Int64))[partition]")
-        return " AND ".join(where)
+        self.rows.resume(done)
+        self._after = (-1, -1)
+        self._end = False
 
-    def replay(self) -> ReplayResult:
-        started = time.monotonic()
-        codec = default_codec()
-        page = max(1, self.settings.batch_size)  # one page of the archive is one transaction
-        self.producer.init_transactions(30)
+    @property
+    def consumer(self):
+        return self.member.consumer
+
+    def bind(self, on_assign, on_revoke) -> None:
+        pass  # no assignments: the archive is read whole
+
+    def start(self) -> list[str]:
+        return [self.topic]
+
+    def consume(self, num: int, timeout: float) -> list[_Archived]:
+        rows = self.rows.page(self._after, num)
+        if not rows:
+            self._end = True
+            return []
+        self._after = (rows[-1][0], rows[-1][1])
+        return [_Archived(self.topic, partition, offset, key, records.encode("trajectories", traj), headers)
+                for partition, offset, key, headers, traj in rows]
+
+    def seek(self, tp: TopicPartition) -> None:
+        # Pages run in (partition, offset) order: after an abort, read again from the earliest rewound record.
+        self._after = min(self._after, (tp.partition, tp.offset - 1))
+        self._end = False
+
+    def pause(self, parts) -> None:
+        pass
+
+    def resume(self, parts) -> None:
+        pass
+
+    def group_metadata(self):
+        return self.consumer.consumer_group_metadata()
+
+    def exhausted(self) -> bool:
+        return self._end
+
+    def close(self) -> None:
         try:
-            with open_archive(self.replay_settings.archive) as archive:
-                where = self._where(archive)
-                total = int(archive.query(f"SELECT count() FROM {DATABASE}.trajectories WHERE {where}")[1][0][0])
-                progress = _Progress(total, self.replay_settings.progress, "traj")
-                log.info("replaying %d archived trajectories of run %s as group %s", total, self.kafka.run,
-                         self.group_id)
-                last, done = (-1, -1), 0
-                try:
-                    while not self._stopping:
-                        _, rows = archive.query(
-                            f"SELECT {', '.join(_ROW_SQL)} FROM {DATABASE}.trajectories WHERE {where} "
-                            f"AND (partition, offset) > ({last[0]}, {last[1]}) ORDER BY partition, offset "
-                            f"LIMIT {page}")
-                        if not rows:
-                            break
-                        msgs = []
-                        for row in rows:
-                            partition, offset, key, headers, traj = trajectory_from_row(row)
-                            value = codec.encode("Trajectory", traj.to_dict())
-                            msgs.append(_Archived(self.topic, partition, offset, key, value, headers))
-                        self._process_batch(msgs)
-                        last = (rows[-1][0], rows[-1][1])
-                        done += len(rows)
-                        progress.update(done)
-                finally:
-                    progress.close()
+            self.rows.close()
         finally:
-            self.close()
-        return ReplayResult(self.stage.scored, self.stage.skipped, time.monotonic() - started, "archive")
+            self.member.close()
+
+
+def _replay_archive(stage: ReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings,
+                    s: ReplaySettings) -> ReplayResult:
+    started = time.monotonic()
+    group = f"{kafka.run}.{stage.name}"
+    source = ArchiveSource(kafka, group, s)
+    total = source.rows.count()
+    progress = _Progress(total, s.progress, "traj")
+    done = [0]
+
+    def committed(n: int) -> None:
+        done[0] += n
+        progress.update(done[0])
+    # One page of the archive is one transaction.
+    runner = StageRunner(stage, kafka, dataclasses.replace(runtime, pipeline=False), source, on_committed=committed)
+    log.info("replaying %d archived trajectories of run %s as group %s", total, kafka.run, group)
+    try:
+        runner.run()
+    finally:
+        progress.close()
+    return ReplayResult(stage.scored, stage.skipped, time.monotonic() - started, "archive")
 
 
 # -- entry points ------------------------------------------------------------------------------------------------
@@ -413,12 +325,11 @@ class ArchiveReplayRunner(StageRunner):
 def replay(settings: ReplaySettings, kafka: KafkaSettings, runtime: RuntimeSettings = RuntimeSettings()) -> ReplayResult:
     """Run one replay to the end of its range; returns what it scored."""
     stage = ReplayStage(settings)
-    cls = ArchiveReplayRunner if settings.source == "archive" else ReplayRunner
-    return cls(stage, kafka, runtime, settings).replay()
+    run = _replay_archive if settings.source == "archive" else _replay_topic
+    return run(stage, kafka, runtime, settings)
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
-    from rlstream.cli import UsageError, settings as load
     replay_settings = load(ReplaySettings, args)
     kafka, runtime = load(KafkaSettings, args), load(RuntimeSettings, args)
     try:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from rlstream.config import knob
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Reward, ScoredTrajectory, Trajectory
-from rlstream.runtime.runner import Incoming, InvalidRecord, Output, Stage
+from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
 
 
 @dataclass

@@ -30,7 +30,7 @@ from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn
 from rlstream.monitoring import metrics
 from rlstream.stages.inference import Generation, make_backend
-from rlstream.runtime.runner import Incoming, Output, Stage, StageContext
+from rlstream.runtime.stage import Incoming, Output, Stage, StageContext
 
 log = logging.getLogger(__name__)
 

@@ -267,11 +267,13 @@ class Sandbox:
         self.limits, self.backend, self.network, self.docker_image = limits, backend, network, docker_image
         self.audit_hooks = audit_hooks
         self.hide = (os.path.expanduser("~"), os.getcwd()) if hide is None else tuple(hide)
-        self._exe = os.path.realpath(sys.executable)
+        # The interpreter as invoked, not its real path: a venv's python finds the venv's packages through the
+        # pyvenv.cfg beside it, and the real binary under -I would see only the base install's.
+        self._exe = sys.executable
         paths = sysconfig.get_paths()
         self._readable = sorted({_real(paths[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
                                 | {"/usr/share/zoneinfo"})
-        self._keep = sorted({_real(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(self._exe),
+        self._keep = sorted({_real(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(self._exe)),
                                                 *self._readable)})
 
     @property
@@ -314,7 +316,7 @@ class Sandbox:
         work, hookdir, park = (os.path.join(base, d) for d in ("work", "hook", "park"))
         for d in (work, hookdir, park):
             os.mkdir(d, 0o700)
-        hook_cfg = {"work": work, "hookdir": hookdir, "exe": self._exe, "memory_exit": MEMORY_EXIT,
+        hook_cfg = {"work": work, "hookdir": hookdir, "exe": os.path.realpath(self._exe), "memory_exit": MEMORY_EXIT,
                     "read": [*self._readable, hookdir],
                     "exact": ["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/etc/localtime"]}
         if self.audit_hooks:

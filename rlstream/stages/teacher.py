@@ -17,7 +17,7 @@ from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import local_path, tokenizer_hash
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import ScoredTrajectory, TeacherFeedback
-from rlstream.runtime.runner import Incoming, Output, Stage, StageContext
+from rlstream.runtime.stage import Incoming, Output, Stage, StageContext
 
 log = logging.getLogger(__name__)
 

@@ -16,19 +16,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from rlstream.config import KafkaSettings, knob
 from rlstream.policy.staleness import StalenessCounter, StalenessFilter
 from rlstream.trainer.window import WindowedFIFO, WindowItem
-from rlstream.kafka.topics import MAX_MESSAGE_BYTES, TOPICS, topic_name
+from rlstream.kafka import records
+from rlstream.kafka.records import Rejected
+from rlstream.kafka.topics import topic_name
+from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.policy.weights import WeightStore, local_path, tokenizer_hash
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.codec import DecodeError, default_codec
-from rlstream.schemas.records import RECORD_TYPES, PolicyVersion
+from rlstream.schemas.codec import default_codec
+from rlstream.schemas.records import PolicyVersion, TeacherFeedback
 from rlstream.monitoring import metrics
 from rlstream.kafka.group import GroupMember
-from rlstream.runtime.runner import RuntimeSettings, bounded, dead_letter, init_transactions
+from rlstream.runtime.settings import RuntimeSettings
 from rlstream.trainer.engine import make_engine
 from rlstream.trainer.update import UpdateConfig, build_batch, policy_update
 
@@ -96,13 +99,13 @@ class TrainerService:
             signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stopping", True))
             signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stopping", True))
         self.kafka = kafka
-        base = kafka.client_config()
         self.group_id = f"{kafka.run}.trainer"
-        self.producer = Producer({**base, "transactional.id": f"{kafka.run}.trainer.{self.settings.policy}",
-                                  "transaction.timeout.ms": runtime.transaction_timeout_ms,
-                                  "message.max.bytes": MAX_MESSAGE_BYTES + 65536})
-        # A restarted trainer fences its predecessor here, aborting any half-done step.
-        init_transactions(self.producer, "trainer")
+        # The policy is the trainer's identity: a restarted trainer fences its predecessor here, aborting any
+        # half-done step, and commits through the same transactional producer as every stage.
+        self.txn = TransactionalProducer(kafka, f"{kafka.run}.trainer.{self.settings.policy}", who="trainer",
+                                         transaction_timeout_ms=runtime.transaction_timeout_ms,
+                                         stopping=lambda: self._stopping)
+        self.txn.start()
         self.window = WindowedFIFO(self.settings.window_groups, self.settings.head_timeout_s)
         self._lag = metrics.LagProbe("trainer", kafka.run)
         self._load_or_create()
@@ -180,39 +183,35 @@ class TrainerService:
         self._stopping = True
 
     def _consume_once(self, runtime: RuntimeSettings) -> None:
-        codec = default_codec()
-        record_name = TOPICS[self.settings.source].record
         # Wakes on the first record and takes only what is fetched already (GroupMember.consume): no step waits
         # out a poll timeout for a batch that will not fill.
         for m in self._member.consume(runtime.batch_size, runtime.poll_timeout_s):
-            if self._done_ahead and (m.topic(), m.partition(), m.offset()) in self._done_ahead:
-                self.window.skip((m.topic(), m.partition(), m.offset()))  # trained before the restart
+            position = (m.topic(), m.partition(), m.offset())
+            if self._done_ahead and position in self._done_ahead:
+                self.window.skip(position)  # trained before the restart
                 continue
-            headers = hdr.as_dict(m.headers())
             try:
-                sample_version = hdr.policy_version(headers)
-                _, value = codec.decode(m.value(), expect=record_name)
-            except (hdr.HeaderError, DecodeError) as exc:
-                self._letters.append((m, exc.reason, str(exc)))
+                item = records.decode(m, self.kafka.run)
+            except Rejected as rej:
+                self._letters.append((m, rej.reason, str(rej)))
                 continue
-            # Compared as bytes: a null or non-UTF-8 header is just another version, never a crash.
-            if self.settings.reward_version and headers.get(hdr.REWARD_VERSION) != \
+            # Compared as bytes: a null header is just another version, never a crash.
+            if self.settings.reward_version and item.headers.get(hdr.REWARD_VERSION) != \
                     self.settings.reward_version.encode():
                 continue
-            sample = RECORD_TYPES[record_name].from_dict(value)
-            traj = sample.scored.trajectory if record_name == "TeacherFeedback" else sample.trajectory
+            sample = item.record
+            traj = sample.scored.trajectory if isinstance(sample, TeacherFeedback) else sample.trajectory
             if traj.task.split != "train":
                 continue  # held-out samples measure the policy; they are never trained on
             # The η bound is enforced here, from the header, before a sample can reach a batch.
-            accepted = self.counter.observe(self.filter, self.version, sample_version)
+            accepted = self.counter.observe(self.filter, self.version, item.policy_version)
             metrics.count_staleness("trainer", accepted, self.counter.stale_ratio)
             if not accepted:
                 # The version moved on between samples of one group: the group completes without this one
                 # rather than holding a window slot (and the pipeline behind it) until the head timeout.
-                self.window.refuse(traj.group_id, traj.task.group_size, (m.topic(), m.partition(), m.offset()))
+                self.window.refuse(traj.group_id, traj.task.group_size, position)
                 continue
-            self.window.add(WindowItem(traj.group_id, traj.task.group_size, (m.topic(), m.partition(), m.offset()),
-                                       time.monotonic(), sample))
+            self.window.add(WindowItem(traj.group_id, traj.task.group_size, position, time.monotonic(), sample))
         self._lag.maybe_update(self.consumer, self.consumer.assignment)
 
     # -- one step --------------------------------------------------------------------
@@ -252,33 +251,25 @@ class TrainerService:
                                published_at=published, step=version, parent_version=self.version,
                                samples_trained=samples, metrics=stats, trainer_id=self.group_id,
                                tokenizer_hash=tokenizer_hash(local_path(uri)))
-        codec = default_codec()
-        run = self.kafka.run
-        self.producer.begin_transaction()
+        self.txn.begin()
         try:
-            self.producer.produce(topic_name(run, "policy-versions"), key=policy,
-                                  value=codec.encode("PolicyVersion", record.to_dict()),
-                                  headers=hdr.build(version, hdr.new_traceparent()))
+            records.produce(self.txn, self.kafka.run, "policy-versions", policy, record, version)
             for m, reason, error in self._pop_letters():
-                value, headers = dead_letter("trainer", m, reason, error)
-                self.producer.produce(topic_name(run, "dead-letters"), key=m.key(), value=value, headers=headers)
-            if offsets:
-                # The samples this version was trained on are consumed in the same transaction.
-                # bounded: a wedged librdkafka call raises Wedged, ending the process for a restart.
-                bounded(self.producer.send_offsets_to_transaction,
-                        [TopicPartition(t, p, o) for (t, p), o in offsets.items()],
-                        self.consumer.consumer_group_metadata(), 30)
-            bounded(self.producer.commit_transaction, 60)
-        except KafkaException:
-            # Abort and exit: a restart resumes from the last announced version and the committed offsets.
-            try:
-                self.producer.abort_transaction(30)
-            finally:
-                raise
+                self.txn.dead_letter("trainer", m, reason, error)
+            # The samples this version was trained on are consumed in the same transaction.
+            # Version 0 is announced before the trainer joins its group: it has no samples, so no offsets.
+            committed = self.txn.commit([TopicPartition(t, p, o) for (t, p), o in offsets.items()] if offsets else None,
+                                        self.consumer.consumer_group_metadata() if offsets else None)
+        except KafkaException as exc:
+            self.txn.recover(exc)
+            committed = False
+        if not committed:
+            # The model has moved on past what the log says: exit, and a restart resumes from the last announced
+            # version and the committed offsets (the step is redone).
+            raise RuntimeError(f"trainer: the transaction announcing v{version} was aborted; restart to resume")
         self.version = version
         metrics.PUBLISH_SECONDS.observe(time.monotonic() - publish_started)
         metrics.POLICY_VERSION.labels("trainer").set(version)
-        metrics.TRANSACTIONS.labels("trainer", "committed").inc()
         # Versions older than η + 1 behind can no longer be needed by a rollout worker.
         self.store.prune(policy, keep_from=version - self.settings.eta - 1, keep={0})
         log.info("published %s v%d %s", policy, version,

@@ -338,7 +338,7 @@ def test_trainer_skips_samples_whose_reward_version_header_is_null_or_binary(boo
     import threading
 
     from rlstream.config import KafkaSettings
-    from rlstream.runtime.runner import RuntimeSettings
+    from rlstream.runtime.settings import RuntimeSettings
     from rlstream.trainer.service import TrainerService, TrainerSettings
 
     g = 2

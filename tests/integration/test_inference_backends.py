@@ -144,7 +144,7 @@ def test_rollout_stage_on_vllm_labels_a_turn_spanning_a_swap_with_its_oldest_ver
     whole prefix; episodes continued under v1 carry the rollout.swap.v1 stamp."""
     from rlstream.schemas.records import PolicyVersion, Task
     from rlstream.stages.rollout import SWAP_STAMP, RolloutSettings, RolloutStage
-    from rlstream.runtime.runner import Incoming
+    from rlstream.runtime.stage import Incoming
 
     tok, v0, v1 = models
 

@@ -20,7 +20,7 @@ from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import PolicyVersion, Reward, ScoredTrajectory
 from rlstream.monitoring import metrics
-from rlstream.runtime.runner import RuntimeSettings
+from rlstream.runtime.settings import RuntimeSettings
 from stage_proc import ROOT, start_stage, stop
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

@@ -17,7 +17,7 @@ from rlstream.stages.replay import ReplaySettings, parse_since, parse_versions, 
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Reward, ScoredTrajectory
 from rlstream.stages.reward import exact_match
-from rlstream.runtime.runner import RuntimeSettings
+from rlstream.runtime.settings import RuntimeSettings
 from stage_proc import ROOT, start_stage, stop
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

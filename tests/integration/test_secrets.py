@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from kafka_util import make_trajectory, produce, read_all
-from rlstream import cli
+from rlstream import cli, config
 from rlstream.config import KafkaSettings, from_sources
 from rlstream.archive import query
 from rlstream.schemas import headers as hdr
@@ -64,7 +64,7 @@ def test_kafka_secrets_from_the_environment_win_and_may_hold_commas(clean_env):
 def test_the_command_line_reaches_the_kafka_settings(clean_env):
     args = cli.build_parser("reward").parse_args(
         ["run", "reward", "--bootstrap", "k:9093", "--kafka-config", "security.protocol=SSL,ssl.key.password=x"])
-    conf = cli.settings(KafkaSettings, args).client_config()
+    conf = config.load(KafkaSettings, args).client_config()
     assert conf["security.protocol"] == "SSL" and conf["ssl.key.password"] == "x" and conf["bootstrap.servers"] == "k:9093"
 
 

@@ -10,7 +10,7 @@ from kafka_util import make_trajectory, produce, read_all
 from rlstream.config import KafkaSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Reward, ScoredTrajectory
-from rlstream.runtime.runner import RuntimeSettings
+from rlstream.runtime.settings import RuntimeSettings
 from rlstream.trainer.service import TrainerService, TrainerSettings
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

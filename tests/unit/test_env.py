@@ -8,7 +8,7 @@ from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Trajectory, Turn
 from rlstream.stages.env import (ENVIRONMENTS, Calculator, EnvSettings, EnvStage, Environment, SingleTurn,
                                   StepResult, tool_calls)
-from rlstream.runtime.runner import Incoming, InvalidRecord
+from rlstream.runtime.stage import Incoming, InvalidRecord
 
 
 def make_task(env: str = "single", max_turns: int = 1, answer: str = "46") -> Task:

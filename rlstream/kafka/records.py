@@ -1,0 +1,85 @@
+"""Typed records on the wire: a consumed message becomes an ``Incoming`` (headers checked, value decoded into its
+record type), and a record becomes a value and headers to produce. Every process decodes and encodes here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import Message
+
+from rlstream.kafka.topics import TOPICS, logical_name, topic_name
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import DecodeError, default_codec
+from rlstream.schemas.records import RECORD_TYPES, Record
+
+
+class Rejected(Exception):
+    """A record that goes to dead-letters with a reason (``bad_header``, a decode reason, ``invalid``, ...)."""
+
+    def __init__(self, reason: str, error: str):
+        super().__init__(error)
+        self.reason = reason
+
+
+@dataclass
+class Incoming:
+    """One decoded input record with where it came from and its headers."""
+
+    topic: str  # logical name
+    partition: int
+    offset: int
+    key: bytes | None
+    headers: dict[str, bytes]
+    policy_version: int
+    record: Record
+
+    @property
+    def traceparent(self) -> bytes | None:
+        return self.headers.get(hdr.TRACEPARENT)
+
+    @property
+    def reward_version(self) -> str | None:
+        raw = self.headers.get(hdr.REWARD_VERSION)
+        return raw.decode() if raw is not None else None
+
+
+def decode(m: Message, run: str, *, require_policy_version: bool = True) -> Incoming:
+    """The typed record of a consumed message of ``run``; Rejected with the dead-letter reason if it is not one.
+
+    Headers are checked before the value is decoded: consumers filter on them without decoding, so a bad header
+    must never pass as a version.
+    """
+    logical = logical_name(run, m.topic())
+    headers = hdr.as_dict(m.headers())
+    try:
+        version = hdr.policy_version(headers)
+    except hdr.HeaderError as exc:
+        if require_policy_version or hdr.POLICY_VERSION in headers:
+            raise Rejected("bad_header", str(exc)) from None
+        version = -1  # a source outside the loop (a user's prompts) has no version yet
+    reward_version = headers.get(hdr.REWARD_VERSION)
+    if reward_version is not None:
+        try:
+            reward_version.decode("utf-8")
+        except UnicodeDecodeError:
+            # Checked here: outputs copy it, and a decode error there would crash the stage on every retry.
+            raise Rejected("bad_header", f"reward_version header is not UTF-8: {reward_version[:32]!r}") from None
+    try:
+        name, value = default_codec().decode(m.value(), expect=TOPICS[logical].record)
+        record = RECORD_TYPES[name].from_dict(value)
+    except DecodeError as exc:
+        raise Rejected(exc.reason, str(exc)) from None
+    return Incoming(logical, m.partition(), m.offset(), m.key(), headers, version, record)
+
+
+def encode(logical: str, record: Record) -> bytes:
+    """The wire value of a record for a logical topic (its schema is the topic's record type)."""
+    return default_codec().encode(TOPICS[logical].record, record.to_dict())
+
+
+def produce(producer: Any, run: str, logical: str, key: Any, record: Record, policy_version: int,
+            traceparent: str | None = None, reward_version: str | None = None) -> None:
+    """Produce a typed record with the loop's headers, through a plain Producer or a TransactionalProducer."""
+    headers = hdr.build(policy_version, traceparent or hdr.new_traceparent(), reward_version)
+    producer.produce(topic_name(run, logical), value=encode(logical, record), key=key, headers=headers)

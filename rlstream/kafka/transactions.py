@@ -1,0 +1,204 @@
+"""The one transactional producer every process of the loop writes through: stages, the trainer, replay.
+
+A transaction carries a batch's outputs, its dead letters and the consumer offsets of its inputs, so they
+become visible together or not at all. What can go wrong, and what this module does about it, in one place:
+
+- A broker that is still starting (or moving its transaction coordinator) answers ``init_transactions`` with
+  retriable errors: the producer waits for it instead of exiting.
+- A transaction that fails with an abortable or retriable error is aborted; the caller re-reads its inputs.
+- A producer that librdkafka declares fatal (but not fenced) is replaced in-process by a new one with the same
+  transactional id, whose registration aborts the open transaction; the caller re-reads its inputs.
+- A call that never returns (librdkafka can block in ``send_offsets_to_transaction`` after a broker restart,
+  issues 5456 and 5511) is abandoned after its timeout plus a minute, and the producer replaced likewise.
+- A producer fenced by a newer instance of its own transactional id is the zombie: it raises and the process
+  exits, because replacing it would fence the live instance in turn.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
+
+from rlstream.config import KafkaSettings
+from rlstream.kafka.dead_letters import dead_letter
+from rlstream.kafka.topics import MAX_MESSAGE_BYTES, topic_name
+from rlstream.monitoring import metrics
+
+log = logging.getLogger(__name__)
+
+#: Fatal errors that mean a newer instance with our transactional id exists.
+_FENCED = (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH)
+
+#: What a broker still starting (or moving its transaction coordinator) answers; worth waiting out.
+_COORDINATOR_BUSY = (KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE,
+                     KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError._TIMED_OUT, KafkaError._TRANSPORT)
+
+#: Replacements without a commit in between before a fault is taken as permanent.
+MAX_REPLACEMENTS = 5
+
+
+class Wedged(Exception):
+    """A librdkafka call that did not return long after its own timeout."""
+
+
+def bounded(call: Callable, *args: Any) -> Any:
+    """Run a producer call whose last argument is its timeout, giving it a minute more to return; Wedged if not."""
+    done, result = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            result["value"] = call(*args)
+        except BaseException as exc:  # handed to the caller's thread
+            result["error"] = exc
+        finally:
+            done.set()
+    threading.Thread(target=run, name="txn-call", daemon=True).start()
+    if not done.wait(args[-1] + 60):
+        raise Wedged(f"{getattr(call, '__name__', 'call')} did not return within {args[-1] + 60}s")
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+def producer_config(kafka: KafkaSettings, transactional_id: str, transaction_timeout_ms: int = 30000,
+                    **overrides: Any) -> dict[str, Any]:
+    """librdkafka settings of a transactional producer of this loop."""
+    return {**kafka.client_config(), "transactional.id": transactional_id,
+            "transaction.timeout.ms": transaction_timeout_ms,
+            "message.max.bytes": MAX_MESSAGE_BYTES + 65536, "linger.ms": 5, "compression.type": "lz4",
+            **overrides}
+
+
+class TransactionalProducer:
+    """A transactional producer that survives what a broker restart does to it (see the module docstring).
+
+    Use: ``start()`` once; then per batch ``begin()``, ``produce()``/``dead_letter()``, and ``commit(offsets,
+    group_metadata)``, which returns False when the transaction was aborted instead (re-read the inputs then). An
+    exception raised while producing goes to ``recover(exc)``, which aborts (returning normally) or raises.
+    """
+
+    def __init__(self, kafka: KafkaSettings, transactional_id: str, *, who: str,
+                 transaction_timeout_ms: int = 30000, stopping: Callable[[], bool] = lambda: False,
+                 **overrides: Any):
+        self.who = who
+        self.run = kafka.run
+        self._config = producer_config(kafka, transactional_id, transaction_timeout_ms, **overrides)
+        self._stopping = stopping
+        self._replaced = 0  # replacements since the last commit
+        self._wedged: list[Producer] = []  # stuck producers, kept so that no destructor waits on them
+        self.producer = Producer(self._config)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        """Register the transactional id, fencing any zombie, waiting while the broker is not ready yet."""
+        deadline = time.monotonic() + timeout_s
+        while not self._stopping():
+            try:
+                self.producer.init_transactions(30)
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                # A process started with (or during a restart of) the broker must wait for it, not exit.
+                if err.fatal() or not (err.retriable() or err.code() in _COORDINATOR_BUSY) \
+                        or time.monotonic() > deadline:
+                    raise
+                log.warning("%s: broker not ready for transactions (%s); retrying", self.who, err.str())
+                time.sleep(1.0)
+
+    def flush(self, timeout: float = 30.0) -> int:
+        return self.producer.flush(timeout)
+
+    # -- one transaction ---------------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        self.producer.begin_transaction()
+
+    def produce(self, topic: str, value: bytes | None, key: Any = None, headers: list | None = None) -> None:
+        """Produce into the open transaction, waiting for deliveries while the local queue is full."""
+        while True:
+            try:
+                self.producer.produce(topic, value=value, key=key, headers=headers)
+                return
+            except BufferError:
+                self.producer.poll(0.05)
+
+    def dead_letter(self, stage: str, msg: Message, reason: str, error: str,
+                    max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        """Send an input record the process could not use to the run's dead-letters, in the open transaction."""
+        value, headers = dead_letter(stage, msg, reason, error, max_bytes)
+        self.produce(topic_name(self.run, "dead-letters"), value, msg.key(), headers)
+        metrics.DEAD_LETTERS.labels(stage, reason).inc()
+        log.warning("%s dead-lettered %s[%d]@%d: %s: %s", stage, msg.topic(), msg.partition(), msg.offset(),
+                    reason, error[:200])
+
+    def commit(self, offsets: list[TopicPartition] | None, group_metadata: Any) -> bool:
+        """Commit the open transaction with these input offsets; False if it was aborted instead.
+
+        The offsets go into the transaction, never to the group directly: outputs and input positions become
+        visible together or not at all.
+        """
+        try:
+            if offsets:
+                bounded(self.producer.send_offsets_to_transaction, offsets, group_metadata, 30)
+            bounded(self.producer.commit_transaction, 60)
+        except KafkaException as exc:
+            self.recover(exc)
+            return False
+        except Wedged as exc:
+            self._replace(exc)
+            return False
+        self._replaced = 0
+        metrics.TRANSACTIONS.labels(self.who, "committed").inc()
+        return True
+
+    def recover(self, exc: KafkaException) -> None:
+        """After a failed call in the open transaction: abort it (or replace the producer), or raise if fenced."""
+        err = exc.args[0]
+        if err.txn_requires_abort() or err.retriable():
+            log.warning("%s transaction failed (%s); aborting and redoing the batch", self.who, err)
+            self.abort()
+            return
+        if err.fatal() and err.code() not in _FENCED:
+            self._replace(exc)
+            return
+        # Fenced by a newer instance with our transactional id: we are the zombie; exit.
+        metrics.TRANSACTIONS.labels(self.who, "fatal").inc()
+        raise exc
+
+    def abort(self) -> None:
+        """Abort the open transaction, waiting out a broker restart; replace the producer if it cannot abort."""
+        metrics.TRANSACTIONS.labels(self.who, "aborted").inc()
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                bounded(self.producer.abort_transaction, 30)
+                return
+            except Wedged as exc:
+                self._replace(exc)  # the new producer's registration aborts the transaction
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.fatal() and err.code() not in _FENCED and not self._stopping():
+                    # E.g. INVALID_TXN_STATE after a broker restart aborted the transaction on its own.
+                    self._replace(exc)
+                    return
+                # An abort times out while the broker is down or restarting: wait for it rather than exit.
+                if err.fatal() or not err.retriable() or self._stopping() or time.monotonic() > deadline:
+                    log.error("%s abort failed: %s", self.who, exc)
+                    raise
+                log.warning("%s abort not done yet (%s); retrying", self.who, err.str())
+
+    def _replace(self, exc: Exception) -> None:
+        """Fence a stuck or broken producer with a new one of the same transactional id."""
+        log.error("%s: %s; replacing the producer (the new one aborts the open transaction)", self.who, exc)
+        metrics.TRANSACTIONS.labels(self.who, "aborted").inc()
+        self._replaced += 1
+        if self._replaced > MAX_REPLACEMENTS:  # no commit since several replacements: not a passing fault
+            raise exc
+        self._wedged.append(self.producer)
+        self.producer = Producer(self._config)
+        self.start()

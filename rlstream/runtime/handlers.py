@@ -1,0 +1,122 @@
+"""Calling a stage's handlers: in a thread pool or on the runner's event loop, each with its timeout, every
+failure turned into the dead-letter reason of the record that caused it (never into a crash of the stage).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from rlstream.kafka.records import Incoming, Rejected
+from rlstream.monitoring import metrics
+from rlstream.runtime.settings import RuntimeSettings
+from rlstream.runtime.stage import InvalidRecord, Output, Stage
+
+Result = "list[Output] | Rejected"
+
+
+class Handlers:
+    """Runs one stage's ``handle``/``handle_batch`` with timeouts; owns the pool and the event loop they use."""
+
+    def __init__(self, stage: Stage, settings: RuntimeSettings):
+        self.stage = stage
+        self.settings = settings
+        self.pool = ThreadPoolExecutor(max_workers=max(1, settings.concurrency),
+                                       thread_name_prefix=f"{stage.name}-handler")
+        self.loop = asyncio.new_event_loop()
+        # asyncio.to_thread (sync reward functions) uses the default executor: make it ours, sized by concurrency.
+        self.loop.set_default_executor(self.pool)
+        self._running: asyncio.Semaphore | None = None
+
+    @property
+    def batched(self) -> bool:
+        """Whether the stage handles whole batches (then it is never pipelined)."""
+        return type(self.stage).handle_batch is not Stage.handle_batch
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.loop.close()
+
+    # -- one batch, on the caller's thread ------------------------------------------------------------------------
+
+    def handle_all(self, items: list[Incoming]) -> list[Result]:
+        """Every record's outputs or rejection, in order."""
+        if not items:
+            return []
+        batch = self._run_timed(self._call_batch, items, len(items))
+        if isinstance(batch, list):
+            return batch
+        if batch is not None:
+            # The batch failed as a whole: handle records one by one to isolate the bad one.
+            return [_first(self._run_timed(self._call_batch, [it], 1)) for it in items]
+        return self.loop.run_until_complete(self._handle_each(items))
+
+    def _call_batch(self, items: list[Incoming]):
+        result = self.stage.handle_batch(items)
+        if result is not None and len(result) != len(items):
+            raise TypeError(f"handle_batch returned {len(result)} results for {len(items)} records")
+        return result
+
+    def _run_timed(self, fn, items: list[Incoming], n: int):
+        """Run a batch handler in the pool with a timeout scaled to the batch; errors become Rejected."""
+        async def go():
+            return await asyncio.wait_for(self.loop.run_in_executor(self.pool, fn, items),
+                                          self.settings.handler_timeout_s * max(1, math.ceil(n / 8)))
+        try:
+            return self.loop.run_until_complete(go())
+        except Exception as exc:
+            return self.rejection(exc)
+
+    async def _handle_each(self, items: list[Incoming]) -> list[Result]:
+        sem = asyncio.Semaphore(max(1, self.settings.concurrency))
+
+        async def one(item: Incoming):
+            async with sem:
+                return await self._handle_one(item)
+
+        return list(await asyncio.gather(*(one(it) for it in items)))
+
+    # -- pipelined: records submitted to the loop running in its own thread ---------------------------------------
+
+    def submit(self, item: Incoming) -> Future:
+        """Start one record's handler on the running loop; its future resolves to outputs or a rejection."""
+        if self._running is None:
+            self._running = asyncio.Semaphore(max(1, self.settings.concurrency))
+        return asyncio.run_coroutine_threadsafe(self._handle_when_free(item), self.loop)
+
+    async def _handle_when_free(self, item: Incoming) -> Result:
+        # The handler timeout starts once a handler slot is free, not while the record queues for one.
+        async with self._running:
+            return await self._handle_one(item)
+
+    async def _handle_one(self, item: Incoming) -> Result:
+        """One record through the stage's handler (async, or sync in the pool), with its timeout."""
+        handler = self.stage.handle
+        started = time.monotonic()
+        try:
+            if asyncio.iscoroutinefunction(handler):
+                result = await asyncio.wait_for(handler(item), self.settings.handler_timeout_s)
+            else:
+                result = await asyncio.wait_for(self.loop.run_in_executor(self.pool, handler, item),
+                                                self.settings.handler_timeout_s)
+            if not isinstance(result, list) or not all(isinstance(o, Output) for o in result):
+                raise TypeError(f"handler returned {type(result).__name__}, expected list[Output]")
+            return result
+        except Exception as exc:
+            return self.rejection(exc)
+        finally:
+            metrics.HANDLER_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
+
+    def rejection(self, exc: Exception) -> Rejected:
+        """The dead-letter reason for a handler's failure."""
+        if isinstance(exc, asyncio.TimeoutError):
+            return Rejected("handler_timeout", f"handler exceeded {self.settings.handler_timeout_s}s")
+        if isinstance(exc, InvalidRecord):
+            return Rejected("invalid", str(exc))
+        return Rejected("handler_error", f"{type(exc).__name__}: {exc}")
+
+
+def _first(result):
+    """The outputs of a one-record batch, or its rejection."""
+    return result if isinstance(result, Rejected) else result[0]

@@ -1,0 +1,80 @@
+"""The Stage API: what a stream processor implements, and the few things it may ask of the runtime.
+
+A stage maps typed input records (``Incoming``) to typed outputs (``Output``); it never touches Kafka. The runner
+decodes its inputs, calls it, encodes its outputs and commits them with the input offsets.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rlstream.config import KafkaSettings
+from rlstream.kafka.records import Incoming
+from rlstream.schemas.records import Record
+
+if TYPE_CHECKING:
+    from rlstream.runtime.runner import StageRunner
+
+__all__ = ["Incoming", "InvalidRecord", "Output", "Stage", "StageContext"]
+
+
+class InvalidRecord(ValueError):
+    """Raised by a stage's handler for input that decodes but is not acceptable (dead-letter reason ``invalid``)."""
+
+
+@dataclass
+class Output:
+    """A record a handler wants produced; headers default to the input's."""
+
+    topic: str  # logical name
+    key: str | bytes | None
+    record: Record
+    policy_version: int | None = None
+    reward_version: str | None = None
+
+
+class Stage:
+    """A stream processor: override ``handle`` (per record) or ``handle_batch``.
+
+    ``handle`` may be sync (run in a thread) or ``async``; both get a timeout.
+    """
+
+    name: str = "stage"
+    inputs: tuple[str, ...] = ()
+    #: Whether records without a policy_version header are accepted (sources outside the loop).
+    require_policy_version: bool = True
+
+    def handle(self, item: Incoming) -> list[Output]:
+        raise NotImplementedError
+
+    def handle_batch(self, items: list[Incoming]) -> list[list[Output]] | None:
+        """Handle a whole batch at once (e.g. batched generation); None means per record."""
+        return None
+
+    def before_poll(self, ctx: "StageContext") -> None:
+        """Called between batches, outside any transaction: reload weights, pause, resume."""
+
+    def close(self) -> None:
+        """Release what the stage holds (engines, pools)."""
+
+
+class StageContext:
+    """What a stage may do to its own consumption: pause and resume partitions."""
+
+    def __init__(self, runner: "StageRunner"):
+        self._runner = runner
+
+    def pause(self, logical_topic: str) -> None:
+        """Stop fetching a topic (backpressure); records wait in Kafka."""
+        self._runner.set_paused(logical_topic, True)
+
+    def resume(self, logical_topic: str) -> None:
+        self._runner.set_paused(logical_topic, False)
+
+    def is_paused(self, logical_topic: str) -> bool:
+        return logical_topic in self._runner.paused_topics
+
+    @property
+    def kafka(self) -> KafkaSettings:
+        """The process's Kafka settings, for stages that open clients of their own (policy watchers)."""
+        return self._runner.kafka
