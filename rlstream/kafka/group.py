@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from rlstream.config import KafkaSettings
 from rlstream.kafka.topics import MAX_MESSAGE_BYTES
@@ -120,6 +120,15 @@ class GroupMember:
         self.consumer = Consumer(self._config)
         if self._subscribed:
             self.consumer.subscribe(self.topics, **self._callbacks)
+
+    def committed_offsets(self, topic: str, partitions: list[int]) -> dict[int, int]:
+        """This group's committed offset per partition of ``topic`` (none for a partition it never committed, or
+        for a topic that is gone)."""
+        try:
+            found = self.consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=30)
+        except KafkaException:
+            return {}
+        return {tp.partition: tp.offset for tp in found if tp.offset >= 0}
 
     def close(self) -> None:
         """Leave (static members keep their slot until the session times out, so a restart finds it)."""

@@ -6,12 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Message
+from confluent_kafka import Message, Producer
 
+from rlstream.config import KafkaSettings
 from rlstream.kafka.topics import TOPICS, logical_name, topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import DecodeError, default_codec
 from rlstream.schemas.records import RECORD_TYPES, Record
+
+
+__all__ = ["Incoming", "Message", "Rejected", "TypedProducer", "decode", "encode", "produce"]
 
 
 class Rejected(Exception):
@@ -83,3 +87,31 @@ def produce(producer: Any, run: str, logical: str, key: Any, record: Record, pol
     """Produce a typed record with the loop's headers, through a plain Producer or a TransactionalProducer."""
     headers = hdr.build(policy_version, traceparent or hdr.new_traceparent(), reward_version)
     producer.produce(topic_name(run, logical), value=encode(logical, record), key=key, headers=headers)
+
+
+class TypedProducer:
+    """An idempotent producer of typed records for writers outside the loop's transactions (tools, tests)."""
+
+    def __init__(self, kafka: KafkaSettings, **overrides: Any):
+        self.run = kafka.run
+        self.producer = Producer({**kafka.client_config(), "linger.ms": 20, "enable.idempotence": True, **overrides})
+
+    def produce(self, topic: str, value: bytes | None, key: Any = None, headers: list | None = None) -> None:
+        """Produce raw bytes, waiting for deliveries while the local queue is full."""
+        while True:
+            try:
+                self.producer.produce(topic, value=value, key=key, headers=headers)
+                return
+            except BufferError:
+                self.producer.poll(0.1)
+
+    def send(self, logical: str, key: Any, record: Record, policy_version: int, traceparent: str | None = None,
+             reward_version: str | None = None) -> None:
+        """Produce a typed record with the loop's headers."""
+        produce(self, self.run, logical, key, record, policy_version, traceparent, reward_version)
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every record is delivered; raise if some are not within ``timeout``."""
+        left = self.producer.flush(timeout)
+        if left > 0:
+            raise RuntimeError(f"{left} records not delivered to Kafka within {timeout:.0f} s")

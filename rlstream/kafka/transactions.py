@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 
@@ -38,6 +38,9 @@ _COORDINATOR_BUSY = (KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAI
 
 #: Replacements without a commit in between before a fault is taken as permanent.
 MAX_REPLACEMENTS = 5
+
+#: An input position to commit: (topic, partition, next offset, offset metadata or None).
+Offset = tuple[str, int, int, "str | None"]
 
 
 class Wedged(Exception):
@@ -75,9 +78,8 @@ def producer_config(kafka: KafkaSettings, transactional_id: str, transaction_tim
 class TransactionalProducer:
     """A transactional producer that survives what a broker restart does to it (see the module docstring).
 
-    Use: ``start()`` once; then per batch ``begin()``, ``produce()``/``dead_letter()``, and ``commit(offsets,
-    group_metadata)``, which returns False when the transaction was aborted instead (re-read the inputs then). An
-    exception raised while producing goes to ``recover(exc)``, which aborts (returning normally) or raises.
+    ``start()`` once, then one ``transact(body, group_metadata)`` per batch: ``body`` produces (``produce``,
+    ``dead_letter``) and returns the input offsets to commit with what it produced.
     """
 
     def __init__(self, kafka: KafkaSettings, transactional_id: str, *, who: str,
@@ -114,8 +116,34 @@ class TransactionalProducer:
 
     # -- one transaction ---------------------------------------------------------------------------------------
 
-    def begin(self) -> None:
+    def transact(self, body: Callable[[], Iterable[Offset] | None],
+                 group_metadata: Callable[[], Any] | None = None) -> bool:
+        """Run ``body`` in a transaction and commit what it produced with the offsets it returns.
+
+        Returns False when the transaction was aborted instead (the caller re-reads its inputs from before it);
+        raises, after aborting, whatever ``body`` raised that is not a Kafka error; raises when fenced.
+        """
         self.producer.begin_transaction()
+        try:
+            offsets = [TopicPartition(t, p, o, metadata=meta) if meta is not None else TopicPartition(t, p, o)
+                       for t, p, o, meta in body() or ()]
+            # Do not advance committed offsets outside of the transaction: the outputs and the input positions
+            # become visible together or not at all.
+            if offsets:
+                bounded(self.producer.send_offsets_to_transaction, offsets, group_metadata(), 30)
+            bounded(self.producer.commit_transaction, 60)
+        except KafkaException as exc:
+            self._recover(exc)
+            return False
+        except Wedged as exc:
+            self._replace(exc)
+            return False
+        except BaseException:
+            self.abort()
+            raise
+        self._replaced = 0
+        metrics.TRANSACTIONS.labels(self.who, "committed").inc()
+        return True
 
     def produce(self, topic: str, value: bytes | None, key: Any = None, headers: list | None = None) -> None:
         """Produce into the open transaction, waiting for deliveries while the local queue is full."""
@@ -135,27 +163,7 @@ class TransactionalProducer:
         log.warning("%s dead-lettered %s[%d]@%d: %s: %s", stage, msg.topic(), msg.partition(), msg.offset(),
                     reason, error[:200])
 
-    def commit(self, offsets: list[TopicPartition] | None, group_metadata: Any) -> bool:
-        """Commit the open transaction with these input offsets; False if it was aborted instead.
-
-        The offsets go into the transaction, never to the group directly: outputs and input positions become
-        visible together or not at all.
-        """
-        try:
-            if offsets:
-                bounded(self.producer.send_offsets_to_transaction, offsets, group_metadata, 30)
-            bounded(self.producer.commit_transaction, 60)
-        except KafkaException as exc:
-            self.recover(exc)
-            return False
-        except Wedged as exc:
-            self._replace(exc)
-            return False
-        self._replaced = 0
-        metrics.TRANSACTIONS.labels(self.who, "committed").inc()
-        return True
-
-    def recover(self, exc: KafkaException) -> None:
+    def _recover(self, exc: KafkaException) -> None:
         """After a failed call in the open transaction: abort it (or replace the producer), or raise if fenced."""
         err = exc.args[0]
         if err.txn_requires_abort() or err.retriable():

@@ -19,19 +19,17 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any, Callable, Sequence
 
-from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
-
 from rlstream.config import KafkaSettings
 from rlstream.kafka import records
 from rlstream.kafka.dead_letters import wire_bytes
 from rlstream.kafka.inflight import OffsetWindow, Slot
-from rlstream.kafka.records import Incoming, Rejected
+from rlstream.kafka.records import Incoming, Message, Rejected
+from rlstream.kafka.sources import GroupSource, InputSource
 from rlstream.kafka.topics import logical_name, topic_name
-from rlstream.kafka.transactions import TransactionalProducer
+from rlstream.kafka.transactions import Offset, TransactionalProducer
 from rlstream.monitoring import metrics
 from rlstream.runtime.handlers import Handlers
 from rlstream.runtime.settings import RuntimeSettings
-from rlstream.runtime.sources import GroupSource, InputSource
 from rlstream.runtime.stage import Output, Stage, StageContext
 from rlstream.schemas import headers as hdr
 
@@ -69,7 +67,7 @@ class StageRunner:
                                          stopping=lambda: self._stopping)
         self.handlers = Handlers(stage, settings)
         self.ctx = StageContext(self)
-        self._assigned: list[TopicPartition] = []
+        self._assigned: list = []
         # Consumed records not yet committed past, and what each partition's committed offset metadata says.
         self._window = OffsetWindow()
         self._lag = metrics.LagProbe(stage.name, kafka.run)  # consumer lag gauge, refreshed every few seconds
@@ -77,7 +75,7 @@ class StageRunner:
         self._on_committed = on_committed or (lambda n: None)
 
     @property
-    def consumer(self) -> Consumer:
+    def consumer(self):
         """The source's current consumer (a new object after it was replaced)."""
         return self.source.consumer
 
@@ -204,20 +202,18 @@ class StageRunner:
     def _commit_ready(self) -> None:
         ready = self._window.ready()
         started = min(s.admitted_at for s in ready)
-        self.txn.begin()
-        try:
+        points: dict = {}
+
+        def body() -> list[Offset]:
             for slot in ready:
                 self._emit(slot.msg, slot.item, slot.outcome())
             # Each partition commits the offset of its first unfinished record, and lists the finished ones after
             # it in the offset's metadata: all of their outputs are in this transaction or an earlier one.
-            points = self._window.commit_points()
-            committed = self.txn.commit([TopicPartition(t, p, base, metadata=meta)
-                                         for (t, p), (base, meta) in points.items()], self.source.group_metadata())
-        except KafkaException as exc:
-            self.txn.recover(exc)
-            committed = False
+            points.update(self._window.commit_points())
+            return [(t, p, base, meta) for (t, p), (base, meta) in points.items()]
+        try:
+            committed = self.txn.transact(body, self.source.group_metadata)
         except BaseException:
-            self.txn.abort()
             self._rewind(self._rewind_window())
             raise
         if not committed:
@@ -239,20 +235,14 @@ class StageRunner:
 
     def _process_batch(self, msgs: list[Message]) -> None:
         started = time.monotonic()
-        self.txn.begin()
-        try:
+
+        def body() -> list[Offset]:
             self._handle_and_produce(msgs)
-            # Outputs and input positions become visible together or not at all.
-            offsets = [TopicPartition(tp.topic, tp.partition, tp.offset,
-                                      metadata=self._window.remaining_done((tp.topic, tp.partition), tp.offset))
-                       for tp in _next_offsets(msgs)]
-            committed = self.txn.commit(offsets, self.source.group_metadata())
-        except KafkaException as exc:
-            self.txn.recover(exc)
-            committed = False
+            return [(t, p, o, self._window.remaining_done((t, p), o)) for (t, p), o in _next_offsets(msgs).items()]
+        try:
+            committed = self.txn.transact(body, self.source.group_metadata)
         except BaseException:
-            # Anything else (including a crash in the stage) aborts: the batch is redone.
-            self.txn.abort()
+            # Anything else (including a crash in the stage) aborted the transaction: the batch is redone.
             self._rewind(_first_offsets(msgs))
             raise
         if not committed:
@@ -279,7 +269,7 @@ class StageRunner:
     def _rewind(self, rewind_to: dict[tuple[str, int], int]) -> None:
         """The aborted outputs are gone, so the inputs must be read again from these offsets."""
         for (topic, partition), offset in rewind_to.items():
-            self.source.seek(TopicPartition(topic, partition, offset))
+            self.source.seek(topic, partition, offset)
 
     # -- records in, records out ---------------------------------------------------------------------------------
 
@@ -341,7 +331,7 @@ class StageRunner:
         metrics.PAUSED.labels(self.stage.name).set(
             sum(1 for tp in self._assigned if logical_name(self.kafka.run, tp.topic) in self.paused_topics))
 
-    def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+    def _on_assign(self, consumer, parts: list) -> None:
         self._assigned = list(parts)
         if self._closing:
             return
@@ -351,7 +341,7 @@ class StageRunner:
         if paused:
             consumer.pause(paused)
 
-    def _load_committed(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+    def _load_committed(self, consumer, parts: list) -> None:
         """Learn which records past each committed offset a pipelined worker already finished (its metadata)."""
         if not parts:
             return
@@ -359,7 +349,7 @@ class StageRunner:
             if tp.offset >= 0:
                 self._window.set_committed((tp.topic, tp.partition), tp.offset, tp.metadata)
 
-    def _on_revoke(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+    def _on_revoke(self, consumer, parts: list) -> None:
         # No transaction is open here: revocation only happens inside consume(). Records in flight or held for
         # these partitions are uncommitted; their next owner reads them again, so they are dropped, not produced.
         self._assigned = [tp for tp in self._assigned if tp not in parts]
@@ -378,10 +368,10 @@ def _first_offsets(msgs: Sequence[Message]) -> dict[tuple[str, int], int]:
     return first
 
 
-def _next_offsets(msgs: Sequence[Message]) -> list[TopicPartition]:
+def _next_offsets(msgs: Sequence[Message]) -> dict[tuple[str, int], int]:
     """The offsets to commit: one past the last consumed record of each partition."""
     last: dict[tuple[str, int], int] = {}
     for m in msgs:
         key = (m.topic(), m.partition())
-        last[key] = max(last.get(key, -1), m.offset())
-    return [TopicPartition(t, p, o + 1) for (t, p), o in last.items()]
+        last[key] = max(last.get(key, -1), m.offset() + 1)
+    return last

@@ -16,12 +16,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from confluent_kafka import Producer
-
 from rlstream.config import KafkaSettings, add_arguments, from_sources, knob
 from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.codec import default_codec
+from rlstream.kafka.records import TypedProducer
 from rlstream.schemas.records import SamplingParams, Task
 
 log = logging.getLogger(__name__)
@@ -88,24 +86,13 @@ class PromptProducer:
     """Writes Task records with their headers (policy_version -1: no policy has touched them yet)."""
 
     def __init__(self, kafka: KafkaSettings):
-        self.kafka = kafka
-        self.producer = Producer({**kafka.client_config(), "linger.ms": 20, "enable.idempotence": True})
-        self.topic = topic_name(kafka.run, "prompts")
-        self.codec = default_codec()
+        self.out = TypedProducer(kafka)
 
     def send(self, task: Task) -> None:
-        value = self.codec.encode("Task", task.to_dict())
-        while True:
-            try:
-                self.producer.produce(self.topic, key=task.task_id, value=value,
-                                      headers=hdr.build(-1, task.trace_id))
-                return
-            except BufferError:
-                self.producer.poll(0.1)
+        self.out.send("prompts", task.task_id, task, -1, task.trace_id)
 
-    def flush(self) -> None:
-        if self.producer.flush(60) > 0:
-            raise RuntimeError("could not deliver every prompt to Kafka within 60 s")
+    def flush(self, timeout: float = 60.0) -> None:
+        self.out.flush(timeout)
 
 
 def produce(kafka: KafkaSettings, s: PromptSettings, stop=lambda: False) -> int:
@@ -150,7 +137,7 @@ def _produce_paced(kafka, s: PromptSettings, name, items, out: PromptProducer, s
                 for item in itertools.islice(items, allowed - n):
                     out.send(make_task(name, item, s.group_size, sampled))
                     n += 1
-                out.producer.flush(10)
+                out.flush(10)
             else:
                 watcher.wait_for(version + 1, 0.5)
         out.flush()

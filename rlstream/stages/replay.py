@@ -19,18 +19,16 @@ import sys
 import time
 from dataclasses import dataclass
 
-from confluent_kafka import KafkaException, TopicPartition
-
 from rlstream.archive.query import DEFAULT_ARCHIVE
 from rlstream.archive.replay_source import ArchivedTrajectories
 from rlstream.config import KafkaSettings, add_arguments, knob, load
 from rlstream.errors import UsageError, UserError
 from rlstream.kafka import records
 from rlstream.kafka.group import GroupMember
+from rlstream.kafka.sources import BoundedTopicSource
 from rlstream.kafka.topics import topic_name
 from rlstream.runtime.runner import StageRunner
 from rlstream.runtime.settings import RuntimeSettings
-from rlstream.runtime.sources import BoundedTopicSource
 from rlstream.runtime.stage import Incoming, Output, Stage
 from rlstream.schemas.headers import now_ms
 from rlstream.stages.reward import RewardSettings, RewardStage
@@ -246,11 +244,8 @@ class ArchiveSource:
         self.member = GroupMember(kafka, group_id, [self.topic], who=group_id)
         self.rows = ArchivedTrajectories(s.archive, kafka.run, since_ms=parse_since(s.since),
                                          from_offset=s.from_offset, versions=parse_versions(s.policy_version))
-        parts = [TopicPartition(self.topic, p) for p in self.rows.partitions()]
-        try:
-            done = {tp.partition: tp.offset for tp in self.consumer.committed(parts, timeout=30) if tp.offset >= 0}
-        except KafkaException:  # the topic itself may be gone: then nothing of this group was committed for it
-            done = {}
+        # What this replay's group already committed (from the topic or the archive) is done.
+        done = self.member.committed_offsets(self.topic, self.rows.partitions())
         self.rows.resume(done)
         self._after = (-1, -1)
         self._end = False
@@ -274,9 +269,9 @@ class ArchiveSource:
         return [_Archived(self.topic, partition, offset, key, records.encode("trajectories", traj), headers)
                 for partition, offset, key, headers, traj in rows]
 
-    def seek(self, tp: TopicPartition) -> None:
+    def seek(self, topic: str, partition: int, offset: int) -> None:
         # Pages run in (partition, offset) order: after an abort, read again from the earliest rewound record.
-        self._after = min(self._after, (tp.partition, tp.offset - 1))
+        self._after = min(self._after, (partition, offset - 1))
         self._end = False
 
     def pause(self, parts) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from rlstream.config import KafkaSettings, knob
 from rlstream.policy.staleness import StalenessCounter, StalenessFilter
@@ -251,19 +251,14 @@ class TrainerService:
                                published_at=published, step=version, parent_version=self.version,
                                samples_trained=samples, metrics=stats, trainer_id=self.group_id,
                                tokenizer_hash=tokenizer_hash(local_path(uri)))
-        self.txn.begin()
-        try:
+        def body():
             records.produce(self.txn, self.kafka.run, "policy-versions", policy, record, version)
             for m, reason, error in self._pop_letters():
                 self.txn.dead_letter("trainer", m, reason, error)
-            # The samples this version was trained on are consumed in the same transaction.
-            # Version 0 is announced before the trainer joins its group: it has no samples, so no offsets.
-            committed = self.txn.commit([TopicPartition(t, p, o) for (t, p), o in offsets.items()] if offsets else None,
-                                        self.consumer.consumer_group_metadata() if offsets else None)
-        except KafkaException as exc:
-            self.txn.recover(exc)
-            committed = False
-        if not committed:
+            # The samples this version was trained on are consumed in the same transaction (version 0 is announced
+            # before the trainer joins its group: it has no samples, so no offsets).
+            return [(t, p, o, None) for (t, p), o in (offsets or {}).items()]
+        if not self.txn.transact(body, lambda: self.consumer.consumer_group_metadata()):
             # The model has moved on past what the log says: exit, and a restart resumes from the last announced
             # version and the committed offsets (the step is redone).
             raise RuntimeError(f"trainer: the transaction announcing v{version} was aborted; restart to resume")
