@@ -15,7 +15,8 @@ import statistics
 import tempfile
 import time
 
-from rlstream.archive.sink import META, TABLES, ArchiveSettings, ArchiveSink
+from rlstream.archive.sink import ArchiveSettings, ArchiveSink
+from rlstream.archive.tables import TABLES
 from rlstream.archive.views import install_views, standard_queries, trajectory_timeline_sql
 
 GOAL_S = 1.0
@@ -68,7 +69,7 @@ def generate(sink: ArchiveSink, rows: int) -> None:
     span = 10 * HOUR_MS
     base = now - span
     traj = _trajectory_exprs(base, span, rows)
-    names = [n for n, _ in META + TABLES["trajectories"]]
+    names = TABLES["trajectories"].names
     cols = ", ".join(f"`{n}`" for n in names)
 
     def timed(what, sql):
@@ -79,7 +80,7 @@ def generate(sink: ArchiveSink, rows: int) -> None:
     timed(f"{rows:,} trajectories",
           f"INSERT INTO rlstream.trajectories ({cols}) SELECT {', '.join(traj[n] for n in names)} "
           f"FROM numbers({rows})")
-    reward_names = [n for n, _ in META + TABLES["rewards"]]
+    reward_names = TABLES["rewards"].names
     for k, (version, total) in enumerate((("v1", "if(response = 'cba', 1.0, 0.0)"),
                                           ("v2", "arraySum(arrayMap((a, b) -> a = b, splitByString('', response), "
                                                  "['c', 'b', 'a'])) / 3"))):

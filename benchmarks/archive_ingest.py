@@ -20,7 +20,9 @@ import uuid
 from confluent_kafka import Producer
 
 from rlstream.config import KafkaSettings
-from rlstream.archive.sink import ROW_FNS, ArchiveSettings, ArchiveSink, _meta, _NativeTable
+from rlstream.archive.decode import NativeTable, meta_row
+from rlstream.archive.sink import ArchiveSettings, ArchiveSink
+from rlstream.archive.tables import TABLES
 from rlstream.kafka.topics import create_topics, topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
@@ -118,7 +120,7 @@ def main() -> None:
         sink = ArchiveSink(ArchiveSettings(archive=f"chdb://{tmp}/parts"))
         sink.open()
         msgs = [_Msg(v, i) for i, v in enumerate(values)]
-        spec = sink._native_tables.setdefault("trajectories", _NativeTable("trajectories"))
+        spec = sink._native_tables.setdefault("trajectories", NativeTable("trajectories"))
         batches = [msgs[i:i + args.batch_rows] for i in range(0, n, args.batch_rows)]
         with _Clock() as wrap:
             containers = [spec.container("bench", b) for b in batches]
@@ -128,7 +130,7 @@ def main() -> None:
         with _Clock() as decode:
             decoded = [codec.decode(v, expect="Trajectory")[1] for v in values]
         with _Clock() as build:
-            rows = [_meta("bench2", "trajectories", m) + ROW_FNS["trajectories"](r, "trajectories")
+            rows = [meta_row("bench2", "trajectories", m) + TABLES["trajectories"].row(r, "trajectories")
                     for m, r in zip(msgs, decoded)]
         with _Clock() as insert:
             for i in range(0, n, args.batch_rows):

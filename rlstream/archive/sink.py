@@ -8,11 +8,8 @@ already archived, so replayed offsets add no rows; ReplacingMergeTree on
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
-import re
-import secrets
 import signal
 import tempfile
 import threading
@@ -26,10 +23,11 @@ from prometheus_client import Counter, Histogram
 
 from rlstream.config import KafkaSettings, knob
 from rlstream.kafka.topics import TOPICS, create_topics, topic_name
-from rlstream.schemas import headers as hdr
-from rlstream.schemas.codec import HEADER_LEN, MARKER, DecodeError, default_codec, load_current, packed_paths
+from rlstream.schemas.codec import HEADER_LEN, MARKER, DecodeError, default_codec
 from rlstream.kafka.group import GroupMember
+from rlstream.archive.decode import NativeTable, meta_row, undecodable_row
 from rlstream.archive.query import DATABASE, DEFAULT_ARCHIVE, ArchiveError, SqlEndpoint, connect, resolve, run_sql
+from rlstream.archive.tables import TABLES, TOPIC_TABLE
 
 log = logging.getLogger(__name__)
 
@@ -61,322 +59,8 @@ class ArchiveSettings:
     sql_port: int = knob(0, "Port of the SQL endpoint other processes query an embedded archive through (0: free)")
 
 
-# -- table shapes --------------------------------------------------------------------------------------------
-
-_TS = "DateTime64(3, 'UTC')"
-_LC = "LowCardinality(String)"
-META = [("run", _LC), ("topic", _LC), ("partition", "Int32"), ("offset", "Int64"), ("kafka_key", "String"),
-        ("kafka_timestamp", _TS), ("header_policy_version", "Int32"), ("header_reward_version", _LC),
-        ("traceparent", "String"), ("produced_at", _TS)]
-TASK = [("task_id", "String"), ("task_name", _LC), ("env_name", _LC), ("env_version", _LC), ("prompt", "String"),
-        ("prompt_token_ids", "Array(Int32)"), ("answer", "Nullable(String)"), ("task_metadata", "Map(String, String)"),
-        ("group_size", "Int32"), ("split", _LC), ("max_turns", "Int32"), ("task_created_at", _TS),
-        ("temperature", "Float64"), ("top_p", "Float64"), ("top_k", "Int32"), ("max_tokens", "Int32"),
-        ("seed", "Nullable(Int64)"), ("stop", "Array(String)")]
-TURNS = [("turns.role", f"Array({_LC})"), ("turns.text", "Array(String)"), ("turns.token_start", "Array(Int32)"),
-         ("turns.token_end", "Array(Int32)"), ("turns.policy_version", "Array(Int32)"),
-         ("turns.finish_reason", f"Array({_LC})"), ("turns.tool_name", "Array(String)"),
-         ("turns.tool_arguments", "Array(String)"), ("turns.tool_output", "Array(String)"),
-         ("turns.tool_exit_code", "Array(Int32)"), ("turns.tool_duration_ms", "Array(Float64)"),
-         ("turns.tool_truncated", "Array(Bool)"), ("turns.tool_failure_class", f"Array({_LC})"),
-         ("turns.started_at", f"Array({_TS})"), ("turns.finished_at", f"Array({_TS})")]
-TOKENS = [("token_ids", "Array(Int32)"), ("loss_mask", "Array(UInt8)"), ("behaviour_logprobs", "Array(Float32)"),
-          ("n_tokens", "UInt32")]
-FAILURE = [("failure_class", _LC), ("failure_message", "String"), ("failure_stage", _LC)]
-TRAJECTORY = ([("trajectory_id", "String"), ("group_id", "String"), ("sample_index", "Int32")] + TASK
-              + [("response", "String")] + TOKENS + TURNS
-              + [("min_policy_version", "Int32"), ("max_policy_version", "Int32"), ("status", _LC)] + FAILURE
-              + [("stage_times", "Map(String, Int64)"), ("trace_id", "String")])
-REWARD = [("reward_total", "Float64"), ("reward_breakdown", "Map(String, Float64)"), ("violations", "Array(String)"),
-          ("reward_version", _LC), ("verifier_version", _LC), ("judge_version", _LC), ("reward_latency_ms", "Float64"),
-          ("reward_failure_class", _LC), ("scored_at", _TS)]
-
-#: Table -> its columns after META (every table also has archived_at, filled by ClickHouse).
-TABLES: dict[str, list[tuple[str, str]]] = {
-    "tasks": [("group_id", "String")] + TASK + [("trace_id", "String")],
-    "episodes": ([("direction", _LC), ("episode_id", "String"), ("group_id", "String"), ("sample_index", "Int32")]
-                 + TASK + TOKENS + TURNS + [("done", "Bool")] + FAILURE
-                 + [("stage_times", "Map(String, Int64)"), ("trace_id", "String")]),
-    "trajectories": TRAJECTORY,
-    "rewards": TRAJECTORY + REWARD,
-    "feedback": TRAJECTORY + REWARD + [("teacher_version", _LC), ("teacher_model", _LC),
-                                       ("teacher_logprobs", "Array(Float32)"), ("teacher_latency_ms", "Float64")],
-    "policy_versions": [("policy", _LC), ("version", "Int32"), ("weights_uri", "String"), ("step", "Int64"),
-                        ("parent_version", "Int32"), ("samples_trained", "Int64"), ("metrics", "Map(String, Float64)"),
-                        ("trainer_id", "String"), ("created_at", _TS), ("published_at", _TS),
-                        ("tokenizer_hash", "String")],
-    "dead_letters": [("stage", _LC), ("reason", _LC), ("error", "String"), ("original_topic", "String"),
-                     ("original_partition", "Int32"), ("original_offset", "Int64"), ("failed_at", _TS),
-                     ("key", "String"), ("value", "String"), ("headers", "Map(String, String)"),
-                     ("trace_id", "String")],
-}
-TOPIC_TABLE = {"prompts": "tasks", "actions": "episodes", "observations": "episodes", "trajectories": "trajectories",
-               "rewards": "rewards", "feedback": "feedback", "policy-versions": "policy_versions",
-               "dead-letters": "dead_letters"}
-_DIRECTION = {"actions": "action", "observations": "observation"}
-
-
-def table_ddl(table: str) -> str:
-    """CREATE TABLE IF NOT EXISTS for one archive table."""
-    cols = ",\n  ".join(f"`{n}` {t}" for n, t in META + TABLES[table])
-    return (f"CREATE TABLE IF NOT EXISTS {DATABASE}.{table} (\n  {cols},\n  `archived_at` {_TS} DEFAULT now64(3)\n)"
-            f" ENGINE = ReplacingMergeTree ORDER BY (run, topic, partition, offset)")
-
-
-# -- record -> row (tuples in column order; hot path, so plain indexing) --------------------------------------
-
-_NO_TURNS = ((),) * len(TURNS)
-
-
-def _task(t: dict) -> tuple:
-    s = t["sampling"]
-    return (t["task_id"], t["task_name"], t["env_name"], t["env_version"], t["prompt"], t["prompt_token_ids"],
-            t["answer"], t["metadata"], t["group_size"], t["split"], t["max_turns"], t["created_at"],
-            s["temperature"], s["top_p"], s["top_k"], s["max_tokens"], s["seed"], s["stop"])
-
-
-def _turn(t: dict) -> tuple:
-    call, res = t["tool_call"], t["tool_result"]
-    if res is None:
-        tool = ("", 0, 0.0, False, "")
-    else:
-        tool = (res["output"], res["exit_code"], res["duration_ms"], res["truncated"], res["failure_class"] or "")
-    return ((t["role"], t["text"], t["token_start"], t["token_end"], t["policy_version"], t["finish_reason"],
-             call["name"] if call else "", call["arguments"] if call else "") + tool
-            + (t["started_at"], t["finished_at"]))
-
-
-def _turns(turns: list) -> tuple:
-    return tuple(zip(*map(_turn, turns))) if turns else _NO_TURNS
-
-
-def _failure(f: dict | None) -> tuple:
-    return ("", "", "") if f is None else (f["failure_class"], f["message"], f["stage"])
-
-
-def _tokens(r: dict) -> tuple:
-    ids = r["token_ids"]
-    return ids, r["loss_mask"], r["behaviour_logprobs"], len(ids)
-
-
-def _trajectory(r: dict) -> tuple:
-    return ((r["trajectory_id"], r["group_id"], r["sample_index"]) + _task(r["task"]) + (r["response"],)
-            + _tokens(r) + _turns(r["turns"])
-            + (r["min_policy_version"], r["max_policy_version"], r["status"]) + _failure(r["failure"])
-            + (r["stage_times"], r["trace_id"]))
-
-
-def _reward(w: dict) -> tuple:
-    return (w["total"], w["breakdown"], w["violations"], w["reward_version"], w["verifier_version"],
-            w["judge_version"], w["latency_ms"], w["failure_class"] or "", w["scored_at"])
-
-
-#: Table -> (decoded record, logical topic) -> the row after META.
-ROW_FNS = {
-    "tasks": lambda r, _: (r["group_id"],) + _task(r) + (r["trace_id"],),
-    "episodes": lambda r, topic: (
-        (_DIRECTION.get(topic, topic), r["episode_id"], r["group_id"], r["sample_index"]) + _task(r["task"])
-        + _tokens(r) + _turns(r["turns"]) + (r["done"],) + _failure(r["failure"]) + (r["stage_times"], r["trace_id"])),
-    "trajectories": lambda r, _: _trajectory(r),
-    "rewards": lambda r, _: _trajectory(r["trajectory"]) + _reward(r["reward"]),
-    "feedback": lambda r, _: (_trajectory(r["scored"]["trajectory"]) + _reward(r["scored"]["reward"])
-                              + (r["teacher_version"], r["teacher_model"], r["teacher_logprobs"], r["latency_ms"])),
-    "policy_versions": lambda r, _: (r["policy"], r["version"], r["weights_uri"], r["step"], r["parent_version"],
-                                     r["samples_trained"], r["metrics"], r["trainer_id"], r["created_at"],
-                                     r["published_at"], r["tokenizer_hash"]),
-    "dead_letters": lambda r, _: (r["stage"], r["reason"], r["error"], r["topic"], r["partition"], r["offset"],
-                                  r["failed_at"], r["key"] or b"", r["value"] or b"", r["headers"], r["trace_id"]),
-}
-
-_NO_HEADERS = (-1, b"", b"", 0)
 #: No two rows of one insert share a key, so ReplacingMergeTree has nothing to collapse at insert time.
 _INSERT_SETTINGS = {"optimize_on_insert": 0}
-
-
-def _headers(m: Message) -> tuple[int, bytes, bytes, int]:
-    """(policy_version, reward_version, traceparent, produced_at); malformed ints become defaults, never errors."""
-    raw = m.headers()
-    if not raw:
-        return _NO_HEADERS
-    h = dict(raw)  # the last of a repeated header wins, as everywhere else
-    pv, rv, tp, produced = h.get(hdr.POLICY_VERSION), h.get(hdr.REWARD_VERSION), h.get(hdr.TRACEPARENT), \
-        h.get(hdr.PRODUCED_AT)
-    try:
-        pv = int(pv)
-        if not -2 ** 31 <= pv < 2 ** 31:
-            pv = -1
-    except (TypeError, ValueError):
-        pv = -1
-    try:
-        produced = int(produced)
-        if not -2 ** 63 <= produced < 2 ** 63:
-            produced = 0
-    except (TypeError, ValueError):
-        produced = 0
-    return pv, rv or b"", tp or b"", produced
-
-
-def _meta(run: str, logical: str, m: Message) -> tuple:
-    """The Kafka coordinates and headers every row carries."""
-    ts = m.timestamp()[1]
-    return (run, logical, m.partition(), m.offset(), m.key() or b"", ts if ts > 0 else 0) + _headers(m)
-
-
-def _undecodable_row(m: Message, reason: str, error: str) -> tuple:
-    """A record the archive cannot decode, kept whole in the dead_letters shape."""
-    headers = {k: (v or b"") for k, v in (m.headers() or ())}
-    return ("archive", reason, error[:4000], m.topic(), m.partition(), m.offset(), hdr.now_ms(), m.key() or b"",
-            m.value() or b"", headers, hdr.trace_id(headers.get(hdr.TRACEPARENT)))
-
-
-# -- the same rows, decoded by ClickHouse (chDB) ---------------------------------------------------------------
-# Python decoding caps ingest near 25k records/s on a small machine, so with chDB the sink wraps each record's
-# Avro body with its Kafka coordinates into an Avro container and lets ClickHouse decode and flatten it. The
-# SELECT below mirrors the row functions above column for column (a test compares both paths).
-
-def _ts_sql(x: str) -> str:
-    return f"fromUnixTimestamp64Milli({x}, 'UTC')"
-
-
-def _task_sql(t: str) -> list[str]:
-    s = f"{t}.sampling"
-    return [f"{t}.task_id", f"{t}.task_name", f"{t}.env_name", f"{t}.env_version", f"{t}.prompt",
-            f"ARR(Int32, {t}.prompt_token_ids)", f"{t}.answer", f"{t}.metadata", f"{t}.group_size", f"{t}.split",
-            f"{t}.max_turns", _ts_sql(f"{t}.created_at"), f"{s}.temperature", f"{s}.top_p", f"{s}.top_k",
-            f"{s}.max_tokens", f"{s}.seed", f"{s}.stop"]
-
-
-def _turns_sql(p: str) -> list[str]:
-    each = ["x.role", "x.text", "x.token_start", "x.token_end", "x.policy_version", "x.finish_reason",
-            "ifNull(x.tool_call.name, '')", "ifNull(x.tool_call.arguments, '')", "ifNull(x.tool_result.output, '')",
-            "ifNull(x.tool_result.exit_code, 0)", "ifNull(x.tool_result.duration_ms, 0)",
-            "ifNull(x.tool_result.truncated, false)", "ifNull(x.tool_result.failure_class, '')",
-            _ts_sql("x.started_at"), _ts_sql("x.finished_at")]
-    return [f"arrayMap(x -> {e}, {p}.turns)" for e in each]
-
-
-def _tokens_sql(p: str) -> list[str]:
-    return [f"ARR(Int32, {p}.token_ids)", f"ARR(UInt8, {p}.loss_mask)", f"ARR(Float32, {p}.behaviour_logprobs)",
-            f"LEN(Int32, {p}.token_ids)"]
-
-
-def _failure_sql(f: str) -> list[str]:
-    return [f"ifNull({f}.failure_class, '')", f"ifNull({f}.message, '')", f"ifNull({f}.stage, '')"]
-
-
-def _trajectory_sql(p: str) -> list[str]:
-    return ([f"{p}.trajectory_id", f"{p}.group_id", f"{p}.sample_index"] + _task_sql(f"{p}.task") + [f"{p}.response"]
-            + _tokens_sql(p) + _turns_sql(p) + [f"{p}.min_policy_version", f"{p}.max_policy_version", f"{p}.status"]
-            + _failure_sql(f"{p}.failure") + [f"{p}.stage_times", f"{p}.trace_id"])
-
-
-def _reward_sql(w: str) -> list[str]:
-    return [f"{w}.total", f"{w}.breakdown", f"{w}.violations", f"{w}.reward_version", f"{w}.verifier_version",
-            f"{w}.judge_version", f"{w}.latency_ms", f"ifNull({w}.failure_class, '')", _ts_sql(f"{w}.scored_at")]
-
-
-META_SQL = ["run", "topic", "partition", "reinterpretAsInt64(offset)", "kafka_key",
-            _ts_sql("reinterpretAsInt64(kafka_timestamp)"), "header_policy_version", "header_reward_version",
-            "traceparent", _ts_sql("reinterpretAsInt64(produced_at)")]
-SELECTS: dict[str, list[str]] = {
-    "tasks": ["value.group_id"] + _task_sql("value") + ["value.trace_id"],
-    "episodes": (["multiIf(topic = 'actions', 'action', topic = 'observations', 'observation', topic)",
-                  "value.episode_id", "value.group_id", "value.sample_index"] + _task_sql("value.task")
-                 + _tokens_sql("value") + _turns_sql("value") + ["value.done"] + _failure_sql("value.failure")
-                 + ["value.stage_times", "value.trace_id"]),
-    "trajectories": _trajectory_sql("value"),
-    "rewards": _trajectory_sql("value.trajectory") + _reward_sql("value.reward"),
-    "feedback": (_trajectory_sql("value.scored.trajectory") + _reward_sql("value.scored.reward")
-                 + ["value.teacher_version", "value.teacher_model", "ARR(Float32, value.teacher_logprobs)",
-                    "value.latency_ms"]),
-    "policy_versions": ["value.policy", "value.version", "value.weights_uri", "value.step", "value.parent_version",
-                        "value.samples_trained", "value.metrics", "value.trainer_id", _ts_sql("value.created_at"),
-                        _ts_sql("value.published_at"), "value.tokenizer_hash"],
-    "dead_letters": ["value.stage", "value.reason", "value.error", "value.topic", "value.partition", "value.offset",
-                     _ts_sql("value.failed_at"), "ifNull(value.key, '')", "ifNull(value.value, '')", "value.headers",
-                     "value.trace_id"],
-}
-_TABLE_RECORD = {"tasks": "Task", "episodes": "Episode", "trajectories": "Trajectory", "rewards": "ScoredTrajectory",
-                 "feedback": "TeacherFeedback", "policy_versions": "PolicyVersion", "dead_letters": "DeadLetter"}
-_WIDTH = {"int32": 4, "float32": 4, "uint8": 1}
-_SYNC = secrets.token_bytes(16)
-
-
-def _long(n: int) -> bytes:
-    """Avro zig-zag varint."""
-    n = (n << 1) ^ (n >> 63)
-    if n < 128:
-        return _BYTE[n]
-    out = bytearray()
-    while n >= 128:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-_BYTE = [bytes([i]) for i in range(128)]
-
-
-def _bytes(b: bytes) -> bytes:
-    return _long(len(b)) + b
-
-
-class _NativeTable:
-    """How ClickHouse decodes one table's records: the wrapper schema and the INSERT ... SELECT."""
-
-    def __init__(self, table: str):
-        record = _TABLE_RECORD[table]
-        schema = load_current(record)
-        packed = {"value." + ".".join(path): kind for path, kind in packed_paths(schema)}
-        # Offsets and times travel as 8 fixed little-endian bytes: cheaper to write than varints in Python.
-        fields = [("run", "string"), ("topic", "string"), ("partition", "int"),
-                  ("offset", {"type": "fixed", "name": "rlstream.Int64LE", "size": 8}), ("kafka_key", "bytes"),
-                  ("kafka_timestamp", "rlstream.Int64LE"), ("header_policy_version", "int"),
-                  ("header_reward_version", "string"), ("traceparent", "string"), ("produced_at", "rlstream.Int64LE"),
-                  ("value", schema), ("check", "rlstream.Int64LE")]
-        wrapper = {"type": "record", "name": "rlstream.Archived",
-                   "fields": [{"name": n, "type": t} for n, t in fields]}
-        meta = {"avro.schema": json.dumps(wrapper).encode(), "avro.codec": b"null"}
-        self.header = (b"Obj\x01" + _long(len(meta)) + b"".join(_bytes(k.encode()) + _bytes(v) for k, v in meta.items())
-                       + _long(0) + _SYNC)
-
-        def packed_sql(match) -> str:
-            fn, kind, path = match.group(1), match.group(2), match.group(3)
-            if path not in packed:
-                return path if fn == "ARR" else f"length({path})"
-            return f"reinterpret({path}, 'Array({kind})')" if fn == "ARR" else f"intDiv(length({path}), 4)"
-
-        exprs = [re.sub(r"(ARR|LEN)\((\w+), ([\w.]+)\)", packed_sql, e) for e in META_SQL + SELECTS[table]]
-        names = ", ".join(f"`{n}`" for n, _ in META + TABLES[table])
-        # A record whose body is not what its fingerprint says misframes every later one: the check field
-        # (its own offset) catches that, and the packed arrays must hold whole elements, as the codec demands.
-        bad = ["check != offset"] + [
-            f"length({path}) % {_WIDTH[kind]} != 0" for path, kind in packed.items() if _WIDTH[kind] > 1]
-        self.sql = (f"INSERT INTO {DATABASE}.{table} ({names}) SELECT {', '.join(exprs)} FROM file({{path}}, 'Avro') "
-                    f"WHERE throwIf({' OR '.join(bad)}, 'misframed or malformed record') = 0 "
-                    f"SETTINGS optimize_on_insert = 0")
-
-    def container(self, run: str, msgs: list[Message]) -> bytes:
-        """One Avro container block: per record, its Kafka coordinates, its body and its check."""
-        parts: list = []
-        extend = parts.extend
-        prefixes: dict[tuple[str, int], bytes] = {}
-        cut = len(run) + 1
-        for m in msgs:
-            topic, partition, offset = m.topic(), m.partition(), m.offset()
-            prefix = prefixes.get((topic, partition))
-            if prefix is None:
-                prefix = prefixes[(topic, partition)] = (_bytes(run.encode()) + _bytes(topic[cut:].encode())
-                                                         + _long(partition))
-            pv, rv, tp, produced = _headers(m)
-            ts = m.timestamp()[1]
-            check = offset.to_bytes(8, "little", signed=True)
-            extend((prefix, check, _bytes(m.key() or b""), (ts if ts > 0 else 0).to_bytes(8, "little", signed=True),
-                    _long(pv), _bytes(rv), _bytes(tp), produced.to_bytes(8, "little", signed=True),
-                    m.value()[HEADER_LEN:], check))  # a bytes copy: memoryviews would be tracked by the GC
-        body = b"".join(parts)
-        return self.header + _long(len(msgs)) + _long(len(body)) + body + _SYNC
 
 
 class _Rows:
@@ -410,7 +94,7 @@ class ArchiveSink:
         self._run = ""
         self._logical: dict[str, str] = {}
         self._native = settings.archive_clickhouse_decode and self.kind == "chdb"
-        self._native_tables: dict[str, _NativeTable] = {}
+        self._native_tables: dict[str, NativeTable] = {}
         self._fingerprints = {t: self.codec.fingerprint(spec.record) for t, spec in TOPICS.items()
                               if t in TOPIC_TABLE}
 
@@ -424,13 +108,13 @@ class ArchiveSink:
         try:
             with self.lock:
                 self.client.command(f"CREATE DATABASE IF NOT EXISTS {DATABASE}")
-                for table in TABLES:
-                    self.client.command(table_ddl(table))
-                    have = {r[0] for r in self.client.query(f"DESCRIBE TABLE {DATABASE}.{table}").result_rows}
-                    for name, kind in META + TABLES[table]:
-                        if name not in have:
-                            self.client.command(f"ALTER TABLE {DATABASE}.{table} "
-                                                f"ADD COLUMN IF NOT EXISTS `{name}` {kind}")
+                for table in TABLES.values():
+                    self.client.command(table.ddl())
+                    have = {r[0] for r in self.client.query(f"DESCRIBE TABLE {DATABASE}.{table.name}").result_rows}
+                    for column in table.columns:
+                        if column.name not in have:
+                            self.client.command(f"ALTER TABLE {DATABASE}.{table.name} "
+                                                f"ADD COLUMN IF NOT EXISTS `{column.name}` {column.type}")
                 # The analytics views exist from the start, so plain SQL works on a live run.
                 from rlstream.archive.views import install_views
                 install_views(self.client)
@@ -504,11 +188,12 @@ class ArchiveSink:
         for table in {k[1] for k in keys.values() if k[5]}:
             groups = {k[0]: k[5] for k in keys.values() if k[1] == table and k[5]}
             batch = [m for ms in groups.values() for m in ms]
-            spec = self._native_tables.get(table) or self._native_tables.setdefault(table, _NativeTable(table))
+            spec = self._native_tables.get(table) or self._native_tables.setdefault(table, NativeTable(table))
             containers.append((table, groups, spec.container(run, batch), len(batch)))
         return containers, [m for ms in slow.values() for m in ms]
 
     def _execute(self, run: str, plan: tuple[list, list[Message]]) -> bool:
+        """Insert a prepared batch: the containers ClickHouse decodes, then the rest in Python."""
         containers, slow = plan
         for table, groups, data, n in containers:
             try:
@@ -526,6 +211,7 @@ class ArchiveSink:
         return self._ingest_python(run, slow)
 
     def _ingest_python(self, run: str, msgs: list[Message]) -> bool:
+        """Decode in Python and insert per table; what cannot be archived as itself goes to dead_letters."""
         batches: dict[str, _Rows] = {}
         wm = self.watermarks
         decode = self.codec.decode
@@ -540,10 +226,10 @@ class ArchiveSink:
                 if logical not in TOPIC_TABLE:
                     raise DecodeError("unknown_topic", f"no archive table for topic {topic}")
                 _, record = decode(m.value(), expect=TOPICS[logical].record)
-                row = ROW_FNS[table](record, logical)
+                row = TABLES[table].row(record, logical)
             except Exception as exc:  # a record that cannot be archived as itself is kept as a dead letter
                 reason = exc.reason if isinstance(exc, DecodeError) else "archive_error"
-                table, row = "dead_letters", _undecodable_row(m, reason, f"{type(exc).__name__}: {exc}")
+                table, row = "dead_letters", undecodable_row(m, reason, f"{type(exc).__name__}: {exc}")
                 if offset > wm.get((table, logical, partition), -1):
                     UNDECODABLE.labels(logical, reason).inc()
             if offset <= wm.get((table, logical, partition), -1):
@@ -551,7 +237,7 @@ class ArchiveSink:
                 SKIPPED.labels(table).inc()
                 continue
             batch = batches.get(table) or batches.setdefault(table, _Rows())
-            batch.rows.append(_meta(run, logical, m) + row)
+            batch.rows.append(meta_row(run, logical, m) + row)
             key = (logical, partition)
             if offset > batch.top.get(key, -1):
                 batch.top[key] = offset
@@ -561,6 +247,7 @@ class ArchiveSink:
         return True
 
     def _insert_native(self, table: str, data: bytes, n: int) -> None:
+        """Let ClickHouse decode and insert one Avro container of ``n`` records."""
         started = time.perf_counter()
         fd, path = tempfile.mkstemp(prefix="rlstream-archive-", suffix=".avro")
         try:
@@ -575,6 +262,7 @@ class ArchiveSink:
         self.stats["rows"] += n
 
     def _insert_with_retry(self, table: str, batch: _Rows) -> bool:
+        """Insert until it succeeds, then move the watermarks; False if stopped first."""
         delay = 0.5
         while True:
             try:
@@ -594,7 +282,8 @@ class ArchiveSink:
         return True
 
     def _insert(self, table: str, rows: list[tuple]) -> None:
-        names = [n for n, _ in META + TABLES[table]]
+        """One column-oriented insert of Python rows."""
+        names = TABLES[table].names
         columns = list(zip(*rows))
         started = time.perf_counter()
         with self.lock:
@@ -641,6 +330,7 @@ class ArchiveSink:
 
     def _consume(self, kafka: KafkaSettings, poll_s: float, idle_exit_s: float | None, instance: str,
                  session_timeout_ms: int) -> None:
+        """Consume, batch and flush until stopped (or idle for ``idle_exit_s``)."""
         group = f"{kafka.run}.archive"
         topics = [topic_name(kafka.run, t) for t in TOPICS]
         self._pending, self._pending_bytes, self._inflight = [], 0, None
@@ -714,19 +404,21 @@ class ArchiveSink:
         return True
 
     def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
-        # Another owner may have archived these partitions since we last held them.
+        """Read the watermarks of partitions this member now owns: another owner may have archived them since."""
         self.load_watermarks(self._run, [(tp.topic[len(self._run) + 1:], tp.partition) for tp in parts])
 
     def _on_revoke(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
-        # Flush before the partitions move, so their next owner's watermark already covers our rows.
+        """Flush and commit before the partitions move, so their next owner's watermark covers our rows."""
         self._flush()
         if not self._reap(block=True):
             self._drop(parts)
 
     def _on_lost(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+        """Forget what was pending for partitions already gone."""
         self._drop(parts)
 
     def _drop(self, parts: list[TopicPartition]) -> None:
+        """Drop pending records of ``parts``: their next owner reads them again."""
         gone = {(tp.topic, tp.partition) for tp in parts}
         self._pending = [m for m in self._pending if (m.topic(), m.partition()) not in gone]
         self._pending_bytes = sum(map(len, self._pending))

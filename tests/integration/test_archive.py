@@ -196,7 +196,8 @@ class _Msg:
 
 def test_clickhouse_and_python_decoding_store_identical_rows(tmp_path):
     """The chDB fast path (ClickHouse decodes the Avro) and the Python path give the same rows, bad records included."""
-    from rlstream.archive.sink import META, TABLES, ArchiveSettings, ArchiveSink
+    from rlstream.archive.sink import ArchiveSettings, ArchiveSink
+    from rlstream.archive.tables import TABLES
     codec = default_codec()
     heads = [hdr.build(3, hdr.new_traceparent(), "v2", produced_at=1_700_000_000_500), None,
              [("policy_version", b"99999999999"), ("produced_at", b"soon")]]
@@ -233,13 +234,13 @@ def test_clickhouse_and_python_decoding_store_identical_rows(tmp_path):
             sink._native, sink.watermarks = native, {}
             assert sink.ingest(run, messages(run))
         for table in TABLES:
-            cols = ", ".join(f"`{n}`" for n, _ in META + TABLES[table] if n != "run")
+            cols = ", ".join(f"`{n}`" for n in TABLES[table].names if n != "run")
             py, ch = ([list(r) for r in sink.client.query(f"SELECT {cols} FROM rlstream.{table} WHERE run = '{run}' "
                                                           f"ORDER BY topic, partition, offset").result_rows]
                       for run in ("py", "ch"))
             assert py, table
             if table == "dead_letters":  # failed_at is when the archive saw it; topics carry the run
-                names = [n for n, _ in META + TABLES[table] if n != "run"]
+                names = [n for n in TABLES[table].names if n != "run"]
                 at, topic = names.index("failed_at"), names.index("original_topic")
                 for rows in (py, ch):
                     for r in rows:
