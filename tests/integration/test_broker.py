@@ -1,5 +1,8 @@
-"""The local Kafka broker: idempotent up, records and topics surviving down and up again."""
+"""The local Kafka broker: idempotent up, records and topics surviving down and up again, and its jars fetched
+with Maven into a cache outside any source checkout, then reused."""
 
+import os
+import shutil
 import uuid
 
 import pytest
@@ -7,7 +10,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from kafka_util import free_base_port
-from rlstream.infra import broker
+from rlstream.infra import broker, broker_jars
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -78,3 +81,30 @@ def test_up_is_idempotent_and_data_survives_restart(home):
 
     broker.down(home)
     assert broker.status(home) == {}
+
+
+def test_jars_are_fetched_into_the_cache_once_and_reused(tmp_path, monkeypatch):
+    """A fetch lands whole under $RLSTREAM_HOME/cache/kafka/<pom hash>; a copy there or in the user's cache is
+    then used without Maven (which is taken off PATH to show it)."""
+    monkeypatch.delenv("RLSTREAM_KAFKA_LIB", raising=False)
+    monkeypatch.setenv("RLSTREAM_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    cache = tmp_path / "home" / "cache" / "kafka"
+
+    lib = broker_jars.kafka_lib()
+    assert lib == cache / broker_jars.pom_hash()
+    assert any(lib.glob("kafka_2.13-*.jar")) and any(lib.glob("log4j-slf4j-impl-*.jar"))
+    assert os.listdir(cache) == [lib.name]  # Maven's work directory is gone
+
+    no_maven = tmp_path / "bin"
+    no_maven.mkdir()
+    monkeypatch.setenv("PATH", str(no_maven))
+    assert broker_jars.kafka_lib() == lib
+
+    user_copy = tmp_path / "user-cache" / "rlstream" / "kafka" / lib.name
+    user_copy.parent.mkdir(parents=True)
+    shutil.move(lib, user_copy)
+    assert broker_jars.kafka_lib() == user_copy
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
+    with pytest.raises(broker.BrokerError, match="Maven"):
+        broker_jars.kafka_lib()

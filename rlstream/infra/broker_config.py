@@ -1,0 +1,178 @@
+"""The local Kafka cluster's layout on disk, its ports and the configuration files written for each node.
+
+Layout: HOME/kafka/cluster.json (cluster id, node count, base port) and HOME/kafka/node-N/ with
+server.properties, log4j2.properties, data/, logs/ and kafka.pid for each node.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import fcntl
+import json
+import os
+import uuid
+from pathlib import Path
+
+HOST = "127.0.0.1"
+DEFAULT_PORT = 9092
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class BrokerError(RuntimeError):
+    """A broker could not be started or stopped; the message says what to do."""
+
+
+# ---------------------------------------------------------------- ports
+
+
+def resolve_port(port: int | None, recorded: int | None = None) -> int:
+    """Explicit port, else $RLSTREAM_KAFKA_PORT, else the port the cluster last ran on, else 9092."""
+    if port is not None:
+        return int(port)
+    env = os.environ.get("RLSTREAM_KAFKA_PORT")
+    return int(env) if env else (recorded or DEFAULT_PORT)
+
+
+def broker_port(port: int, node_id: int) -> int:
+    """The client port of a node, two ports apart from the next node's."""
+    return port + 2 * (node_id - 1)
+
+
+def controller_port(port: int, node_id: int) -> int:
+    """The KRaft controller port of a node."""
+    # The odd port next to each broker port, as in Kafka's own examples (9092 broker, 9093 controller).
+    return port + 2 * (node_id - 1) + 1
+
+
+def node_ids(layout: dict) -> list[int]:
+    """The ids of the cluster's nodes, 1 .. brokers."""
+    return list(range(1, layout["brokers"] + 1))
+
+
+def bootstrap_of(layout: dict) -> str:
+    """The bootstrap address that names every node of the cluster."""
+    return ",".join(f"{HOST}:{broker_port(layout['port'], n)}" for n in node_ids(layout))
+
+
+# ---------------------------------------------------------------- layout on disk
+
+
+def kafka_root(home: Path) -> Path:
+    """The directory of the cluster under a home."""
+    return home / "kafka"
+
+
+def node_dir(home: Path, node_id: int) -> Path:
+    """The directory of one node: its configuration, data and logs."""
+    return kafka_root(home) / f"node-{node_id}"
+
+
+def read_layout(home: Path) -> dict | None:
+    """The recorded cluster (cluster_id, brokers, port), or None if none was set up under home."""
+    path = kafka_root(home) / "cluster.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_layout(home: Path, layout: dict) -> None:
+    """Record the cluster, replacing the file whole so that a reader never sees half of it."""
+    path = kafka_root(home) / "cluster.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(layout, indent=2) + "\n")
+    tmp.replace(path)
+
+
+@contextlib.contextmanager
+def locked(home: Path):
+    """Serialise up/down/start/kill on one home across processes."""
+    root = kafka_root(home)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def new_cluster_id() -> str:
+    """A fresh KRaft cluster id."""
+    # Kafka's Uuid format: 16 random bytes, url-safe base64 without padding, never starting with '-'.
+    while True:
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not text.startswith("-"):
+            return text
+
+
+# ---------------------------------------------------------------- configuration files
+
+
+def server_properties(home: Path, layout: dict, node_id: int) -> str:
+    """server.properties of one node: combined broker and controller, replication sized to the cluster."""
+    n = layout["brokers"]
+    port = layout["port"]
+    replicas = min(n, 3)
+    min_isr = 2 if n >= 3 else 1
+    voters = ",".join(f"{i}@{HOST}:{controller_port(port, i)}" for i in node_ids(layout))
+    bport, cport = broker_port(port, node_id), controller_port(port, node_id)
+    props = {
+        "process.roles": "broker,controller",
+        "node.id": node_id,
+        "controller.quorum.voters": voters,
+        "listeners": f"PLAINTEXT://{HOST}:{bport},CONTROLLER://{HOST}:{cport}",
+        "advertised.listeners": f"PLAINTEXT://{HOST}:{bport}",
+        "controller.listener.names": "CONTROLLER",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "log.dirs": node_dir(home, node_id) / "data",
+        "num.partitions": 4,
+        "auto.create.topics.enable": "false",
+        "default.replication.factor": replicas,
+        "min.insync.replicas": min_isr,
+        "offsets.topic.replication.factor": replicas,
+        "transaction.state.log.replication.factor": replicas,
+        "transaction.state.log.min.isr": min_isr,
+        "share.coordinator.state.topic.replication.factor": replicas,
+        "share.coordinator.state.topic.min.isr": min_isr,
+        # Fewer internal partitions than the default 50: the first group or transaction
+        # otherwise waits for 50 partitions to be created on a small machine.
+        "offsets.topic.num.partitions": 8,
+        "transaction.state.log.num.partitions": 8,
+        "group.initial.rebalance.delay.ms": 0,
+        "message.max.bytes": MAX_MESSAGE_BYTES,
+        "replica.fetch.max.bytes": MAX_MESSAGE_BYTES,
+        "replica.fetch.response.max.bytes": 4 * MAX_MESSAGE_BYTES,
+        # The cleaner's default 128 MiB dedupe buffer is a quarter of the small heap.
+        "log.cleaner.dedupe.buffer.size": 32 * 1024 * 1024,
+        "num.network.threads": 2,
+        "num.io.threads": 4,
+    }
+    return "".join(f"{k}={v}\n" for k, v in props.items())
+
+
+def log4j2_properties(log_dir: Path) -> str:
+    """log4j2.properties of one node: a rolling server.log under log_dir."""
+    # No log4j shutdown hook: it would close the appender before Kafka logs its own shutdown.
+    return f"""\
+status = warn
+shutdownHook = disable
+appender.file.type = RollingFile
+appender.file.name = file
+appender.file.fileName = {log_dir}/server.log
+appender.file.filePattern = {log_dir}/server.log.%i
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+appender.file.policies.type = Policies
+appender.file.policies.size.type = SizeBasedTriggeringPolicy
+appender.file.policies.size.size = 50MB
+appender.file.strategy.type = DefaultRolloverStrategy
+appender.file.strategy.max = 3
+rootLogger.level = INFO
+rootLogger.appenderRef.file.ref = file
+# Request logging and the state-change chatter are noise for a local broker.
+logger.request.name = kafka.request.logger
+logger.request.level = WARN
+logger.state.name = state.change.logger
+logger.state.level = WARN
+"""
