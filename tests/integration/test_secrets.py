@@ -174,7 +174,7 @@ def _start_verbose(stage: str, bootstrap: str, run: str, log_path, *args: str) -
 
 def _archived_rows(archive: str, run: str, expect: int, timeout: float = 120) -> list[str]:
     """Every archived row of the run, every column as text (strings, maps, arrays, raw bytes)."""
-    from rlstream.archive.sink import TABLES
+    from rlstream.archive.tables import TABLES
     deadline = time.monotonic() + timeout
     while True:
         rows = []
