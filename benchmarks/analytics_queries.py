@@ -16,6 +16,7 @@ import tempfile
 import time
 
 from rlstream.archive.sink import ArchiveSettings, ArchiveSink
+from rlstream.config import LoopSettings
 from rlstream.archive.tables import TABLES
 from rlstream.archive.views import install_views, standard_queries, trajectory_timeline_sql
 
@@ -126,7 +127,7 @@ def main() -> None:
     parser.add_argument("--path", default=None, help="chDB data path (default: a temporary folder, removed)")
     args = parser.parse_args()
     path = args.path or tempfile.mkdtemp(prefix="rlstream-analytics-")
-    sink = ArchiveSink(ArchiveSettings(archive=f"chdb://{path}"))
+    sink = ArchiveSink(ArchiveSettings(), LoopSettings(archive=f"chdb://{path}"))
     sink.open()
     try:
         # As the archive does at start: derived columns first, so inserted rows store them.

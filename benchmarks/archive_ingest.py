@@ -19,7 +19,7 @@ import uuid
 
 from confluent_kafka import Producer
 
-from rlstream.config import KafkaSettings
+from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.archive.decode import NativeTable, meta_row
 from rlstream.archive.sink import ArchiveSettings, ArchiveSink
 from rlstream.archive.tables import TABLES
@@ -90,8 +90,8 @@ def end_to_end(args, values: list[bytes], tmp: str, native: bool) -> tuple[float
     run = "bench" + uuid.uuid4().hex[:8]
     create_topics({"bootstrap.servers": args.bootstrap}, run)
     produce(args.bootstrap, run, values)
-    sink = ArchiveSink(ArchiveSettings(archive=f"chdb://{tmp}/{run}", archive_batch_rows=args.batch_rows,
-                                       archive_clickhouse_decode=native))
+    sink = ArchiveSink(ArchiveSettings(archive_batch_rows=args.batch_rows, archive_clickhouse_decode=native),
+                       LoopSettings(archive=f"chdb://{tmp}/{run}"))
     with _Clock() as clock:
         sink.serve(KafkaSettings(bootstrap=args.bootstrap, run=run), idle_exit_s=2.0)
     assert sink.stats["rows"] == len(values), sink.stats
@@ -117,7 +117,7 @@ def main() -> None:
         python = end_to_end(args, values, tmp, native=False)
 
         # The parts, without Kafka.
-        sink = ArchiveSink(ArchiveSettings(archive=f"chdb://{tmp}/parts"))
+        sink = ArchiveSink(ArchiveSettings(), LoopSettings(archive=f"chdb://{tmp}/parts"))
         sink.open()
         msgs = [_Msg(v, i) for i, v in enumerate(values)]
         spec = sink._native_tables.setdefault("trajectories", NativeTable("trajectories"))

@@ -21,7 +21,7 @@ import uuid
 
 from confluent_kafka import Producer
 
-from rlstream.config import KafkaSettings
+from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.archive.query import open_archive, read_endpoint
 from rlstream.kafka.topics import create_topics, topic_name
 from rlstream.stages.replay import ReplaySettings, replay
@@ -103,8 +103,8 @@ def main() -> None:
                         if db.query("SELECT count() FROM rlstream.trajectories")[1][0][0] >= args.count:
                             break
                 time.sleep(0.5)
-            result = replay(ReplaySettings(reward_version="v3", source="archive", archive=f"chdb://{path}",
-                                           progress=sys.stderr.isatty()), kafka, runtime)
+            result = replay(ReplaySettings(reward_version="v3", source="archive", progress=sys.stderr.isatty()),
+                            kafka, runtime, LoopSettings(archive=f"chdb://{path}"))
             assert result.scored == args.count, result
             print(f"replay from the archive:        {result.rate:8.0f} trajectories/s  ({result.rate / live:.2f}x "
                   f"baseline)")

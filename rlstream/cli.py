@@ -4,12 +4,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import inspect
 import os
 import sys
-from pathlib import Path
 
 from rlstream import config
-from rlstream.config import KafkaSettings
+from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.config import load as settings
 from rlstream.errors import UsageError, UserError
 
@@ -25,19 +25,16 @@ STAGES: dict[str, tuple[str, str, str | None]] = {
 }
 
 
-def _home() -> Path:
-    return Path(os.environ.get("RLSTREAM_HOME", ".rlstream"))
-
-
 def cmd_up(args: argparse.Namespace) -> None:
     from rlstream.infra import broker
-    print(broker.up(_home(), brokers=args.brokers))
+    print(broker.up(settings(LoopSettings, args).home_path, brokers=args.brokers))
 
 
 def cmd_down(args: argparse.Namespace) -> None:
     from rlstream.infra import broker
-    broker.down(_home())
-    print("broker stopped (data kept under", _home(), ")")
+    home = settings(LoopSettings, args).home_path
+    broker.down(home)
+    print("broker stopped (data kept under", home, ")")
 
 
 def cmd_topics(args: argparse.Namespace) -> None:
@@ -64,8 +61,10 @@ def cmd_run(args: argparse.Namespace) -> None:
     runtime = settings(RuntimeSettings, args)
     stage_cls, settings_cls = _stage_parts(args.stage)
     stage_settings = settings(settings_cls, args) if settings_cls else None
+    loop = settings(LoopSettings, args)
+    extra = {"loop": loop} if "loop" in inspect.signature(stage_cls).parameters else {}
     try:
-        stage = stage_cls(stage_settings) if settings_cls else stage_cls()
+        stage = stage_cls(stage_settings, **extra) if settings_cls else stage_cls(**extra)
     except ValueError as exc:  # stages validate their settings on construction
         raise UsageError(str(exc)) from None
     metrics.serve(runtime.metrics_port, runtime.metrics_addr)
@@ -84,20 +83,24 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("up", help="start a local Kafka broker (data under .rlstream/); prints the bootstrap")
+    p = sub.add_parser("up", help="start a local Kafka broker (data under HOME, .rlstream/); prints the bootstrap")
     p.add_argument("--brokers", type=int, default=1, choices=(1, 3), help="1, or 3 for a replicated cluster")
+    config.add_arguments(p, LoopSettings, only=("home",))
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("down", help="stop the local Kafka broker (data kept)")
+    config.add_arguments(p, LoopSettings, only=("home",))
     p.set_defaults(func=cmd_down)
 
     p = sub.add_parser("topics", help="create the run's topics")
+    config.add_arguments(p, LoopSettings, only=("run",))
     config.add_arguments(p, KafkaSettings)
     p.add_argument("--replication", type=int, default=1, help="replication factor (3 on a 3-broker cluster)")
     p.set_defaults(func=cmd_topics)
 
     p = sub.add_parser("run", help="run one stage process: " + ", ".join(STAGES))
     p.add_argument("stage", choices=sorted(STAGES), metavar="STAGE", help="one of " + ", ".join(STAGES))
+    config.add_arguments(p, LoopSettings)
     config.add_arguments(p, KafkaSettings)
     from rlstream.runtime.settings import RuntimeSettings
     config.add_arguments(p, RuntimeSettings)

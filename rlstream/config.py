@@ -1,7 +1,14 @@
-"""Typed settings: frozen dataclasses whose every field is a CLI flag and an RLSTREAM_* variable.
+"""Typed settings: frozen dataclasses whose every field is a CLI flag and an environment variable.
 
-Precedence: command-line flag, then environment variable, then the default
-(which runs the local demo). Each field's ``metadata['help']`` is its help text.
+One ``LoopSettings`` (run, policy, η, group size, home, archive) is shared by every
+role; each role keeps its own knobs in its own class. Precedence: command-line
+flag, then environment variable, then the default (which runs the local demo).
+Each field's ``metadata['help']`` is its help text.
+
+Environment names: a shared class (``ROLE = ""``) reads ``RLSTREAM_<FIELD>``; a
+role's class reads ``RLSTREAM_<ROLE>_<FIELD>``, the role said once
+(``TrainerSettings.source`` is ``RLSTREAM_TRAINER_SOURCE``, ``RewardSettings.reward``
+is ``RLSTREAM_REWARD``), so no two roles' variables collide.
 """
 from __future__ import annotations
 
@@ -10,7 +17,8 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
 from rlstream.errors import UsageError
 
@@ -24,8 +32,19 @@ def knob(default: Any, help: str, **kw) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
-def env_name(name: str) -> str:
-    return "RLSTREAM_" + name.upper()
+def env_name(cls: type, name: str) -> str:
+    """The environment variable of a settings field (see the module docstring)."""
+    role = getattr(cls, "ROLE", "")
+    field_name = name.upper()
+    if role and field_name != role and not field_name.startswith(role + "_"):
+        field_name = f"{role}_{field_name}"
+    return "RLSTREAM_" + field_name
+
+
+def _flags(cls: type):
+    """The fields of a settings class that are command-line flags (a field may be set only through another class's
+    flag of the same name, e.g. KafkaSettings.run through LoopSettings.run)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("flag", True)]
 
 
 def _parse(kind: Any, raw: str, name: str) -> Any:
@@ -49,16 +68,17 @@ def _kind(hint: Any) -> Any:
     return args[0] if typing.get_origin(hint) is typing.Union and args else hint
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
-    """Add one --flag per field of a settings dataclass."""
+def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
+                  only: tuple[str, ...] | None = None) -> None:
+    """Add one --flag per field of a settings dataclass (all but ``skip``, or just ``only``)."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
+    for f in _flags(cls):
+        if f.name in skip or (only is not None and f.name not in only):
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else "(see help)"
-        help_text = f"{f.metadata.get('help', '')} [env {env_name(f.name)}; default {default}]"
+        help_text = f"{f.metadata.get('help', '')} [env {env_name(cls, f.name)}; default {default}]"
         kind = _kind(hints[f.name])
         if kind is bool:
             group.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
@@ -85,12 +105,13 @@ def from_sources(cls: type[T], args: argparse.Namespace | dict | None = None, **
             values[f.name] = overrides[f.name]
         elif given.get(f.name) is not None:
             values[f.name] = given[f.name]
-        elif env_name(f.name) in os.environ:
-            raw = os.environ[env_name(f.name)]
-            values[f.name] = _parse(_kind(hints[f.name]), raw, env_name(f.name))
+        elif f.metadata.get("env", env_name(cls, f.name)) in os.environ:
+            name = f.metadata.get("env", env_name(cls, f.name))
+            raw = os.environ[name]
+            values[f.name] = _parse(_kind(hints[f.name]), raw, name)
             choices = f.metadata.get("choices")
             if choices and values[f.name] not in choices:
-                raise ValueError(f"{env_name(f.name)}: expected one of {', '.join(choices)}, got {raw!r}")
+                raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {raw!r}")
     return cls(**values)
 
 
@@ -102,13 +123,41 @@ def load(cls: type[T], args: argparse.Namespace | dict | None = None, **override
         raise UsageError(str(exc)) from None
 
 
+DEFAULT_ARCHIVE = "chdb://.rlstream/archive"
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What every role of one loop agrees on."""
+
+    ROLE: ClassVar[str] = ""
+
+    run: str = knob("demo", "Run name; every topic and consumer group is prefixed with it")
+    policy: str = knob("policy", "Policy name: the trainer announces it on policy-versions, rollout and teacher follow it")
+    eta: int = knob(2, "Staleness bound η: a sample is trained on only if the trainer's version minus its "
+                       "policy_version is at most η; rollout pauses when it is more than η versions behind")
+    group_size: int = knob(8, "Samples per prompt (G): a group's advantages are computed among its samples")
+    groups_per_step: int = knob(16, "Complete groups per trainer update (the paced prompt source issues as many)")
+    home: str = knob(".rlstream", "Local state: the broker's data, weights, run logs and the embedded archive")
+    archive: str = knob(DEFAULT_ARCHIVE, "Archive URL: chdb://PATH (embedded; relative paths from the working "
+                                         "directory) or http(s)://HOST:PORT of a ClickHouse server; credentials "
+                                         "only from RLSTREAM_CLICKHOUSE_USER / RLSTREAM_CLICKHOUSE_PASSWORD")
+
+    @property
+    def home_path(self) -> Path:
+        return Path(self.home).resolve()
+
+
 @dataclass(frozen=True)
 class KafkaSettings:
     """Where the broker is and how to reach it."""
 
+    ROLE: ClassVar[str] = ""
+
     bootstrap: str = knob("127.0.0.1:9092", "Kafka bootstrap servers (host:port[,host:port])")
-    run: str = knob("demo", "Run name; every topic and consumer group is prefixed with it")
     kafka_config: str = knob("", "Extra librdkafka settings as k=v,k=v (SASL/SSL pass through here)")
+    # Topic and group names carry the run; its flag is LoopSettings.run.
+    run: str = knob("demo", "Run name", flag=False)
 
     def client_config(self) -> dict[str, str]:
         """librdkafka settings common to every client of this process."""

@@ -22,9 +22,11 @@ import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
-DEFAULT_ARCHIVE = "chdb://.rlstream/archive"
+from rlstream.config import DEFAULT_ARCHIVE, LoopSettings, add_arguments, knob, load
+
 ENDPOINT_FILE = "archive-endpoint.json"
 TOKEN_HEADER = "X-Rlstream-Token"
 DATABASE = "rlstream"
@@ -39,7 +41,7 @@ class ArchiveError(Exception):
 
 def resolve(url: str | None) -> tuple[str, str]:
     """('chdb', absolute data path) or ('http', server URL) for an archive URL."""
-    url = url or os.environ.get("RLSTREAM_ARCHIVE") or DEFAULT_ARCHIVE
+    url = url or DEFAULT_ARCHIVE
     if url.startswith("chdb://"):
         rest = url[len("chdb://"):]
         if not rest:
@@ -339,18 +341,27 @@ def print_result(columns: list[str], rows: list[list], fmt: str, out=sys.stdout)
         print(format_table(columns, rows), file=out)
 
 
+@dataclass(frozen=True)
+class SqlSettings:
+    """How ``rlstream sql`` prints."""
+
+    ROLE: ClassVar[str] = "SQL"
+
+    format: str = knob("table", "Output format", choices=("table", "csv", "json"))
+
+
 def cmd_sql(args: argparse.Namespace) -> None:
+    loop, s = load(LoopSettings, args), load(SqlSettings, args)
     sql = args.sql if args.sql != "-" else sys.stdin.read()
-    with open_archive(args.archive) as archive:
+    with open_archive(loop.archive) as archive:
         columns, rows = archive.query(sql)
-    print_result(columns, rows, args.format)
+    print_result(columns, rows, s.format)
 
 
 def add_command(subparsers) -> None:
     """``rlstream sql "SELECT ..." [--archive URL] [--format table|csv|json]``."""
     p = subparsers.add_parser("sql", help="query the archive with SQL (tables live in database rlstream)")
     p.add_argument("sql", help="one SQL statement ('-' reads it from stdin)")
-    p.add_argument("--archive", default=None,
-                   help=f"chdb://PATH or http(s)://HOST:PORT [env RLSTREAM_ARCHIVE; default {DEFAULT_ARCHIVE}]")
-    p.add_argument("--format", choices=("table", "csv", "json"), default="table", help="output format")
+    add_arguments(p, LoopSettings)
+    add_arguments(p, SqlSettings)
     p.set_defaults(func=cmd_sql)

@@ -9,11 +9,13 @@ import argparse
 import html
 import json
 import math
-import os
 from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from rlstream.archive.query import DATABASE, DEFAULT_ARCHIVE, format_table, open_archive
+from rlstream.archive.query import DATABASE, format_table, open_archive
+from rlstream.config import LoopSettings, add_arguments, knob, load
+from rlstream.errors import UsageError
 from rlstream.archive.views import install_views, quote, standard_queries, trajectory_timeline
 
 #: Figure key -> section title (keys of standard_queries).
@@ -232,17 +234,28 @@ def build_report(archive, run: str, out: Path, compare: tuple[str, str] | None =
     return render(run, figures, images, out, timeline), figures
 
 
+@dataclass(frozen=True)
+class ReportSettings:
+    """What ``rlstream report`` draws and where."""
+
+    ROLE: ClassVar[str] = "REPORT"
+
+    out: str = knob("", "Output folder (default: HOME/runs/RUN/report)")
+    compare: str = knob("", "Two reward versions A,B to compare (default: the first and the last)")
+    trajectory: str = knob("", "Also show this trajectory end to end")
+
+
 def cmd_report(args: argparse.Namespace) -> None:
-    run = args.run or os.environ.get("RLSTREAM_RUN", "demo")
-    out = Path(args.out or Path(os.environ.get("RLSTREAM_HOME", ".rlstream")) / "runs" / run / "report")
-    compare = tuple(args.compare.split(",", 1)) if args.compare else None
+    loop, s = load(LoopSettings, args), load(ReportSettings, args)
+    run = loop.run
+    out = Path(s.out or loop.home_path / "runs" / run / "report")
+    compare = tuple(s.compare.split(",", 1)) if s.compare else None
     if compare is not None and len(compare) != 2:
-        from rlstream.errors import UsageError
         raise UsageError("--compare takes two reward versions: A,B")
-    with open_archive(args.archive) as archive:
-        page, figures = build_report(archive, run, out, compare, args.trajectory)
-        if args.trajectory:
-            columns, rows = trajectory_timeline(archive, run, args.trajectory)
+    with open_archive(loop.archive) as archive:
+        page, figures = build_report(archive, run, out, compare, s.trajectory or None)
+        if s.trajectory:
+            columns, rows = trajectory_timeline(archive, run, s.trajectory)
             print(format_table(columns, rows))
     for name in ("goodput", "stale ratio"):
         fig = figures[name]
@@ -253,10 +266,6 @@ def cmd_report(args: argparse.Namespace) -> None:
 def add_command(subparsers) -> None:
     """``rlstream report --run R [--out DIR] [--archive URL] [--compare A,B] [--trajectory ID]``."""
     p = subparsers.add_parser("report", help="HTML page of plots and tables of the loop's figures, from the archive")
-    p.add_argument("--run", default=None, help="run name [env RLSTREAM_RUN; default demo]")
-    p.add_argument("--out", default=None, help="output folder [default .rlstream/runs/RUN/report]")
-    p.add_argument("--archive", default=None,
-                   help=f"chdb://PATH or http(s)://HOST:PORT [env RLSTREAM_ARCHIVE; default {DEFAULT_ARCHIVE}]")
-    p.add_argument("--compare", default=None, help="two reward versions A,B to compare (default: first and last)")
-    p.add_argument("--trajectory", default=None, help="also show this trajectory end to end")
+    add_arguments(p, LoopSettings)
+    add_arguments(p, ReportSettings)
     p.set_defaults(func=cmd_report)

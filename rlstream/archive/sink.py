@@ -16,17 +16,17 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from prometheus_client import Counter, Histogram
 
-from rlstream.config import KafkaSettings, knob
+from rlstream.config import KafkaSettings, LoopSettings, knob
 from rlstream.kafka.topics import TOPICS, create_topics, topic_name
 from rlstream.schemas.codec import HEADER_LEN, MARKER, DecodeError, default_codec
 from rlstream.kafka.group import GroupMember
 from rlstream.archive.decode import NativeTable, meta_row, undecodable_row
-from rlstream.archive.query import DATABASE, DEFAULT_ARCHIVE, ArchiveError, SqlEndpoint, connect, resolve, run_sql
+from rlstream.archive.query import DATABASE, ArchiveError, SqlEndpoint, connect, resolve, run_sql
 from rlstream.archive.tables import TABLES, TOPIC_TABLE
 
 log = logging.getLogger(__name__)
@@ -48,9 +48,8 @@ BATCH_SECONDS = Histogram("rlstream_archive_batch_seconds", "Decode, insert and 
 class ArchiveSettings:
     """Where the archive lives and how the sink batches."""
 
-    archive: str = knob(DEFAULT_ARCHIVE, "chdb://PATH (embedded; relative paths from the working directory) or "
-                                         "http(s)://HOST:PORT of a ClickHouse server; credentials only from "
-                                         "RLSTREAM_CLICKHOUSE_USER / RLSTREAM_CLICKHOUSE_PASSWORD")
+    ROLE: ClassVar[str] = "ARCHIVE"
+
     archive_batch_rows: int = knob(20000, "Most records inserted per batch (ClickHouse prefers big inserts)")
     archive_flush_s: float = knob(1.0, "Longest a consumed record waits before its batch is inserted")
     archive_batch_bytes: int = knob(64 * 1024 * 1024, "Most record bytes held per batch")
@@ -76,13 +75,14 @@ class _Rows:
 class ArchiveSink:
     """Consumes every topic of a run (group ``<run>.archive``) and inserts it into ClickHouse."""
 
-    def __init__(self, settings: ArchiveSettings = ArchiveSettings()):
+    def __init__(self, settings: ArchiveSettings = ArchiveSettings(), loop: LoopSettings = LoopSettings()):
         if settings.archive_batch_rows < 1:
             raise ValueError("--archive-batch-rows must be at least 1")
         if settings.archive_flush_s <= 0:
             raise ValueError("--archive-flush-s must be positive")
-        self.kind, self.location = resolve(settings.archive)
+        self.kind, self.location = resolve(loop.archive)
         self.settings = settings
+        self.url = loop.archive
         self.codec = default_codec()
         self.client = None
         self.lock = threading.Lock()  # one chDB engine, used by the sink and the SQL endpoint threads
@@ -104,7 +104,7 @@ class ArchiveSink:
         """Connect and create the database and tables (idempotent); older tables gain new columns."""
         if self.client is not None:
             return
-        self.client = connect(self.settings.archive, create=True)
+        self.client = connect(self.url, create=True)
         try:
             with self.lock:
                 self.client.command(f"CREATE DATABASE IF NOT EXISTS {DATABASE}")

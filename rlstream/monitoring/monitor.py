@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 
 from rlstream.config import KafkaSettings, knob
 from rlstream.errors import UserError
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class MonitorSettings:
     """The live monitor's knobs."""
+
+    ROLE: ClassVar[str] = "MONITOR"
 
     monitor_port: int = knob(6066, "HTTP port of GET /versions/ (JSON per-version figures)")
     monitor_host: str = knob("127.0.0.1", "Address the HTTP server listens on (0.0.0.0 in a container)")

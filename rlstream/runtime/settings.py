@@ -1,6 +1,7 @@
 """Knobs of the shared stage runtime (every stage process and replay reads them from flags and the environment)."""
 from __future__ import annotations
 
+from typing import ClassVar
 from dataclasses import dataclass
 
 from rlstream.config import knob
@@ -10,6 +11,8 @@ from rlstream.kafka.topics import MAX_MESSAGE_BYTES
 @dataclass(frozen=True)
 class RuntimeSettings:
     """Knobs of the shared stage runtime."""
+
+    ROLE: ClassVar[str] = ""
 
     batch_size: int = knob(256, "Most records consumed and committed in one transaction")
     poll_timeout_s: float = knob(0.2, "How long one poll waits for records")

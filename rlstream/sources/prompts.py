@@ -11,14 +11,15 @@ import argparse
 import itertools
 import json
 import logging
-import time
 from collections.abc import Iterator
+from typing import ClassVar
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlstream.config import KafkaSettings, add_arguments, from_sources, knob
+from rlstream.config import KafkaSettings, LoopSettings, add_arguments, knob, load
 from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
+from rlstream.errors import UsageError
 from rlstream.kafka.records import TypedProducer
 from rlstream.schemas.records import SamplingParams, Task
 
@@ -32,18 +33,16 @@ ENV_OF = {"reverse": "single", "arithmetic": "single", "calculator": "calculator
 class PromptSettings:
     """Knobs of a prompt source."""
 
+    ROLE: ClassVar[str] = "PROMPTS"
+
     task: str = knob("reverse", "Built-in task (reverse, arithmetic, calculator) or a .jsonl file of "
                                 "{task_id, prompt, answer} lines")
     count: int = knob(100, "Training tasks to produce (0 with --paced: until stopped)")
-    group_size: int = knob(8, "Samples per task (G)")
     split: str = knob("train", "train or heldout", choices=("train", "heldout"))
     temperature: float = knob(1.0, "Sampling temperature of training tasks (held-out ones are greedy)")
     max_tokens: int = knob(0, "Most new tokens per turn (0: the task's own limit)")
     seed: int = knob(0, "Seed of the training-task shuffle")
     paced: bool = knob(False, "Follow the trainer: stay at most (version + eta + 1) steps of groups ahead")
-    policy: str = knob("policy", "Policy followed by --paced")
-    eta: int = knob(2, "Staleness bound used by --paced")
-    groups_per_step: int = knob(16, "Trainer groups per step, used by --paced")
     heldout_every: int = knob(0, "With --paced: produce the held-out set after every N policy versions (0: never)")
     heldout_count: int = knob(64, "Held-out tasks per evaluation round")
 
@@ -95,7 +94,8 @@ class PromptProducer:
         self.out.flush(timeout)
 
 
-def produce(kafka: KafkaSettings, s: PromptSettings, stop=lambda: False) -> int:
+def produce(kafka: KafkaSettings, s: PromptSettings, loop: LoopSettings = LoopSettings(),
+            stop=lambda: False) -> int:
     """Produce tasks per the settings; returns how many were written."""
     items, max_new = task_items(s.task, s.split, s.seed)
     name = Path(s.task).stem if s.task.endswith(".jsonl") else s.task
@@ -112,16 +112,17 @@ def produce(kafka: KafkaSettings, s: PromptSettings, stop=lambda: False) -> int:
     if not s.paced:
         n = 0
         for item in itertools.islice(items, s.count):
-            out.send(make_task(name, item, s.group_size, sampled))
+            out.send(make_task(name, item, loop.group_size, sampled))
             n += 1
         out.flush()
         return n
-    return _produce_paced(kafka, s, name, items, out, sampled, greedy, stop)
+    return _produce_paced(kafka, s, loop, name, items, out, sampled, greedy, stop)
 
 
-def _produce_paced(kafka, s: PromptSettings, name, items, out: PromptProducer, sampled, greedy, stop) -> int:
+def _produce_paced(kafka, s: PromptSettings, loop: LoopSettings, name, items, out: PromptProducer, sampled, greedy,
+                   stop) -> int:
     from rlstream.policy.watcher import PolicyWatcher
-    watcher = PolicyWatcher(kafka.client_config(), kafka.run, s.policy)
+    watcher = PolicyWatcher(kafka.client_config(), kafka.run, loop.policy)
     n, evaluated, round_ = 0, -1, 0
     try:
         while not stop() and (s.count == 0 or n < s.count):
@@ -132,10 +133,10 @@ def _produce_paced(kafka, s: PromptSettings, name, items, out: PromptProducer, s
                 for item in itertools.islice(held, s.heldout_count):
                     out.send(make_task(name, item, 1, greedy, prefix=f"v{version}-r{round_}-"))
                 evaluated, round_ = version, round_ + 1
-            allowed = (version + s.eta + 1) * s.groups_per_step
+            allowed = (version + loop.eta + 1) * loop.groups_per_step
             if n < allowed:
                 for item in itertools.islice(items, allowed - n):
-                    out.send(make_task(name, item, s.group_size, sampled))
+                    out.send(make_task(name, item, loop.group_size, sampled))
                     n += 1
                 out.flush(10)
             else:
@@ -147,12 +148,10 @@ def _produce_paced(kafka, s: PromptSettings, name, items, out: PromptProducer, s
 
 
 def cmd_prompts(args: argparse.Namespace) -> None:
-    from rlstream.config import load as settings
-    kafka, s = settings(KafkaSettings, args), settings(PromptSettings, args)
+    kafka, s, loop = load(KafkaSettings, args), load(PromptSettings, args), load(LoopSettings, args)
     try:
-        n = produce(kafka, s)
+        n = produce(kafka, s, loop)
     except ValueError as exc:
-        from rlstream.errors import UsageError
         raise UsageError(str(exc)) from None
     print(f"produced {n} {s.split} tasks of {s.task} to {topic_name(kafka.run, 'prompts')}")
 
@@ -160,6 +159,7 @@ def cmd_prompts(args: argparse.Namespace) -> None:
 def add_command(sub) -> None:
     """Register ``rlstream prompts``."""
     p = sub.add_parser("prompts", help="produce tasks to the run's prompts topic")
+    add_arguments(p, LoopSettings)
     add_arguments(p, KafkaSettings)
     add_arguments(p, PromptSettings)
     p.set_defaults(func=cmd_prompts)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 from rlstream.config import knob
 from rlstream.schemas.headers import now_ms
@@ -175,6 +175,8 @@ def register_environment(name: str, factory: Callable[[Sandbox], Environment]) -
 @dataclass(frozen=True)
 class EnvSettings:
     """The env stage's knobs."""
+
+    ROLE: ClassVar[str] = "ENV"
 
     tool_timeout_s: float = knob(5.0, "Wall-clock limit of one tool call; keep it below --handler-timeout-s")
     tool_memory_mb: int = knob(512, "Address-space limit of one tool call (MiB)")

@@ -17,11 +17,11 @@ import logging
 import re
 import sys
 import time
+from typing import ClassVar
 from dataclasses import dataclass
 
-from rlstream.archive.query import DEFAULT_ARCHIVE
 from rlstream.archive.replay_source import ArchivedTrajectories
-from rlstream.config import KafkaSettings, add_arguments, knob, load
+from rlstream.config import KafkaSettings, LoopSettings, add_arguments, knob, load
 from rlstream.errors import UsageError, UserError
 from rlstream.kafka import records
 from rlstream.kafka.group import GroupMember
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 class ReplaySettings:
     """What to replay and how to score it."""
 
+    ROLE: ClassVar[str] = "REPLAY"
+
     reward: str = knob("rlstream.stages.reward:exact_match", "Reward function as a dotted path (module:function)")
     reward_version: str = knob("", "Version written on every replayed reward (required; a new one per replay)")
     since: str = knob("", "Only trajectories produced at or after TIME: ISO 8601 (UTC unless it says), "
@@ -48,7 +50,6 @@ class ReplaySettings:
     policy_version: str = knob("", "Only trajectories whose policy_version header is in A..B (also A.., ..B, A)")
     source: str = knob("topic", "topic: read the trajectories topic; archive: rebuild trajectories from the "
                                 "archive (once the topic's retention has dropped them)", choices=("topic", "archive"))
-    archive: str = knob(DEFAULT_ARCHIVE, "Archive URL for --source archive (chdb://PATH or http(s)://HOST:PORT)")
     progress: bool = knob(True, "Show a progress bar with an ETA")
 
 
@@ -173,7 +174,7 @@ class ReplayResult:
 # -- from the topic ----------------------------------------------------------------------------------------------
 
 def _replay_topic(stage: ReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings,
-                  s: ReplaySettings) -> ReplayResult:
+                  s: ReplaySettings, archive_url: str = "") -> ReplayResult:
     """The runtime over the trajectories topic's offsets as they stand now, from the requested start."""
     started = time.monotonic()
     group = f"{kafka.run}.{stage.name}"
@@ -238,11 +239,11 @@ class ArchiveSource:
     replay resumes after the last committed page, whichever source it ran from.
     """
 
-    def __init__(self, kafka: KafkaSettings, group_id: str, s: ReplaySettings):
+    def __init__(self, kafka: KafkaSettings, group_id: str, s: ReplaySettings, archive_url: str):
         self.topic = topic_name(kafka.run, "trajectories")
         # Never subscribed: it exists for the group's metadata, which the transactions commit offsets with.
         self.member = GroupMember(kafka, group_id, [self.topic], who=group_id)
-        self.rows = ArchivedTrajectories(s.archive, kafka.run, since_ms=parse_since(s.since),
+        self.rows = ArchivedTrajectories(archive_url, kafka.run, since_ms=parse_since(s.since),
                                          from_offset=s.from_offset, versions=parse_versions(s.policy_version))
         # What this replay's group already committed (from the topic or the archive) is done.
         done = self.member.committed_offsets(self.topic, self.rows.partitions())
@@ -294,10 +295,10 @@ class ArchiveSource:
 
 
 def _replay_archive(stage: ReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings,
-                    s: ReplaySettings) -> ReplayResult:
+                    s: ReplaySettings, archive_url: str) -> ReplayResult:
     started = time.monotonic()
     group = f"{kafka.run}.{stage.name}"
-    source = ArchiveSource(kafka, group, s)
+    source = ArchiveSource(kafka, group, s, archive_url)
     total = source.rows.count()
     progress = _Progress(total, s.progress, "traj")
     done = [0]
@@ -317,20 +318,21 @@ def _replay_archive(stage: ReplayStage, kafka: KafkaSettings, runtime: RuntimeSe
 
 # -- entry points ------------------------------------------------------------------------------------------------
 
-def replay(settings: ReplaySettings, kafka: KafkaSettings, runtime: RuntimeSettings = RuntimeSettings()) -> ReplayResult:
+def replay(settings: ReplaySettings, kafka: KafkaSettings, runtime: RuntimeSettings = RuntimeSettings(),
+           loop: LoopSettings = LoopSettings()) -> ReplayResult:
     """Run one replay to the end of its range; returns what it scored."""
     stage = ReplayStage(settings)
     run = _replay_archive if settings.source == "archive" else _replay_topic
-    return run(stage, kafka, runtime, settings)
+    return run(stage, kafka, runtime, settings, loop.archive)
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
-    replay_settings = load(ReplaySettings, args)
+    replay_settings, loop = load(ReplaySettings, args), load(LoopSettings, args)
     kafka, runtime = load(KafkaSettings, args), load(RuntimeSettings, args)
     try:
         parse_since(replay_settings.since)
         parse_versions(replay_settings.policy_version)
-        result = replay(replay_settings, kafka, runtime)
+        result = replay(replay_settings, kafka, runtime, loop)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     print(f"replayed {result.scored} trajectories from the {result.source} as reward version "
@@ -341,6 +343,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
 def add_command(subparsers) -> None:
     """``rlstream replay --run R --reward-version V --reward SPEC [--since T | --from-offset N | --policy-version A..B]``."""
     p = subparsers.add_parser("replay", help="score past trajectories again with a new reward version")
+    add_arguments(p, LoopSettings)
     add_arguments(p, KafkaSettings)
     add_arguments(p, ReplaySettings)
     add_arguments(p, RuntimeSettings, skip=("instance", "metrics_port", "max_record_bytes", "poll_timeout_s"))

@@ -16,7 +16,7 @@ import inspect
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from rlstream.config import knob
 from rlstream.schemas.headers import now_ms
@@ -85,6 +85,8 @@ def to_reward(raw: Any, reward_version: str, latency_ms: float) -> Reward:
 @dataclass(frozen=True)
 class RewardSettings:
     """The reward stage's knobs."""
+
+    ROLE: ClassVar[str] = "REWARD"
 
     reward: str = knob("rlstream.stages.reward:exact_match", "Reward function as a dotted path (module:function)")
     reward_version: str = knob("v1", "Version written on every reward; replay scores again under a new one")

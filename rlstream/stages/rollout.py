@@ -19,9 +19,10 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from typing import ClassVar
 from dataclasses import dataclass
 
-from rlstream.config import knob
+from rlstream.config import LoopSettings, knob
 from rlstream.errors import UserError
 from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.staleness import rollout_should_pause
@@ -39,12 +40,12 @@ log = logging.getLogger(__name__)
 class RolloutSettings:
     """The rollout stage's knobs."""
 
-    policy: str = knob("policy", "Policy name to follow on policy-versions")
+    ROLE: ClassVar[str] = "ROLLOUT"
+
     backend: str = knob("auto", "Inference engine: auto (vLLM if installed, else transformers), transformers, "
                                 "vllm, openai", choices=("auto", "transformers", "vllm", "openai"))
     engine_url: str = knob("", "Base URL of an OpenAI-compatible server (backend openai)")
     engine_model: str = knob("", "Model name to send to the OpenAI-compatible server")
-    eta: int = knob(2, "Staleness bound: pause prompts while more than eta versions behind the newest policy")
     threads: int = knob(1, "Torch / engine threads for this process (small machines: give each stage a budget)")
     max_context: int = knob(64, "Longest prompt + response the engine takes; longer episodes fail as prompt_too_long")
     wait_policy_s: float = knob(600.0, "How long to wait at start for the first announced policy")
@@ -65,7 +66,8 @@ class RolloutStage(Stage):
     # Prompts come from outside the loop; a source may not know any policy version yet.
     require_policy_version = False
 
-    def __init__(self, settings: RolloutSettings = RolloutSettings()):
+    def __init__(self, settings: RolloutSettings = RolloutSettings(), loop: LoopSettings = LoopSettings()):
+        self.loop = loop
         self.settings = settings
         self.backend = None
         self.version = -1
@@ -83,10 +85,10 @@ class RolloutStage(Stage):
         if self.watcher is not None:
             return
         kafka = ctx.kafka
-        self.watcher = PolicyWatcher(kafka.client_config(), kafka.run, self.settings.policy)
-        log.info("rollout waiting for the first %s policy version", self.settings.policy)
+        self.watcher = PolicyWatcher(kafka.client_config(), kafka.run, self.loop.policy)
+        log.info("rollout waiting for the first %s policy version", self.loop.policy)
         if not self.watcher.wait_for(0, self.settings.wait_policy_s):
-            raise UserError(f"no {self.settings.policy} policy announced within {self.settings.wait_policy_s}s; "
+            raise UserError(f"no {self.loop.policy} policy announced within {self.settings.wait_policy_s}s; "
                             "is the trainer running for this run?")
         pv = self.watcher.latest
         folder = local_path(pv.weights_uri)
@@ -162,7 +164,7 @@ class RolloutStage(Stage):
             finally:
                 self._engine_lock.release()
         # AReaL's rule: do not start new episodes that will only be thrown away as stale.
-        if rollout_should_pause(self.watcher.version, self.version, self.settings.eta):
+        if rollout_should_pause(self.watcher.version, self.version, self.loop.eta):
             ctx.pause("prompts")
         elif ctx.is_paused("prompts"):
             ctx.resume("prompts")

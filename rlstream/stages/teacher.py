@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import ClassVar
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlstream.config import knob
+from rlstream.config import LoopSettings, knob
 from rlstream.errors import UserError
 from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import local_path, tokenizer_hash
@@ -30,9 +31,10 @@ class TokenizerMismatch(UserError):
 class TeacherSettings:
     """The teacher stage's knobs."""
 
+    ROLE: ClassVar[str] = "TEACHER"
+
     teacher: str = knob("", "Teacher model folder (a transformers checkpoint); '' follows the policy itself")
     teacher_version: str = knob("", "Version label written on feedback ('' = folder name or policy version)")
-    policy: str = knob("policy", "Student policy whose tokenizer the teacher must match")
     threads: int = knob(1, "Torch threads for this process")
     wait_policy_s: float = knob(600.0, "How long to wait at start for the student's first policy version")
 
@@ -53,7 +55,8 @@ class TeacherStage(Stage):
     name = "teacher"
     inputs = ("rewards",)
 
-    def __init__(self, settings: TeacherSettings = TeacherSettings()):
+    def __init__(self, settings: TeacherSettings = TeacherSettings(), loop: LoopSettings = LoopSettings()):
+        self.loop = loop
         self.settings = settings
         self.model = None
         self.watcher: PolicyWatcher | None = None
@@ -65,9 +68,9 @@ class TeacherStage(Stage):
         from transformers import AutoModelForCausalLM
         torch.set_num_threads(max(1, self.settings.threads))
         self.torch = torch
-        self.watcher = PolicyWatcher(ctx.kafka.client_config(), ctx.kafka.run, self.settings.policy)
+        self.watcher = PolicyWatcher(ctx.kafka.client_config(), ctx.kafka.run, self.loop.policy)
         if not self.watcher.wait_for(0, self.settings.wait_policy_s):
-            raise UserError(f"no {self.settings.policy} policy announced within {self.settings.wait_policy_s}s; "
+            raise UserError(f"no {self.loop.policy} policy announced within {self.settings.wait_policy_s}s; "
                             "is the trainer running for this run?")
         student = self.watcher.latest
         folder = Path(self.settings.teacher) if self.settings.teacher else local_path(student.weights_uri)

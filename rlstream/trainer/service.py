@@ -12,13 +12,14 @@ import logging
 import signal
 import threading
 import time
+from typing import ClassVar
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from rlstream.config import KafkaSettings, knob
+from rlstream.config import KafkaSettings, LoopSettings, knob
 from rlstream.policy.staleness import StalenessCounter, StalenessFilter
 from rlstream.trainer.window import WindowedFIFO, WindowItem
 from rlstream.kafka import records
@@ -45,16 +46,15 @@ CONSUMED_AHEAD = "consumed_ahead.json"
 class TrainerSettings:
     """The trainer's knobs (defaults train the demo's tiny model)."""
 
-    policy: str = knob("policy", "Policy name announced on policy-versions")
+    ROLE: ClassVar[str] = "TRAINER"
+
     weights: str = knob(".rlstream/weights", "Weight store URI (file:// or a local path)")
     source: str = knob("rewards", "Topic to train from: rewards, or feedback (teacher log-probs)",
                        choices=("rewards", "feedback"))
     reward_version: str = knob("", "Train only on this reward version ('' = any)")
     task: str = knob("reverse", "Task whose tiny model and warm-up start a new policy")
-    eta: int = knob(2, "Staleness bound: train on a sample only if version - its policy_version <= eta")
     window_groups: int = knob(32, "Windowed FIFO size W in groups")
     head_timeout_s: float = knob(120.0, "Evict (and record) an incomplete head group older than this")
-    groups_per_step: int = knob(16, "Complete groups per update (G samples each)")
     advantage: str = knob("grpo", "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp")
     loss: str = knob("ppo", "ppo (decoupled PPO-clip) or opd (on-policy distillation)", choices=("ppo", "opd"))
     lr: float = knob(1e-4, "AdamW learning rate (2e-4 collapsed the tiny model to zero reward here)")
@@ -73,12 +73,13 @@ class TrainerSettings:
 class TrainerService:
     """``rlstream run trainer``: consumes scored samples and publishes policy versions."""
 
-    def __init__(self, settings: TrainerSettings = TrainerSettings()):
-        if settings.groups_per_step > settings.window_groups:
+    def __init__(self, settings: TrainerSettings = TrainerSettings(), loop: LoopSettings = LoopSettings()):
+        self.loop = loop
+        if loop.groups_per_step > settings.window_groups:
             raise ValueError("--groups-per-step cannot exceed --window-groups: a batch comes from inside the window")
         self.settings = settings
         self.store = WeightStore(settings.weights)
-        self.filter = StalenessFilter(settings.eta)
+        self.filter = StalenessFilter(loop.eta)
         self.counter = StalenessCounter()
         self.evicted = 0
         self._counted = (0, 0)  # (accepted, stale) at the last publish, for per-step counts
@@ -102,7 +103,7 @@ class TrainerService:
         self.group_id = f"{kafka.run}.trainer"
         # The policy is the trainer's identity: a restarted trainer fences its predecessor here, aborting any
         # half-done step, and commits through the same transactional producer as every stage.
-        self.txn = TransactionalProducer(kafka, f"{kafka.run}.trainer.{self.settings.policy}", who="trainer",
+        self.txn = TransactionalProducer(kafka, f"{kafka.run}.trainer.{self.loop.policy}", who="trainer",
                                          transaction_timeout_ms=runtime.transaction_timeout_ms,
                                          stopping=lambda: self._stopping)
         self.txn.start()
@@ -111,7 +112,7 @@ class TrainerService:
         self._load_or_create()
         # One trainer per policy: the policy is its stable identity, so a restart rejoins without a rebalance.
         self._member = GroupMember(kafka, self.group_id, [topic_name(kafka.run, self.settings.source)],
-                                   instance=self.settings.policy, session_timeout_ms=runtime.session_timeout_ms,
+                                   instance=self.loop.policy, session_timeout_ms=runtime.session_timeout_ms,
                                    on_revoke=lambda c, parts: self.window.clear(),
                                    on_assign=lambda c, parts: self.window.clear(), who="trainer").subscribe()
         steps = 0
@@ -121,8 +122,8 @@ class TrainerService:
                 evicted = sum(len(g.items) for g in self.window.evict_expired())
                 self.evicted += evicted
                 metrics.EVICTED_SAMPLES.labels("trainer").inc(evicted)
-                while self.window.complete_in_window() >= self.settings.groups_per_step and not self._stopping:
-                    self._step(self.window.take(max_groups=self.settings.groups_per_step))
+                while self.window.complete_in_window() >= self.loop.groups_per_step and not self._stopping:
+                    self._step(self.window.take(max_groups=self.loop.groups_per_step))
                     steps += 1
                     if self.settings.max_steps and steps >= self.settings.max_steps:
                         self._stopping = True
@@ -138,8 +139,8 @@ class TrainerService:
 
     def _load_or_create(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        announced = _last_announced(self.kafka, self.settings.policy)
-        if announced is not None and self.store.path(self.settings.policy, announced.version).exists():
+        announced = _last_announced(self.kafka, self.loop.policy)
+        if announced is not None and self.store.path(self.loop.policy, announced.version).exists():
             folder = local_path(announced.weights_uri)
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
             self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -151,7 +152,7 @@ class TrainerService:
             opt_state = folder / "optimizer.pt"
             if opt_state.exists():
                 self.engine.load_state_dict(torch.load(opt_state, weights_only=True))
-            log.info("trainer resumed %s at v%d", self.settings.policy, self.version)
+            log.info("trainer resumed %s at v%d", self.loop.policy, self.version)
         else:
             from rlstream.models.tiny import build_model, build_tokenizer
             from rlstream.trainer.warmup import supervised_warmup
@@ -169,7 +170,7 @@ class TrainerService:
         if self.settings.kl_coef > 0:
             from transformers import AutoModelForCausalLM
             self.ref_model = AutoModelForCausalLM.from_pretrained(
-                local_path(self.store.uri(self.settings.policy, 0)), dtype=torch.float32).eval()
+                local_path(self.store.uri(self.loop.policy, 0)), dtype=torch.float32).eval()
 
     def _engine(self):
         engine = make_engine(self.model, self.settings.lr, self.update_cfg.max_grad_norm, self.settings.deepspeed_stage)
@@ -233,7 +234,7 @@ class TrainerService:
         metrics.STEP_SECONDS.labels("trainer").observe(time.monotonic() - started)
 
     def _publish(self, version: int, stats: dict[str, float], offsets, samples: int) -> None:
-        policy = self.settings.policy
+        policy = self.loop.policy
         publish_started = time.monotonic()
 
         def write(folder: Path) -> None:
@@ -266,7 +267,7 @@ class TrainerService:
         metrics.PUBLISH_SECONDS.observe(time.monotonic() - publish_started)
         metrics.POLICY_VERSION.labels("trainer").set(version)
         # Versions older than η + 1 behind can no longer be needed by a rollout worker.
-        self.store.prune(policy, keep_from=version - self.settings.eta - 1, keep={0})
+        self.store.prune(policy, keep_from=version - self.loop.eta - 1, keep={0})
         log.info("published %s v%d %s", policy, version,
                  " ".join(f"{k}={v:.3g}" for k, v in stats.items() if k in ("reward_mean", "loss", "stale_ratio",
                                                                            "step_seconds")))

@@ -197,6 +197,7 @@ class _Msg:
 def test_clickhouse_and_python_decoding_store_identical_rows(tmp_path):
     """The chDB fast path (ClickHouse decodes the Avro) and the Python path give the same rows, bad records included."""
     from rlstream.archive.sink import ArchiveSettings, ArchiveSink
+    from rlstream.config import LoopSettings
     from rlstream.archive.tables import TABLES
     codec = default_codec()
     heads = [hdr.build(3, hdr.new_traceparent(), "v2", produced_at=1_700_000_000_500), None,
@@ -227,7 +228,7 @@ def test_clickhouse_and_python_decoding_store_identical_rows(tmp_path):
                 _Msg(f"{run}.trajectories", 1, 9, None)]
         return out
 
-    sink = ArchiveSink(ArchiveSettings(archive=f"chdb://{tmp_path / 'db'}"))
+    sink = ArchiveSink(ArchiveSettings(), LoopSettings(archive=f"chdb://{tmp_path / 'db'}"))
     sink.open()
     try:
         for run, native in (("py", False), ("ch", True)):

@@ -337,7 +337,7 @@ def test_trainer_skips_samples_whose_reward_version_header_is_null_or_binary(boo
     neither crashes nor trains on them, and it trains on the good groups."""
     import threading
 
-    from rlstream.config import KafkaSettings
+    from rlstream.config import KafkaSettings, LoopSettings
     from rlstream.runtime.settings import RuntimeSettings
     from rlstream.trainer.service import TrainerService, TrainerSettings
 
@@ -355,8 +355,8 @@ def test_trainer_skips_samples_whose_reward_version_header_is_null_or_binary(boo
         return out
     # Bad headers first, in the same partition: a crash on them would hold back the good groups behind.
     produce(bootstrap, run_name, "rewards", group(1, None) + group(2, b"\xff\xfe") + group(3, b"v1") + group(4, b"v1"))
-    trainer = TrainerService(TrainerSettings(weights=str(tmp_path / "weights"), warmup_steps=0, groups_per_step=2,
-                                             window_groups=4, reward_version="v1"))
+    trainer = TrainerService(TrainerSettings(weights=str(tmp_path / "weights"), warmup_steps=0, window_groups=4,
+                                             reward_version="v1"), LoopSettings(groups_per_step=2))
     errors = []
 
     def serve():

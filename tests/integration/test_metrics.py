@@ -13,7 +13,7 @@ from confluent_kafka import Producer
 
 from kafka_util import make_trajectory, produce
 from kafka_util import wait_for as _wait
-from rlstream.config import KafkaSettings
+from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.monitoring.monitor import faust_available
 from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
@@ -92,8 +92,8 @@ def _try_scrape(port: int) -> str | None:
 def test_trainer_metrics_carry_accepted_stale_and_publish_times(bootstrap, run_name, tmp_path):
     """The real trainer: accepted / stale counters and ratio, RL step and publish times, consumer lag."""
     from rlstream.trainer.service import TrainerService, TrainerSettings
-    trainer = TrainerService(TrainerSettings(weights=str(tmp_path / "weights"), warmup_steps=0, groups_per_step=1,
-                                             window_groups=2, eta=0))
+    trainer = TrainerService(TrainerSettings(weights=str(tmp_path / "weights"), warmup_steps=0, window_groups=2),
+                             LoopSettings(groups_per_step=1, eta=0))
     port = metrics.serve(0)
     thread = threading.Thread(target=trainer.serve, args=(KafkaSettings(bootstrap=bootstrap, run=run_name),
                                                           RuntimeSettings(poll_timeout_s=0.1)), daemon=True)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kafka_util import make_trajectory, produce, read_all
-from rlstream.config import KafkaSettings
+from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Reward, ScoredTrajectory
 from rlstream.runtime.settings import RuntimeSettings
@@ -45,9 +45,8 @@ def produce_groups(bootstrap, run, gids, version):
 
 
 def start(bootstrap, run, tmp_path, **kw):
-    settings = TrainerSettings(weights=str(tmp_path / "weights"), warmup_steps=0, groups_per_step=2,
-                               window_groups=4, eta=1, **kw)
-    trainer = SpyTrainer(settings)
+    settings = TrainerSettings(weights=str(tmp_path / "weights"), warmup_steps=0, window_groups=4, **kw)
+    trainer = SpyTrainer(settings, LoopSettings(groups_per_step=2, eta=1))
     thread = threading.Thread(target=trainer.serve, args=(KafkaSettings(bootstrap=bootstrap, run=run),
                                                           RuntimeSettings(poll_timeout_s=0.1)), daemon=True)
     thread.start()

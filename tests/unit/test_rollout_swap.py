@@ -167,8 +167,8 @@ def test_the_swapper_thread_loads_a_new_version_while_the_engine_is_idle():
 @pytest.mark.parametrize("swap", ["step", "batch"])
 def test_swap_is_a_typed_setting(swap, monkeypatch):
     from rlstream.config import from_sources
-    monkeypatch.setenv("RLSTREAM_SWAP", swap)
+    monkeypatch.setenv("RLSTREAM_ROLLOUT_SWAP", swap)
     assert from_sources(RolloutSettings).swap == swap
-    monkeypatch.setenv("RLSTREAM_SWAP", "sometimes")
+    monkeypatch.setenv("RLSTREAM_ROLLOUT_SWAP", "sometimes")
     with pytest.raises(ValueError):
         from_sources(RolloutSettings)
