@@ -26,7 +26,7 @@ from rlstream.config import LoopSettings, knob
 from rlstream.errors import UserError
 from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.staleness import rollout_should_pause
-from rlstream.policy.weights import WeightStore, local_path
+from rlstream.policy.weights import local_path
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn
 from rlstream.monitoring import metrics

@@ -20,8 +20,8 @@ G = 4
 class SpyTrainer(TrainerService):
     """The real trainer; the spy only records which groups reached each update."""
 
-    def __init__(self, settings):
-        super().__init__(settings)
+    def __init__(self, settings, loop):
+        super().__init__(settings, loop)
         self.trained: list[tuple[int, list[str]]] = []  # (version before the step, group ids)
 
     def _step(self, groups):
