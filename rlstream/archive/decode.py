@@ -10,7 +10,7 @@ import json
 import re
 import secrets
 
-from confluent_kafka import Message
+from rlstream.kafka.records import Message
 
 from rlstream.archive.query import DATABASE
 from rlstream.archive.tables import TABLES

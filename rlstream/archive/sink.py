@@ -18,13 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from prometheus_client import Counter, Histogram
 
 from rlstream.config import KafkaSettings, LoopSettings, knob
 from rlstream.kafka.topics import TOPICS, create_topics, topic_name
 from rlstream.schemas.codec import HEADER_LEN, MARKER, DecodeError, default_codec
 from rlstream.kafka.group import GroupMember
+from rlstream.kafka.records import Message
 from rlstream.archive.decode import NativeTable, meta_row, undecodable_row
 from rlstream.archive.query import DATABASE, ArchiveError, SqlEndpoint, connect, resolve, run_sql
 from rlstream.archive.tables import TABLES, TOPIC_TABLE
@@ -387,37 +387,28 @@ class ArchiveSink:
         self._inflight = None
         if not future.result():
             return False
-        offsets: dict[tuple[str, int], int] = {}
-        for m in msgs:
-            key = (m.topic(), m.partition())
-            if m.offset() >= offsets.get(key, -1):
-                offsets[key] = m.offset()
-        try:
-            self._member.consumer.commit(offsets=[TopicPartition(t, p, o + 1) for (t, p), o in offsets.items()],
-                                  asynchronous=False)
-        except KafkaException as exc:
-            # The rows are in; whoever reads these offsets again skips them by watermark.
-            log.warning("archive: offset commit failed (%s); records will be re-read and skipped", exc)
+        # The rows are in; if the commit fails, whoever reads these offsets again skips them by watermark.
+        self._member.commit_consumed(msgs)
         self.stats["batches"] += 1
         self.stats["last_flushed"] = time.monotonic()
         BATCH_SECONDS.observe(time.monotonic() - started)
         return True
 
-    def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+    def _on_assign(self, consumer, parts: list) -> None:
         """Read the watermarks of partitions this member now owns: another owner may have archived them since."""
         self.load_watermarks(self._run, [(tp.topic[len(self._run) + 1:], tp.partition) for tp in parts])
 
-    def _on_revoke(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+    def _on_revoke(self, consumer, parts: list) -> None:
         """Flush and commit before the partitions move, so their next owner's watermark covers our rows."""
         self._flush()
         if not self._reap(block=True):
             self._drop(parts)
 
-    def _on_lost(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+    def _on_lost(self, consumer, parts: list) -> None:
         """Forget what was pending for partitions already gone."""
         self._drop(parts)
 
-    def _drop(self, parts: list[TopicPartition]) -> None:
+    def _drop(self, parts: list) -> None:
         """Drop pending records of ``parts``: their next owner reads them again."""
         gone = {(tp.topic, tp.partition) for tp in parts}
         self._pending = [m for m in self._pending if (m.topic(), m.partition()) not in gone]

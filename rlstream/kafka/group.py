@@ -121,6 +121,24 @@ class GroupMember:
         if self._subscribed:
             self.consumer.subscribe(self.topics, **self._callbacks)
 
+    def commit_consumed(self, msgs: list[Message]) -> bool:
+        """Commit, outside any transaction, the positions past these records; False if the broker refused.
+
+        Only for a member whose writes are idempotent elsewhere (the archive: its rows carry their offsets, and a
+        re-read record is skipped by watermark). Stages commit inside their transactions instead.
+        """
+        offsets: dict[tuple[str, int], int] = {}
+        for m in msgs:
+            key = (m.topic(), m.partition())
+            offsets[key] = max(offsets.get(key, -1), m.offset() + 1)
+        try:
+            self.consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in offsets.items()],
+                                 asynchronous=False)
+        except KafkaException as exc:
+            log.warning("%s: offset commit failed (%s)", self.who, exc)
+            return False
+        return True
+
     def committed_offsets(self, topic: str, partitions: list[int]) -> dict[int, int]:
         """This group's committed offset per partition of ``topic`` (none for a partition it never committed, or
         for a topic that is gone)."""
