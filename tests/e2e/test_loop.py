@@ -14,13 +14,15 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
+@pytest.mark.timeout(1080)
 def test_demo_loop_improves_held_out_reward(bootstrap, tmp_path):
     run = "e2e-" + uuid.uuid4().hex[:8]
     archive = f"chdb://{tmp_path / 'archive'}"
     env = dict(os.environ, RLSTREAM_HOME=str(ROOT / ".rlstream"))
+    # vLLM, never auto: a broken vLLM install must fail here, not fall back to transformers unnoticed.
     proc = subprocess.run(
-        [sys.executable, "-m", "rlstream.cli", "demo", "--run", run, "--minutes", "8", "--target", "0.35",
-         "--heldout-every", "20", "--heldout-count", "64", "--archive", archive],
+        [sys.executable, "-m", "rlstream.cli", "demo", "--backend", "vllm", "--run", run, "--minutes", "8",
+         "--target", "0.35", "--heldout-every", "20", "--heldout-count", "64", "--archive", archive],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     summary = re.search(r"reward (\S+) -> (\S+) over (\d+) policy versions in (\d+) s", out)

@@ -110,6 +110,7 @@ def _caught_up(bootstrap: str, run: str) -> bool:
         consumer.close()
 
 
+@pytest.mark.timeout(1200)
 def test_archives_every_topic_and_replayed_offsets_add_no_rows(bootstrap, run_name, tmp_path):
     """(c) Rows land typed; the same offsets consumed again add nothing; SQL through the endpoint and directly."""
     path = tmp_path / "archive"

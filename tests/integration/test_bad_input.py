@@ -71,6 +71,7 @@ def _assert_alive(proc: subprocess.Popen, log) -> None:
     assert proc.poll() is None, f"the stage died:\n{log.read_text()[-3000:]}"
 
 
+@pytest.mark.timeout(540)
 def test_oversized_outputs_are_dead_lettered_and_never_block_the_partition(bootstrap, run_name, tmp_path):
     """An output over the size limit, even one whose value alone is just under it, is dead-lettered as oversized."""
     _limit_topics(bootstrap, run_name, ["rewards", "dead-letters"], LIMIT)
@@ -104,6 +105,7 @@ def test_oversized_outputs_are_dead_lettered_and_never_block_the_partition(boots
         assert originals[letter.offset]["record"].trajectory_id in (near.trajectory_id, big.trajectory_id)
 
 
+@pytest.mark.timeout(330)
 def test_bad_headers_and_unencodable_outputs_are_dead_lettered(bootstrap, run_name, tmp_path):
     """Null and non-UTF-8 headers, and a reward whose output cannot be encoded, never crash the stage."""
     good = [make_trajectory(i) for i in range(4)]
@@ -149,6 +151,7 @@ def _python(code: str) -> str:
     return f"```python\n{code}\n```"
 
 
+@pytest.mark.timeout(450)
 def test_environments_that_hang_or_crash_and_bad_text(bootstrap, run_name, tmp_path):
     """Hanging, crashing and memory-hungry environments and tools end as failures or dead letters, with reasons."""
     codec = default_codec()
@@ -265,6 +268,7 @@ def _publish_policy(bootstrap: str, run: str, root):
     return tokenizer
 
 
+@pytest.mark.timeout(660)
 def test_prompts_too_long_and_model_output_that_is_not_utf8(bootstrap, run_name, tmp_path):
     """Rollout, env and reward processes: a too-long prompt is a recorded failure, and non-UTF-8 model output
     keeps its exact token ids with U+FFFD in its text."""
@@ -332,6 +336,7 @@ def test_prompts_too_long_and_model_output_that_is_not_utf8(bootstrap, run_name,
 # -- trainer ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(390)
 def test_trainer_skips_samples_whose_reward_version_header_is_null_or_binary(bootstrap, run_name, tmp_path):
     """The trainer told to train on one reward version meets null and non-UTF-8 reward_version headers: it
     neither crashes nor trains on them, and it trains on the good groups."""

@@ -39,6 +39,7 @@ def home(tmp_path):
     broker.down(tmp_path / "home")
 
 
+@pytest.mark.timeout(540)
 def test_up_is_idempotent_and_data_survives_restart(home):
     port = free_base_port(2)
     bootstrap = broker.up(home, port=port)

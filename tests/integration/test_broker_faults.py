@@ -62,6 +62,7 @@ def _exactly_once(bootstrap: str, run: str, n: int, log) -> None:
     assert _read(bootstrap, run, "dead-letters", idle=0.5) == []
 
 
+@pytest.mark.timeout(1740)
 def test_broker_restart_mid_run_loses_nothing_and_the_stage_resumes(home, tmp_path):
     """Stop the only broker while a stage is mid-run and start it again with its data: the same stage
     process carries on by itself, and every input reaches the output exactly once."""
@@ -91,6 +92,7 @@ def test_broker_restart_mid_run_loses_nothing_and_the_stage_resumes(home, tmp_pa
     assert code == 0, log.read_text()[-3000:]
 
 
+@pytest.mark.timeout(2040)
 def test_three_brokers_replication_three_survive_losing_one(home, tmp_path):
     """On `rlstream up --brokers 3` with replication 3 and min.insync.replicas 2, SIGKILL the broker that
     coordinates the stage's consumer group mid-run: the stage carries on without loss or duplicates."""

@@ -13,6 +13,7 @@ from stage_proc import ROOT
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
+@pytest.mark.timeout(1860)
 def test_killing_every_stage_loses_and_duplicates_nothing(bootstrap, tmp_path):
     run = "chaos-" + uuid.uuid4().hex[:8]
     proc = subprocess.run(

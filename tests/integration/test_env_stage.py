@@ -35,6 +35,7 @@ def episode(i: int, env: str, *actions: str, max_turns: int = 4, version: int = 
     return ep
 
 
+@pytest.mark.timeout(330)
 def test_env_stage_end_to_end(bootstrap, run_name, tmp_path):
     singles = [episode(i, "single", "cba", version=2) for i in range(5)]
     tool_calls = [episode(10 + i, "calculator", f"calc({i}+{40 + i})") for i in range(4)]

@@ -36,6 +36,7 @@ def reference_logprobs(folder, prompt, tokens):
     return lp[len(prompt) - 1:].tolist()
 
 
+@pytest.mark.timeout(120)
 def test_transformers_backend_returns_sampled_tokens_and_their_logprobs(models):
     tok, v0, v1 = models
     backend = TransformersBackend(v0)
@@ -50,6 +51,7 @@ def test_transformers_backend_returns_sampled_tokens_and_their_logprobs(models):
     assert [g.token_ids for g in greedy0] != [g.token_ids for g in greedy1], "new weights were not loaded"
 
 
+@pytest.mark.timeout(300)
 def test_vllm_in_process_logprobs_and_hot_swap(models):
     tok, v0, v1 = models
     backend = VLLMBackend(v0)
@@ -71,6 +73,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.timeout(330)
 def test_openai_compatible_server_backend(models):
     tok, v0, _ = models
     port = _free_port()
@@ -101,6 +104,7 @@ def test_openai_compatible_server_backend(models):
         server.wait(30)
 
 
+@pytest.mark.timeout(300)
 def test_vllm_swap_between_engine_steps_continues_under_the_new_weights(models):
     """A swap mid-generation: each token is stamped with, and its log-prob taken from, the weights that sampled it.
 
@@ -138,6 +142,7 @@ def test_vllm_swap_between_engine_steps_continues_under_the_new_weights(models):
     assert after.logprobs == pytest.approx(reference_logprobs(v1, prompts[0], after.token_ids), abs=1e-3)
 
 
+@pytest.mark.timeout(300)
 def test_rollout_stage_on_vllm_labels_a_turn_spanning_a_swap_with_its_oldest_version(models):
     """The rollout stage end to end on vLLM: v1 is announced while a batch generates. Each episode's header and
     turn carry v0 (the oldest weights in it); its log-probs are v0's up to the swap and v1's after it, given the

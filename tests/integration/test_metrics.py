@@ -52,6 +52,7 @@ def _value(text: str, series: str, **labels) -> float | None:
 
 
 
+@pytest.mark.timeout(210)
 def test_stage_metrics_endpoint_exposes_the_loop_series(bootstrap, run_name, tmp_path):
     """A real reward process: the named series are there, with its records, queue delay and consumer lag."""
     port = _free_port()
@@ -89,6 +90,7 @@ def _try_scrape(port: int) -> str | None:
         return None
 
 
+@pytest.mark.timeout(570)
 def test_trainer_metrics_carry_accepted_stale_and_publish_times(bootstrap, run_name, tmp_path):
     """The real trainer: accepted / stale counters and ratio, RL step and publish times, consumer lag."""
     from rlstream.trainer.service import TrainerService, TrainerSettings
@@ -129,6 +131,7 @@ def test_trainer_metrics_carry_accepted_stale_and_publish_times(bootstrap, run_n
 
 
 @pytest.mark.parametrize("backend", ["faust", "plain"])
+@pytest.mark.timeout(450)
 def test_monitor_serves_per_version_figures_of_committed_records(backend, bootstrap, run_name, tmp_path):
     """`rlstream run monitor`: reward mean and samples per version, stale counts; aborted records never count."""
     # `make setup` installs faust-streaming (beside pip's resolver, see the Makefile): a missing one is a failure.

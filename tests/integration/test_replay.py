@@ -46,6 +46,7 @@ def _rows(url: str, run: str, version: str) -> list[list]:
             f"ORDER BY trajectory_id")[1]
 
 
+@pytest.mark.timeout(630)
 def test_replay_adds_exactly_one_row_per_trajectory_and_keeps_the_old(bootstrap, run_name, tmp_path):
     """Topic replay, a resumed (no-op) replay, a policy-version filter, and an archive replay after 'retention'."""
     trajectories, scored = [], []

@@ -61,6 +61,7 @@ def _wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.timeout(690)
 def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp_path):
     """Goodput (per hour and overall) and stale ratio from the report equal those computed here from the topics."""
     now = hdr.now_ms()

@@ -106,6 +106,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.timeout(180)
 def test_an_unreachable_clickhouse_server_error_shows_no_password(clean_env, tmp_path):
     env = dict(os.environ, RLSTREAM_CLICKHOUSE_USER="archiver", RLSTREAM_CLICKHOUSE_PASSWORD=SECRET_CH,
                PYTHONPATH=str(ROOT))
@@ -128,6 +129,7 @@ def _free_port() -> int:
 
 @pytest.mark.kafka
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_no_secret_in_logs_metrics_or_the_archive(bootstrap, run_name, tmp_path, clean_env):
     """Stages run with SASL secrets in --kafka-config and in the environment (the local broker is PLAINTEXT,
     so librdkafka carries them unused), with debug logging; logs, /metrics and every archived string are
@@ -192,6 +194,7 @@ def _archived_rows(archive: str, run: str, expect: int, timeout: float = 120) ->
 
 @pytest.mark.kafka
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_sasl_settings_from_the_environment_reach_the_kafka_clients(bootstrap, run_name, tmp_path, clean_env):
     """A stage told by its environment to speak SASL to the PLAINTEXT local broker tries SASL (so the settings
     reached librdkafka), waits for the broker instead of crashing, logs no password, and stops on SIGTERM."""

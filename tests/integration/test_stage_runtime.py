@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
     (4000, ["--reward", "reward_fns:jittery", "--batch-size", "25", "--concurrency", "32",
             "--commit-interval-s", "0.05"]),
 ], ids=["batch", "pipelined"])
+@pytest.mark.timeout(480)
 def test_sigkill_mid_batch_loses_and_duplicates_nothing(bootstrap, run_name, tmp_path, n, mode):
     """(a) Kill -9 a stage inside a transaction, restart it: every input appears exactly once downstream."""
     produce(bootstrap, run_name, "trajectories",
@@ -52,6 +53,7 @@ def test_sigkill_mid_batch_loses_and_duplicates_nothing(bootstrap, run_name, tmp
     assert read_all(bootstrap, run_name, "dead-letters", idle=0.5) == []
 
 
+@pytest.mark.timeout(270)
 def test_bad_records_go_to_dead_letters_and_good_ones_flow(bootstrap, run_name, tmp_path):
     """(b) Every kind of bad input ends in dead-letters with its reason; the good records still get rewards."""
     codec = default_codec()

@@ -28,6 +28,7 @@ def publish_student(bootstrap, run, tmp_path):
     return model, tok, folder
 
 
+@pytest.mark.timeout(270)
 def test_teacher_logprobs_match_the_model_on_student_tokens(bootstrap, run_name, tmp_path):
     model, tok, folder = publish_student(bootstrap, run_name, tmp_path)
     samples = []
@@ -55,6 +56,7 @@ def test_teacher_logprobs_match_the_model_on_student_tokens(bootstrap, run_name,
         assert f["record"].teacher_version == "v0"
 
 
+@pytest.mark.timeout(210)
 def test_teacher_with_another_tokenizer_is_refused(bootstrap, run_name, tmp_path):
     _, tok, folder = publish_student(bootstrap, run_name, tmp_path)
     other = tmp_path / "other-teacher"

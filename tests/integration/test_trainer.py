@@ -60,6 +60,7 @@ def wait_version(trainer, version, timeout=120):
         time.sleep(0.2)
 
 
+@pytest.mark.timeout(1350)
 def test_stale_samples_are_never_trained_on_and_restart_resumes(bootstrap, run_name, tmp_path):
     trainer, thread = start(bootstrap, run_name, tmp_path)
     wait_version(trainer, 0)
@@ -104,6 +105,7 @@ def test_stale_samples_are_never_trained_on_and_restart_resumes(bootstrap, run_n
     assert [(l["key"], l["record"].reason, l["record"].stage) for l in letters] == [(b"junk", "malformed", "trainer")]
 
 
+@pytest.mark.timeout(690)
 def test_groups_trained_past_a_held_head_are_not_trained_again_after_a_restart(bootstrap, run_name, tmp_path):
     """The window trains complete groups out of log order; a restart reads again from the committed offsets
     (the incomplete head) and must skip what was already trained past it."""

@@ -57,6 +57,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage", [0, pytest.param(2, marks=pytest.mark.slow, id="deepspeed-zero2")])
 def test_update_moves_the_policy_towards_the_rewarded_sample(stage, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
