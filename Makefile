@@ -15,7 +15,7 @@ setup:            ## Python packages (pinned in constraints.txt) and the Kafka b
 	$(PIP) aiohttp aiohttp-cors aiokafka mode-streaming terminaltables yarl croniter mypy_extensions venusian \
 		intervaltree six
 	$(PIP) --no-deps faust-streaming
-	bash infra/kafka/fetch.sh
+	$(PY) -m rlstream.infra.broker fetch
 	@$(MAKE) --no-print-directory check-pins PY="$(PY)"
 
 setup-vllm: setup ## vLLM's CPU build (optional: rollout falls back to transformers without it)

@@ -224,8 +224,10 @@ def faust_app(settings: MonitorSettings, kafka: KafkaSettings):
 
 
 def faust_available() -> bool:
+    """Whether faust and the aiokafka driver it runs on import (faust alone imports without the driver)."""
     try:
         import faust  # noqa: F401
+        import faust.transport.drivers.aiokafka  # noqa: F401
         return True
     except ImportError:
         return False

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from confluent_kafka import Consumer
 
 from kafka_util import make_task, produce
@@ -20,6 +22,7 @@ def _drain(member: GroupMember, want: int, timeout: float) -> set[int]:
     return seen
 
 
+@pytest.mark.timeout(300)
 def test_a_member_fenced_by_its_own_instance_id_rejoins_and_reads_on(bootstrap, run_name):
     kafka = KafkaSettings(bootstrap=bootstrap, run=run_name)
     group = f"{run_name}.members"
