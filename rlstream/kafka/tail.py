@@ -5,12 +5,14 @@ Every reader that is not a stage goes through here: the policy watcher and the t
 
 - ``TopicTail``: a background thread that follows the topics, keeps what it read (``keep``) and/or hands each
   record to ``on_record``, and says when every partition is at its end (``caught_up``, ``settle``).
-- ``read_to_end``: every committed record of one topic, once each partition is at its end.
+- ``read_to_end``: every committed record of one topic, up to each partition's end as of the call.
 
 The reader is assigned every partition (no group membership, nothing committed), from the beginning or from
 given offsets, with ``isolation.level=read_committed``. For such a reader the end of a partition is its last
 stable offset, and transaction markers take offsets too, so neither the high watermark nor a quiet spell says
 "caught up": librdkafka's partition-EOF event does, and it comes again each time new records have been read.
+A partition that is written without pause may never show its end, so ``read_to_end`` also counts a partition
+as read once it read past the high watermark the partition had when the read began.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from rlstream.kafka.topics import TOPICS, topic_name
 from rlstream.schemas import headers as hdr
@@ -51,7 +53,8 @@ class _Reader:
     """One consumer assigned every partition of some topics of a run; ``poll`` decodes what it fetched."""
 
     def __init__(self, client_config: dict, run: str, topics: list[str], name: str,
-                 offsets: dict[tuple[str, int], int] | None):
+                 offsets: dict[tuple[str, int], int] | None, ends: bool = False):
+        """``ends``: note each partition's high watermark now, for ``read_past_ends``."""
         self.name = name
         self._logical = {topic_name(run, t): t for t in topics}
         self._codec = default_codec()
@@ -61,6 +64,8 @@ class _Reader:
                                    "auto.offset.reset": "earliest",
                                    "fetch.max.bytes": 64 * 1024 * 1024})
         self.eof: dict[tuple[str, int], bool] = {}
+        self.next: dict[tuple[str, int], int] = {}  # offset after the last record read
+        self.ends: dict[tuple[str, int], int] = {}  # high watermarks when the reader began (``ends`` only)
         parts = []
         try:
             for physical, logical in self._logical.items():
@@ -68,10 +73,24 @@ class _Reader:
                     start = (offsets or {}).get((logical, p), OFFSET_BEGINNING)
                     parts.append(TopicPartition(physical, p, start))
                     self.eof[(logical, p)] = False
+                    self.next[(logical, p)] = -1
+                    if ends:
+                        self.ends[(logical, p)] = self._high_watermark(TopicPartition(physical, p))
             self._consumer.assign(parts)
         except BaseException:
             self._consumer.close()
             raise
+
+    def _high_watermark(self, tp: TopicPartition, timeout: float = 30.0) -> int:
+        """The partition's high watermark, asked again while its leader is not known yet (a topic just created)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._consumer.get_watermark_offsets(tp, timeout=timeout)[1]
+            except KafkaException:  # e.g. NOT_LEADER_FOR_PARTITION, which librdkafka does not mark retriable here
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def poll(self, timeout: float) -> list[Seen]:
         """What arrived within ``timeout``: wakes on the first record, then takes what is already fetched."""
@@ -91,6 +110,7 @@ class _Reader:
                     log.warning("tail %s: %s", self.name, err)
                 continue
             self.eof[(logical, m.partition())] = False
+            self.next[(logical, m.partition())] = m.offset() + 1
             try:
                 kind = TOPICS[logical].record
                 record = RECORD_TYPES[kind].from_dict(self._codec.decode(m.value(), expect=kind)[1])
@@ -103,6 +123,10 @@ class _Reader:
     def at_end(self) -> bool:
         """Every partition has reached its end (its last stable offset) since its last record."""
         return all(self.eof.values())
+
+    def read_past_ends(self) -> bool:
+        """Every partition is at its end, or read past the high watermark it had when the reader began."""
+        return all(done or self.next[tp] >= self.ends[tp] for tp, done in self.eof.items())
 
     def behind(self) -> list[str]:
         """The partitions not at their end, as ``topic[partition]``."""
@@ -183,21 +207,21 @@ class TopicTail:
 
 def read_to_end(client_config: dict, run: str, topic: str, *, expect: int = 0, timeout: float = 60.0,
                 offsets: dict[tuple[str, int], int] | None = None, name: str = "read") -> list[Seen]:
-    """Every committed record of logical ``topic`` in ``run``, decoded, once each partition is at its end.
+    """Every committed record of logical ``topic`` in ``run``, decoded, up to each partition's end as of the call.
 
     ``expect``: go on until at least this many were read (records a running stage has yet to commit).
     TimeoutError when that is not reached within ``timeout`` seconds.
     """
-    reader = _Reader(client_config, run, [topic], name, offsets)
+    reader = _Reader(client_config, run, [topic], name, offsets, ends=True)
     out: list[Seen] = []
     deadline = time.monotonic() + timeout
     try:
-        while not (reader.at_end() and len(out) >= expect):
+        while not (reader.read_past_ends() and len(out) >= expect):
             if time.monotonic() > deadline:
+                done = reader.read_past_ends()
                 raise TimeoutError(f"{run}.{topic}: {len(out)} records read in {timeout:.0f}s"
                                    + (f", {expect} expected" if expect else "")
-                                   + (f"; not at the end of {', '.join(reader.behind())}" if not reader.at_end()
-                                      else ""))
+                                   + ("" if done else f"; not at the end of {', '.join(reader.behind())}"))
             out += reader.poll(0.2)
     finally:
         reader.close()
