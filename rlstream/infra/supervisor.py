@@ -76,6 +76,10 @@ class StageProc:
         """Started and exited since (on its own, or because it was stopped)."""
         return self.proc is not None and self.proc.poll() is not None
 
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for it to exit (subprocess.TimeoutExpired after ``timeout`` seconds); its exit code."""
+        return self.proc.wait(timeout)
+
     def terminate(self) -> None:
         """SIGTERM it (a stage ends its open transaction cleanly and exits), without waiting."""
         if self.alive():
