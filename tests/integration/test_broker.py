@@ -6,8 +6,8 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from kafka_util import free_base_port
 from rlstream.infra import broker
+from tests.helpers.kafka import free_base_port
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
