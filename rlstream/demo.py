@@ -69,6 +69,7 @@ class Progress:
 
 
 def run_demo(s: DemoSettings) -> int:
+    """Run the loop until held-out reward reaches the target or time is up; 0 when it was reached."""
     from rlstream.infra import broker
     started = time.monotonic()
     bootstrap = broker.up()
@@ -169,6 +170,7 @@ def _mean(values) -> float:
 
 
 def _fold(progress: Progress, seen: Seen, started: float) -> None:
+    """Fold one record of rewards or policy-versions into the live figures."""
     record = seen.record
     if isinstance(record, PolicyVersion):
         progress.version = max(progress.version, record.version)

@@ -38,6 +38,7 @@ def start_stage(tmp_path):
 
     def start(stage: str, bootstrap: str, run: str, *args: str, log_path: Path | None = None,
               options: tuple[str, ...] = (), module: str = "rlstream.cli") -> StageProc:
+        """Start one stage process (logging to ``log_path``, else a file of its own under tmp_path)."""
         log = log_path or tmp_path / f"{stage}-{len(started)}.log"
         proc = StageProc(stage, [*options, "run", stage, *args], stage_env(bootstrap, run), log, module=module,
                          cwd=ROOT)

@@ -133,6 +133,7 @@ class _Reader:
         return [f"{t}[{p}]" for (t, p), done in self.eof.items() if not done]
 
     def close(self) -> None:
+        """Close the consumer (it committed nothing, so nothing is lost)."""
         self._consumer.close()
 
 
@@ -158,6 +159,7 @@ class TopicTail:
         self._thread.start()
 
     def _loop(self) -> None:
+        """Read until closed: keep and/or hand over each batch, note when the last record came."""
         while not self._stop.is_set():
             batch = self._reader.poll(0.2)
             if not batch:

@@ -43,6 +43,7 @@ class PolicyWatcher:
         self._tail.close()
 
     def _seen(self, s: Seen) -> None:
+        """One record of the topic: a newer version of this policy becomes ``latest``."""
         pv = s.record
         if pv is None:
             log.warning("ignoring undecodable policy version at offset %d", s.offset)
