@@ -45,6 +45,7 @@ class StageProc:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.started_at = 0.0
+        self.asked_to_stop = False  # since the last start: an exit then is planned, not a crash
 
     def start(self) -> "StageProc":
         """Launch it in its own session, appending to its log."""
@@ -54,6 +55,7 @@ class StageProc:
             log.flush()
             self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.argv], env=self.env, cwd=self.cwd,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.asked_to_stop = False
         self.starts += 1
         self.started_at = time.monotonic()
         return self
@@ -76,17 +78,23 @@ class StageProc:
         """Started and exited since (on its own, or because it was stopped)."""
         return self.proc is not None and self.proc.poll() is not None
 
+    def crashed(self) -> bool:
+        """Exited without being asked to (no stop, terminate or kill since its last start)."""
+        return self.exited() and not self.asked_to_stop
+
     def wait(self, timeout: float | None = None) -> int:
         """Wait for it to exit (subprocess.TimeoutExpired after ``timeout`` seconds); its exit code."""
         return self.proc.wait(timeout)
 
     def terminate(self) -> None:
         """SIGTERM it (a stage ends its open transaction cleanly and exits), without waiting."""
+        self.asked_to_stop = True
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
 
     def kill(self, timeout: float = 30.0) -> None:
         """SIGKILL it and its own children, and reap it."""
+        self.asked_to_stop = True
         if not self.alive():
             return
         # Its own process group only (start_new_session): nothing else on the machine is touched.
@@ -100,6 +108,7 @@ class StageProc:
         """SIGTERM, SIGKILL after ``timeout`` seconds; the exit code (None if it was never started)."""
         if self.proc is None:
             return None
+        self.asked_to_stop = True
         if self.alive():
             self.terminate()
             try:
@@ -137,15 +146,15 @@ class Supervisor:
         """Restart processes that exited without being asked to; (name, exit code) of each."""
         restarted = []
         for name, p in self.procs.items():
-            if p.exited():
+            if p.crashed():
                 restarted.append((name, p.returncode))
                 p.start()
         self.crashes += restarted
         return restarted
 
     def dead(self) -> list[str]:
-        """Processes that exited (for callers that report exits instead of restarting)."""
-        return [name for name, p in self.procs.items() if p.exited()]
+        """Processes that exited without being asked to (for callers that report them instead of restarting)."""
+        return [name for name, p in self.procs.items() if p.crashed()]
 
     def stop_all(self, order: list[str] | None = None, timeout: float = 60.0) -> dict[str, int | None]:
         """Stop every process one after the other, those in ``order`` first (upstream first, so downstream can
