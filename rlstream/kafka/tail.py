@@ -141,7 +141,7 @@ class TopicTail:
     """Follows the given topics of a run (all of them by default) in a background thread.
 
     ``keep``: keep every record read (``snapshot``, ``count``); a long-lived follower passes False and only
-    ``on_record``, which is called in the tail's thread for every record, in partition order.
+    ``on_record``, which is called in the tail's thread for every record (each partition's in offset order).
     """
 
     def __init__(self, client_config: dict, run: str, topics: list[str] | None = None, *, name: str = "tail",
