@@ -1,6 +1,7 @@
 """A stand-in stage process for the supervisor's tests: ``python -m tests.helpers.sleeper SECONDS [FLAGS...]``.
 
-It writes ``ready`` once its SIGTERM handler is in place, then sleeps SECONDS (0: until signalled) and exits 3.
+It writes ``ready`` once its SIGTERM handler is in place, then sleeps SECONDS (0: two minutes, so that a failed
+test leaves nothing behind for long) and exits 3.
 SIGTERM ends it with 0. Flags: ``ignore-term`` (SIGTERM does nothing), ``child`` (it first starts a ``sleep``
 child in its process group and writes ``child <pid>``).
 """
@@ -17,7 +18,7 @@ def main(argv: list[str]) -> int:
     if "child" in flags:
         print(f"child {subprocess.Popen(['sleep', '120']).pid}", flush=True)
     print("ready", flush=True)
-    deadline = time.monotonic() + (seconds or 3600)
+    deadline = time.monotonic() + (seconds or 120)
     while time.monotonic() < deadline:
         time.sleep(0.05)
     return 3
