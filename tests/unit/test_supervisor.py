@@ -76,5 +76,7 @@ def test_the_supervisor_restarts_unplanned_exits_and_stops_in_order(tmp_path):
         for p in sup.procs.values():
             p.kill()
     assert list(codes) == ["steady", "quitter"], "the given order first, then the rest"
-    assert codes["steady"] == 0 and codes["quitter"] in (0, 3)
+    # The quitter may exit on its own again around the stop, and a SIGTERM that lands while Python shuts down
+    # (its handlers reset) ends it by the signal.
+    assert codes["steady"] == 0 and codes["quitter"] in (0, 3, -signal.SIGTERM)
     assert sup.dead() == [] and sup.check() == [], "processes stopped on purpose are not restarted"
