@@ -5,7 +5,7 @@ archive's own tables (the sink's DDL): N trajectories, each scored under two
 reward versions (2N reward rows), a policy version per 10,000 samples, and some
 dead letters; then installs the views and times every query the report asks.
 
-    python benchmarks/analytics_queries.py --rows 1000000
+    python -m benchmarks.analytics_queries --rows 1000000
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ and with Python decoding it, then the parts alone. Besides wall-clock rows/s it
 prints rows per CPU-second of this process (chDB's threads included), which a
 busy shared machine disturbs far less.
 
-    python benchmarks/archive_ingest.py --count 100000 --tokens 30
+    python -m benchmarks.archive_ingest --count 100000 --tokens 30
 """
 from __future__ import annotations
 

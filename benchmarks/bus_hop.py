@@ -1,6 +1,6 @@
 """One exactly-once hop against raw pass-through, on the same broker in the same run.
 
-    python benchmarks/bus_hop.py [--records 10000] [--tokens 1000]
+    python -m benchmarks.bus_hop [--records 10000] [--tokens 1000]
 
 - raw: consume bytes from one topic and produce them to another: no Avro, no transactions.
 - hop: the reward stage on the shared runtime: decode a Trajectory, score it, encode a
@@ -11,32 +11,24 @@ Prints records/s for both and their ratio (goal: hop >= 0.5 x raw and >= 10,000/
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import uuid
-from pathlib import Path
 
 from confluent_kafka import Consumer, Producer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from kafka_util import make_trajectory  # noqa: E402
-
-from rlstream.config import KafkaSettings  # noqa: E402
-from rlstream.infra import broker  # noqa: E402
-from rlstream.kafka.topics import create_topics, topic_name  # noqa: E402
-from rlstream.schemas import headers as hdr  # noqa: E402
-from rlstream.schemas.codec import default_codec  # noqa: E402
-from rlstream.stages.reward import RewardSettings, RewardStage  # noqa: E402
+from benchmarks.harness.workloads import make_trajectory
+from rlstream.config import KafkaSettings
+from rlstream.infra import broker
+from rlstream.kafka.topics import create_topics, topic_name
 from rlstream.runtime.runner import StageRunner
-from rlstream.runtime.settings import RuntimeSettings  # noqa: E402
-
-
-def constant_reward(trajectory) -> float:
-    """A reward that costs nothing, so the hop measures the bus."""
-    return 1.0
+from rlstream.runtime.settings import RuntimeSettings
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import default_codec
+from rlstream.stages.reward import RewardSettings, RewardStage
 
 
 def fill(bootstrap: str, topic: str, values: list[bytes], with_headers: bool) -> None:
+    """Produce ``values`` to ``topic`` (with the headers a stage needs when ``with_headers``)."""
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "compression.type": "lz4",
                          "queue.buffering.max.kbytes": 1048576})
     headers = hdr.build(0, hdr.new_traceparent()) if with_headers else None
@@ -51,6 +43,7 @@ def fill(bootstrap: str, topic: str, values: list[bytes], with_headers: bool) ->
 
 
 def raw_pass_through(bootstrap: str, src: str, dst: str, n: int) -> float:
+    """Records/s of plain consume-and-produce from ``src`` to ``dst``: no Avro, no transactions."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"raw-{uuid.uuid4().hex}",
                          "auto.offset.reset": "earliest", "enable.auto.commit": True,
                          "max.partition.fetch.bytes": 16 << 20})
@@ -77,45 +70,34 @@ def raw_pass_through(bootstrap: str, src: str, dst: str, n: int) -> float:
 
 
 def eos_hop(bootstrap: str, run: str, n: int, pipeline: bool, concurrency: int) -> float:
-    stage = RewardStage(RewardSettings(reward=f"{__name__}:constant_reward" if __name__ != "__main__"
-                                       else "bus_hop:constant_reward"))
-    runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run),
-                         RuntimeSettings(batch_size=500, concurrency=concurrency, pipeline=pipeline))
-    # The clock starts at the first record handed to the stage, so the timed part excludes group join.
+    """Records/s of the reward stage on the shared runtime, from its first record to its n-th commit."""
+    stage = RewardStage(RewardSettings(reward="benchmarks.harness.workloads:constant"))
+    # The clock starts at the first record handed to the stage, so the timed part excludes group join; the runner's
+    # public hooks count records handed in and records committed.
     counted = {"n": 0, "t0": None}
-    process_batch, admit, commit_ready = runner._process_batch, runner._admit, runner._commit_ready
 
-    def count(k: int) -> None:
+    def consumed(k: int) -> None:
+        counted["t0"] = counted["t0"] or time.perf_counter()
+
+    def committed(k: int) -> None:
         counted["n"] += k
         if counted["n"] >= n:
             runner.request_stop()
 
-    def timed_batch(msgs):
-        counted["t0"] = counted["t0"] or time.perf_counter()
-        process_batch(msgs)
-        count(len(msgs))
-
-    def timed_admit(m, now, now_ms):
-        counted["t0"] = counted["t0"] or time.perf_counter()
-        admit(m, now, now_ms)
-
-    def timed_commit():
-        k = runner._window.count_ready()
-        commit_ready()
-        count(k)
-
-    runner._process_batch, runner._admit, runner._commit_ready = timed_batch, timed_admit, timed_commit
+    runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run),
+                         RuntimeSettings(batch_size=500, concurrency=concurrency, pipeline=pipeline),
+                         on_consumed=consumed, on_committed=committed)
     runner.run()
     return n / (time.perf_counter() - counted["t0"])
 
 
 def main() -> None:
+    """Raw pass-through, then the hop in both runtime modes; print records/s and ratios."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=10000)
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=64, help="records in flight in the pipelined hop")
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     bootstrap = broker.up()
     run = "bench-hop-" + uuid.uuid4().hex[:8]
     create_topics({"bootstrap.servers": bootstrap}, run, partitions=4)

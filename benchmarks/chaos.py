@@ -1,6 +1,6 @@
 """Chaos: SIGKILL random stages of the running loop, restart them, then reconcile topics and archive.
 
-    python benchmarks/chaos.py [--kills 20] [--run R] [--seed 0] [--tasks 160] [--bootstrap HOST:PORT]
+    python -m benchmarks.chaos [--kills 20] [--run R] [--seed 0] [--tasks 160] [--bootstrap HOST:PORT]
 
 Runs trainer, rollout, env, reward and archive, each its own ``rlstream run`` process, and a
 prompt source of a fixed number of tasks (G samples each): one share at the start and one at
@@ -38,18 +38,18 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from confluent_kafka.admin import AdminClient
 
-from confluent_kafka.admin import AdminClient  # noqa: E402
-
-from loop_procs import (ROOT, StageProc, Supervisor, TopicTail, advanced, group_offsets, p99, stage_env,  # noqa: E402
-                        wait_until)
-from rlstream.config import KafkaSettings  # noqa: E402
-from rlstream.kafka.topics import create_topics  # noqa: E402
-from rlstream.sources.prompts import PromptProducer, make_task, task_items  # noqa: E402
-from rlstream.schemas.codec import default_codec  # noqa: E402
-from rlstream.schemas.records import RECORD_TYPES, SamplingParams  # noqa: E402
+from benchmarks.harness.groups import advanced, group_offsets
+from benchmarks.harness.loop import ROOT, wait_until
+from benchmarks.harness.stats import percentile
+from rlstream.config import KafkaSettings
+from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
+from rlstream.kafka.tail import TopicTail
+from rlstream.kafka.topics import create_topics
+from rlstream.schemas.codec import default_codec
+from rlstream.schemas.records import RECORD_TYPES, SamplingParams
+from rlstream.sources.prompts import PromptProducer, make_task, task_items
 
 STAGES = ("rollout", "env", "reward", "trainer", "archive")
 #: Stop order: upstream first, so each stage finishes what it was given; the archive last.
@@ -60,10 +60,12 @@ ARCHIVE_TABLES = {"tasks": ["prompts"], "episodes": ["actions", "observations"],
 
 
 def log(msg: str) -> None:
+    """A progress line on stderr (stdout carries the results)."""
     print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=20, help="SIGKILLs to deliver (default 20)")
     p.add_argument("--run", default="", help="run name (default: a fresh chaos-<time>)")
@@ -124,7 +126,8 @@ class PromptSource(threading.Thread):
 
 
 def start_loop(args, bootstrap: str, run: str, workdir: Path, archive: str) -> Supervisor:
-    env = stage_env(bootstrap, run)
+    """The loop's stage processes, supervised, not started yet."""
+    env = stage_env(bootstrap, run, **ONE_THREAD)
     if args.kafka_config:
         env["RLSTREAM_KAFKA_CONFIG"] = args.kafka_config
     logs = workdir / "logs"
@@ -140,7 +143,7 @@ def start_loop(args, bootstrap: str, run: str, workdir: Path, archive: str) -> S
     }
     sup = Supervisor()
     for name, argv in plan.items():
-        sup.add(StageProc(name, argv, env, logs / f"{name}.log", group=f"{run}.{name}"))
+        sup.add(StageProc(name, argv, env, logs / f"{name}.log", group=f"{run}.{name}", cwd=ROOT))
     return sup
 
 
@@ -278,6 +281,7 @@ def archive_counts(url: str, run: str) -> dict[str, int] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run, kill, drain, reconcile; 0 when every invariant holds."""
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the stage processes are stopped rather than left running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -304,14 +308,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.kills} kills; logs in {workdir / 'logs'}")
 
     sup = start_loop(args, bootstrap, run, workdir, archive)
-    tail = TopicTail(bootstrap, run, client_config={k: v for k, v in client.items() if k != "bootstrap.servers"})
+    tail = TopicTail(client, run, name="chaos-tail")
     source = PromptSource(kafka, n_tasks, args.group_size, args.seed)
     kills: list[dict] = []
     failed_to_drain = False
     try:
         def supervise() -> None:
-            for name in sup.check():
-                log(f"{name} had exited on its own; restarted (see its log)")
+            for name, code in sup.check():
+                log(f"{name} had exited on its own (exit code {code}); restarted (see its log)")
 
         sup.procs["trainer"].start()
         wait_until(lambda: supervise() or tail.count("policy-versions"), args.warmup_timeout, 0.5,
@@ -409,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         print("policy versions out of order: " + "; ".join(versions_bad[:10]))
     ok = lost == 0 and duplicated == 0 and not versions_bad and not failed_to_drain and n_versions > 0
     print(f"tasks={len(source.sent)} trajectories={n_traj} lost={lost} duplicated={duplicated} "
-          f"recovery_p99={p99(measured):.1f}s kills={len(kills)} timeouts={len(kills) - len(measured)} "
+          f"recovery_p99={percentile(measured, 99):.1f}s kills={len(kills)} timeouts={len(kills) - len(measured)} "
           f"policy_versions={n_versions} versions_increasing={'yes' if not versions_bad else 'no'}", flush=True)
     return 0 if ok else 1
 

@@ -1,6 +1,6 @@
 """Goodput: valid samples/hour of rlstream's async loop (eta=2) against the same loop run synchronously.
 
-    python benchmarks/goodput_async_vs_sync.py [--seconds 150] [--reward-workers 2]
+    python -m benchmarks.goodput_async_vs_sync [--seconds 150] [--reward-workers 2]
 
 Both modes run the same processes (trainer, vLLM rollout, env, reward x R, every one its own ``rlstream run``)
 on the same tasks in the same order; only the pacing differs:
@@ -16,7 +16,8 @@ until <eos> or its budget and lengths follow the budget):
 - generation budget max_tokens per task: Pareto(alpha=1.2, x_min=4) mass on the buckets 4/8/16/32/59 tokens
   (56.5/24.6/10.7/4.3/3.9 %), cut at the 64-token context;
 - reward latency per sample: lognormal, median 0.1 s, sigma 1.5 (mean 0.31 s, p99 3.3 s), capped at 10 s,
-  an async judge (benchmarks/workloads.py:heavy_tailed_reward), seeded by trajectory id so both modes draw alike.
+  an async judge (benchmarks/harness/workloads.py:heavy_tailed_reward), seeded by trajectory id so both modes draw
+  alike.
 A valid sample is one the trainer trained on (PolicyVersion.samples_trained): within eta, not stale, not evicted.
 Goodput is counted between the publish of version 2 (the pipeline is full) and the last version in the window.
 """
@@ -25,16 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.harness.loop import Loop, PacedSource, Versions, log
+from benchmarks.harness.workloads import max_tokens_for
 
-from bench_loop import Loop, PacedSource, Versions, log  # noqa: E402
-from workloads import max_tokens_for  # noqa: E402
-
-REWARD = "benchmarks.workloads:heavy_tailed_reward"
+REWARD = "benchmarks.harness.workloads:heavy_tailed_reward"
 
 
 def run_mode(mode: str, args) -> dict:
@@ -90,6 +88,7 @@ def run_mode(mode: str, args) -> dict:
 
 
 def main(argv=None) -> dict:
+    """Run the benchmark from the command line; its results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=150, help="measured wall-clock per mode")
     ap.add_argument("--reward-workers", type=int, default=2, help="reward processes in both modes")

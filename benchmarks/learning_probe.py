@@ -3,7 +3,7 @@
 Generation (KV-cached sampling) and the log-prob computation are written here in
 plain torch, not TRL. Prints `step, seconds, heldout_greedy, train_sampled_reward`.
 
-    python benchmarks/learning_probe.py --task reverse --batch 128 --group 8 --lr 1e-4
+    python -m benchmarks.learning_probe --task reverse --batch 128 --group 8 --lr 1e-4
     (add --threads 1 when other processes share the 2 cores: 2 threads then run far slower)
 """
 

@@ -1,6 +1,6 @@
 """Peak RSS of each stage process (and the broker) during a short ``rlstream demo`` run.
 
-    python benchmarks/memory.py [--minutes 2]
+    python -m benchmarks.memory [--minutes 2]
 
 Samples every process under the demo (each stage with its own children) with psutil every 0.5 s. RSS counts
 shared pages (torch, vLLM libraries) in every process that maps them, so the column does not add up to a
@@ -12,14 +12,14 @@ import argparse
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness.loop import ROOT
+from rlstream.infra.supervisor import StageProc
+
 STAGES = ("trainer", "rollout", "env", "reward", "archive", "prompts")
 
 
@@ -38,6 +38,7 @@ def stage_of(proc: psutil.Process) -> str | None:
 
 
 def broker_process() -> psutil.Process | None:
+    """The project's own Kafka broker JVM (under .rlstream/), if it runs."""
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
         if "kafka.Kafka" in cmd and any(str(ROOT / ".rlstream") in c for c in cmd):
@@ -57,6 +58,7 @@ def mem(proc: psutil.Process, full: bool) -> tuple[int, int]:
 
 
 def main(argv=None) -> dict:
+    """Run the benchmark from the command line; its results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=2.0, help="length of the demo run")
     ap.add_argument("--interval", type=float, default=0.5)
@@ -65,9 +67,8 @@ def main(argv=None) -> dict:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     run = "mem-" + time.strftime("%H%M%S")
     # A target above 1 is never reached: the demo runs its full --minutes, then stops every stage.
-    demo = subprocess.Popen([sys.executable, "-m", "rlstream.cli", "demo", "--run", run, "--minutes",
-                             str(args.minutes), "--target", "2"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    demo = StageProc("demo", ["demo", "--run", run, "--minutes", str(args.minutes), "--target", "2"], env,
+                     ROOT / ".rlstream" / "runs" / run / "memory-demo.log", cwd=ROOT).start()
     root = psutil.Process(demo.pid)
     peak: dict[str, int] = {}  # stage -> peak RSS summed over its processes
     peak_pss: dict[str, int] = {}
@@ -76,7 +77,7 @@ def main(argv=None) -> dict:
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))  # a time limit still gets the table so far
     deadline = time.monotonic() + args.minutes * 60 + 45
-    while demo.poll() is None and not stop and time.monotonic() < deadline:
+    while demo.alive() and not stop and time.monotonic() < deadline:
         full = tick % 10 == 0
         tick += 1
         per_stage: dict[str, list[int]] = {}
@@ -113,10 +114,10 @@ def main(argv=None) -> dict:
             peak_pss[stage] = max(peak_pss.get(stage, 0), pss)
         time.sleep(args.interval)
     tail = []
-    if demo.poll() is None:
-        demo.send_signal(signal.SIGINT)  # the demo stops its stages itself; its last lines are not waited for
+    if demo.alive():
+        demo.terminate()  # the demo stops its stages itself; its last lines are not waited for
     else:
-        tail = demo.stdout.read().strip().splitlines()[-1:]
+        tail = demo.log_tail().strip().splitlines()[-1:]
     print(f"peak memory per process during a {args.minutes:g}-minute `rlstream demo` (run {run})")
     print(f"{'process':22s} {'peak RSS MiB':>12s} {'peak PSS MiB':>12s}")
     order = [s for s in (*STAGES, "other", "demo (orchestrator)", "kafka broker (JVM)") if peak.get(s)]

@@ -5,7 +5,7 @@ baseline: the same runtime under the stage's own group), then replays them from 
 topic under a new version, and (with --archive) from the archive after 'retention',
 through a running archive process as a user would.
 
-    python benchmarks/replay_throughput.py --count 20000 [--archive]
+    python -m benchmarks.replay_throughput --count 20000 [--archive]
 """
 from __future__ import annotations
 

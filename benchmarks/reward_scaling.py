@@ -1,10 +1,10 @@
 """Consumer-group scaling of the reward stage with an I/O-bound judge: throughput at 1, 2, 4, 8 processes.
 
-    python benchmarks/reward_scaling.py [--consumers 1,2,4,8] [--per-consumer 800] [--concurrency 2]
+    python -m benchmarks.reward_scaling [--consumers 1,2,4,8] [--per-consumer 800] [--concurrency 2]
 
 Each point is a fresh run (8 partitions per topic) whose reward group is N separate ``rlstream run reward``
-processes with benchmarks/workloads.py:io_judge (asyncio.sleep of 50 ms, no CPU). An async judge lets one process
-keep --concurrency judgements in flight, so one process alone could absorb the whole load; --concurrency 2 caps
+processes with benchmarks/harness/workloads.py:io_judge (asyncio.sleep of 50 ms, no CPU). An async judge lets one
+process keep --concurrency judgements in flight, so one process alone could absorb the whole load; --concurrency 2 caps
 each process at about 2 / 50 ms = 40 records/s, which makes one consumer the bottleneck and the group's size
 what is measured. Once the group is stable with N members, per-consumer x N trajectories are produced evenly
 over the partitions; throughput is counted from the group's committed offsets, from the first commit to the last.
@@ -14,24 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from confluent_kafka import ConsumerGroupState, Producer
+from confluent_kafka.admin import AdminClient
 
-from confluent_kafka import ConsumerGroupState, Producer  # noqa: E402
-from confluent_kafka.admin import AdminClient  # noqa: E402
+from benchmarks.harness.groups import group_offsets
+from benchmarks.harness.loop import Loop, log
+from benchmarks.harness.workloads import make_trajectory
+from rlstream.kafka.topics import topic_name
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import default_codec
 
-from bench_loop import Loop, log  # noqa: E402
-from kafka_util import make_trajectory  # noqa: E402
-from loop_procs import group_offsets  # noqa: E402
-from rlstream.kafka.topics import topic_name  # noqa: E402
-from rlstream.schemas import headers as hdr  # noqa: E402
-from rlstream.schemas.codec import default_codec  # noqa: E402
-
-JUDGE = "benchmarks.workloads:io_judge"
+JUDGE = "benchmarks.harness.workloads:io_judge"
 
 
 def stable_members(admin: AdminClient, group: str) -> int:
@@ -91,6 +87,7 @@ def one_point(n: int, args) -> dict:
 
 
 def main(argv=None) -> dict:
+    """Run the benchmark from the command line; its results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--consumers", default="1,2,4,8")
     ap.add_argument("--per-consumer", type=int, default=800, help="records per consumer (N x this in all)")

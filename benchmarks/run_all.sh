@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `make bench`: every benchmark of benchmarks/README.md at settings that finish within 30 minutes on 2 cores.
 # Each script has a hard time limit, so one that hangs cannot take the rest down; results land in $OUT.
+# Scripts run as modules from the repository root (python -m benchmarks.X): that is how they import the harness.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-.rlstream/bench/$(date +%Y%m%d-%H%M%S)}
@@ -21,13 +22,13 @@ step() {  # step NAME LIMIT_S COMMAND...: run, keep stdout+stderr in $OUT/NAME.l
 }
 
 rlstream up >/dev/null
-step bus_hop 120 python benchmarks/bus_hop.py --records 5000
-step reward_scaling 150 python benchmarks/reward_scaling.py --per-consumer 400 --json "$OUT/reward_scaling.json"
-step weight_publish 200 python benchmarks/weight_publish.py --seconds 50 --json "$OUT/weight_publish.json"
-step memory 200 python benchmarks/memory.py --minutes 1.5 --json "$OUT/memory.json"
-step goodput 420 python benchmarks/goodput_async_vs_sync.py --seconds 60 --json "$OUT/goodput.json"
+step bus_hop 120 python -m benchmarks.bus_hop --records 5000
+step reward_scaling 150 python -m benchmarks.reward_scaling --per-consumer 400 --json "$OUT/reward_scaling.json"
+step weight_publish 200 python -m benchmarks.weight_publish --seconds 50 --json "$OUT/weight_publish.json"
+step memory 200 python -m benchmarks.memory --minutes 1.5 --json "$OUT/memory.json"
+step goodput 420 python -m benchmarks.goodput_async_vs_sync --seconds 60 --json "$OUT/goodput.json"
 # A lower target and cap than the README's full run (held-out 0.5, at most 480 s a run): the 30-minute budget.
-step vs_trl 720 python benchmarks/vs_trl.py --target 0.3 --max-seconds 120 --sync-probe-steps 0 \
+step vs_trl 720 python -m benchmarks.vs_trl --target 0.3 --max-seconds 120 --sync-probe-steps 0 \
   --json "$OUT/vs_trl.json"
 echo "== done in $(( $(date +%s) - started )) s; logs and JSON in $OUT"
 exit $failed

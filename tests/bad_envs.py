@@ -1,7 +1,7 @@
 """Misbehaving environments and reward functions for the bad-input tests.
 
-``python -m bad_envs run env ...`` is ``rlstream run env ...`` with these environments registered
-(tests/ must be on PYTHONPATH); reward functions load by dotted path as usual.
+``python -m tests.bad_envs run env ...`` (from the repository root) is ``rlstream run env ...`` with these
+environments registered; reward functions load by dotted path as usual (``tests.bad_envs:unencodable``).
 """
 import sys
 import time

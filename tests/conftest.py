@@ -1,14 +1,14 @@
-"""Shared fixtures: the real local Kafka broker and a fresh run (topic prefix) per test."""
+"""Shared fixtures: the real local Kafka broker, a fresh run (topic prefix) per test, and stage processes."""
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+from rlstream.infra.supervisor import StageProc, stage_env
+from tests.helpers import ROOT
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +27,24 @@ def run_name(bootstrap) -> str:
     name = "t" + uuid.uuid4().hex[:10]
     create_topics({"bootstrap.servers": bootstrap}, name, partitions=2)
     return name
+
+
+@pytest.fixture
+def start_stage(tmp_path):
+    """Starts ``rlstream [options] run STAGE args...`` processes (``module``: another entry point with rlstream's
+    command line, e.g. ``tests.bad_envs``), started from the repository root so that reward functions and
+    environments load from ``tests.`` by dotted path. Any still running when the test ends is SIGKILLed."""
+    started: list[StageProc] = []
+
+    def start(stage: str, bootstrap: str, run: str, *args: str, log_path: Path | None = None,
+              options: tuple[str, ...] = (), module: str = "rlstream.cli") -> StageProc:
+        """Start one stage process (logging to ``log_path``, else a file of its own under tmp_path)."""
+        log = log_path or tmp_path / f"{stage}-{len(started)}.log"
+        proc = StageProc(stage, [*options, "run", stage, *args], stage_env(bootstrap, run), log, module=module,
+                         cwd=ROOT)
+        started.append(proc.start())
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()

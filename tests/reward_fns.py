@@ -1,4 +1,5 @@
-"""Reward functions that tests load by dotted path (tests/ is on PYTHONPATH for stage subprocesses)."""
+"""Reward functions that tests load by dotted path, ``tests.reward_fns:<name>`` (stage processes start in the
+repository root)."""
 import random
 import time
 
@@ -32,3 +33,10 @@ def picky(trajectory):
     if response == "wrongtype":
         return "one point"
     return exact_match(trajectory)
+
+
+def partial_credit(trajectory):
+    """The 'new reward' of the replay tests: the share of answer characters in the right place (exact match gave 0
+    or 1)."""
+    answer, response = trajectory.task.answer, trajectory.response
+    return {"chars": sum(a == b for a, b in zip(answer, response)) / len(answer)}

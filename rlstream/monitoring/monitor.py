@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 from rlstream.config import KafkaSettings, knob
 from rlstream.errors import UserError
+from rlstream.kafka.tail import Seen, TopicTail
 from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
@@ -50,13 +51,13 @@ class MonitorSettings:
 
 # -- the figures (shared by both backends) -------------------------------------------------------------------
 
-def reward_key(headers: dict[str, bytes], value: dict) -> str:
+def reward_key(headers: dict[str, bytes], reward_version: str) -> str:
     """'<policy version>|<reward version>' of one ScoredTrajectory record."""
     try:
         version = hdr.policy_version(headers)
     except hdr.HeaderError:
         version = -1
-    return f"{version}|{value['reward']['reward_version']}"
+    return f"{version}|{reward_version}"
 
 
 def policy_entry(value: dict) -> tuple[str, dict]:
@@ -192,7 +193,8 @@ def faust_app(settings: MonitorSettings, kafka: KafkaSettings):
             except Exception as exc:  # the stages dead-letter bad records; the monitor only skips them
                 log.warning("monitor: undecodable reward record: %s", exc)
                 continue
-            key, total = reward_key(dict(event.headers or {}), value), value["reward"]["total"]
+            reward = value["reward"]
+            key, total = reward_key(dict(event.headers or {}), reward["reward_version"]), reward["total"]
             n, s = totals[key]
             totals[key] = [n + 1, s + total]
             win_n[key] += 1
@@ -246,40 +248,32 @@ class PlainMonitor:
         self.policies: dict[str, dict] = {}
         self.stopping = threading.Event()
 
-    def _fold(self, m, codec) -> None:
-        name, value = codec.decode(m.value())
+    def _fold(self, seen: Seen) -> None:
+        record = seen.record
+        if record is None:  # the stages dead-letter bad records; the monitor only skips them
+            log.warning("monitor: skipped an undecodable %s record at offset %d", seen.topic, seen.offset)
+            return
         with self.lock:
-            if name == "PolicyVersion":
-                version, entry = policy_entry(value)
+            if seen.topic == "policy-versions":
+                version, entry = policy_entry(record.to_dict())
                 self.policies[version] = entry
                 return
-            key, total = reward_key(hdr.as_dict(m.headers()), value), value["reward"]["total"]
+            key, total = reward_key(seen.headers, record.reward.reward_version), record.reward.total
             t = self.totals.setdefault(key, [0, 0.0])
             t[0], t[1] = t[0] + 1, t[1] + total
-            w = self.windows.setdefault((key, int(m.timestamp()[1] / 1000 // self.settings.monitor_window_s)),
+            w = self.windows.setdefault((key, int(seen.timestamp_ms / 1000 // self.settings.monitor_window_s)),
                                         [0, 0.0])
             w[0], w[1] = w[0] + 1, w[1] + total
 
     def consume(self) -> None:
-        from confluent_kafka import Consumer, TopicPartition
-        codec = default_codec()
-        consumer = Consumer({**self.kafka.client_config(), "group.id": f"{self.kafka.run}.monitor-plain",
-                             "isolation.level": "read_committed", "enable.auto.commit": False})
-        names = [topic_name(self.kafka.run, t) for t in ("rewards", "policy-versions")]
-        parts = [TopicPartition(n, p, 0) for n in names
-                 for p in consumer.list_topics(n, timeout=30).topics[n].partitions]
-        consumer.assign(parts)
+        """Fold both topics from their start until ``stopping`` is set; expired windows are dropped meanwhile."""
+        tail = TopicTail(self.kafka.client_config(), self.kafka.run, ["rewards", "policy-versions"],
+                         name="monitor-plain", keep=False, on_record=self._fold)
         try:
-            while not self.stopping.is_set():
-                for m in consumer.consume(500, 0.5):
-                    if m.error() is None and m.value() is not None:
-                        try:
-                            self._fold(m, codec)
-                        except Exception as exc:  # never stop the monitor on one record
-                            log.warning("monitor: skipped a record: %s", exc)
+            while not self.stopping.wait(0.5):
                 self._expire()
         finally:
-            consumer.close()
+            tail.close()
 
     def _expire(self) -> None:
         oldest = int((time.time() - self.settings.monitor_expires_s) // self.settings.monitor_window_s)

@@ -1,14 +1,14 @@
-"""Follows the compacted policy-versions topic in a background thread: the newest announced policy."""
+"""The announced policy versions, read from the compacted policy-versions topic with the tail reader.
+
+- ``PolicyWatcher``: follows the topic in a background thread; the newest announced version of one policy.
+- ``last_policy_version``: reads the topic to its end once; the newest version of one policy (a trainer resuming).
+"""
 from __future__ import annotations
 
 import logging
 import threading
-import time
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
-from rlstream.kafka.topics import topic_name
-from rlstream.schemas.codec import DecodeError, default_codec
+from rlstream.kafka.tail import Seen, TopicTail, read_to_end
 from rlstream.schemas.records import PolicyVersion
 
 log = logging.getLogger(__name__)
@@ -23,15 +23,9 @@ class PolicyWatcher:
         self.seen_at: dict[int, float] = {}  # version -> monotonic time it was first seen here
         self._on_new = on_new
         self._changed = threading.Condition()
-        self._stop = threading.Event()
-        self._consumer = Consumer({**client_config, "group.id": f"{run}.policy-watch", "enable.auto.commit": False,
-                                   "isolation.level": "read_committed", "auto.offset.reset": "earliest"})
-        name = topic_name(run, "policy-versions")
-        parts = self._consumer.list_topics(name, timeout=30).topics[name].partitions
-        # No group subscription: every watcher reads the whole (compacted) topic from the start.
-        self._consumer.assign([TopicPartition(name, p, OFFSET_BEGINNING) for p in parts])
-        self._thread = threading.Thread(target=self._loop, name="policy-watch", daemon=True)
-        self._thread.start()
+        # Every watcher reads the whole (compacted) topic from the start, and keeps only the newest version.
+        self._tail = TopicTail(client_config, run, ["policy-versions"], name="policy-watch", keep=False,
+                               on_record=self._seen)
 
     @property
     def version(self) -> int:
@@ -45,32 +39,33 @@ class PolicyWatcher:
             return self._changed.wait_for(lambda: self.version >= version, timeout)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._consumer.close()
+        """Stop following the topic."""
+        self._tail.close()
 
-    def _loop(self) -> None:
-        codec = default_codec()
-        while not self._stop.is_set():
-            # poll() returns on the first record; consume(n, t) would sit out its whole timeout waiting for
-            # n records, and every rollout would see each new version up to that much later.
-            first = self._consumer.poll(0.2)
-            if first is None:
-                continue
-            for msg in [first, *self._consumer.consume(100, 0)]:
-                if msg.error():
-                    continue
-                try:
-                    _, value = codec.decode(msg.value(), expect="PolicyVersion")
-                except DecodeError as exc:
-                    log.warning("ignoring undecodable policy version at offset %d: %s", msg.offset(), exc)
-                    continue
-                pv = PolicyVersion.from_dict(value)
-                if pv.policy != self.policy or pv.version <= self.version:
-                    continue
-                with self._changed:
-                    self.latest = pv
-                    self.seen_at[pv.version] = time.monotonic()
-                    self._changed.notify_all()
-                if self._on_new:
-                    self._on_new(pv)
+    def _seen(self, s: Seen) -> None:
+        """One record of the topic: a newer version of this policy becomes ``latest``."""
+        pv = s.record
+        if pv is None:
+            log.warning("ignoring undecodable policy version at offset %d", s.offset)
+            return
+        if pv.policy != self.policy or pv.version <= self.version:
+            return
+        with self._changed:
+            self.latest = pv
+            self.seen_at[pv.version] = s.seen_at
+            self._changed.notify_all()
+        if self._on_new:
+            self._on_new(pv)
+
+
+def last_policy_version(client_config: dict, run: str, policy: str, timeout: float = 60.0) -> PolicyVersion | None:
+    """The newest committed PolicyVersion of ``policy`` in ``run`` (None before the first); TimeoutError when the
+    topic cannot be read to its end within ``timeout`` seconds, rather than an older version."""
+    latest: PolicyVersion | None = None
+    for s in read_to_end(client_config, run, "policy-versions", timeout=timeout, name="policy-last"):
+        pv = s.record
+        if pv is None:
+            log.warning("ignoring undecodable policy version at offset %d", s.offset)
+        elif pv.policy == policy and (latest is None or pv.version > latest.version):
+            latest = pv
+    return latest

@@ -11,15 +11,15 @@ import pytest
 from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from kafka_util import make_task, make_trajectory, produce
-from kafka_util import wait_for as _wait_for
 from rlstream.archive.query import ENDPOINT_FILE, ArchiveError, open_archive, read_endpoint
 from rlstream.kafka.topics import TOPICS, topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import (DeadLetter, Episode, Failure, PolicyVersion, Reward, ScoredTrajectory,
                                       TeacherFeedback, ToolCall, ToolResult, Turn)
-from stage_proc import ROOT, start_stage, stop
+from tests.helpers import ROOT
+from tests.helpers.kafka import make_task, make_trajectory, produce
+from tests.helpers.kafka import wait_for as _wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -111,7 +111,7 @@ def _caught_up(bootstrap: str, run: str) -> bool:
 
 
 @pytest.mark.timeout(1200)
-def test_archives_every_topic_and_replayed_offsets_add_no_rows(bootstrap, run_name, tmp_path):
+def test_archives_every_topic_and_replayed_offsets_add_no_rows(bootstrap, run_name, tmp_path, start_stage):
     """(c) Rows land typed; the same offsets consumed again add nothing; SQL through the endpoint and directly."""
     path = tmp_path / "archive"
     url = f"chdb://{path}"
@@ -119,8 +119,8 @@ def test_archives_every_topic_and_replayed_offsets_add_no_rows(bootstrap, run_na
     log = tmp_path / "archive.log"
     proc = start_stage("archive", bootstrap, run_name, "--archive", url, "--archive-flush-s", "0.3", log_path=log)
     try:
-        _wait_for(lambda: read_endpoint(str(path)) or proc.poll() is not None, 60, "the SQL endpoint")
-        assert proc.poll() is None, log.read_text()[-3000:]
+        _wait_for(lambda: read_endpoint(str(path)) or not proc.alive(), 60, "the SQL endpoint")
+        assert proc.alive(), proc.log_tail()
         _wait_for(lambda: _counts(url) == EXPECTED, 90, f"archived counts {EXPECTED}")
         with open_archive(url) as archive:
             # Typed columns: arrays are arrays, maps are maps, headers and failures are columns.
@@ -154,7 +154,7 @@ def test_archives_every_topic_and_replayed_offsets_add_no_rows(bootstrap, run_na
         out = _cli("sql", "SELEC nonsense", "--archive", url)
         assert out.returncode != 0 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
+        assert proc.stop() == 0, proc.log_tail()
     assert not (path / ENDPOINT_FILE).exists(), "the endpoint file is removed at exit"
 
     # The very same offsets again, same group: the watermark skips every record before any insert.
@@ -164,7 +164,7 @@ def test_archives_every_topic_and_replayed_offsets_add_no_rows(bootstrap, run_na
     try:
         _wait_for(lambda: _caught_up(bootstrap, run_name), 90, "the replay to commit every partition")
     finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
+        assert proc.stop() == 0, proc.log_tail()
     assert "archive stopped: 0 rows inserted, 79 records skipped" in log.read_text(), log.read_text()[-3000:]
 
     # No archive process now: `rlstream sql` opens chDB itself. No FINAL: duplicates would show.

@@ -8,23 +8,19 @@ from __future__ import annotations
 
 import collections
 import copy
-import os
 import random
 import string
-import subprocess
-import sys
 import time
 
 import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
-from kafka_util import make_task, make_trajectory, produce, read_all
 from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
+from rlstream.infra.supervisor import StageProc
 from rlstream.schemas.records import Episode, PolicyVersion, Reward, SamplingParams, ScoredTrajectory, Task, Turn
-from proc_guard import stop_or_kill as stop
-from stage_proc import ROOT, start_stage
+from tests.helpers.kafka import make_task, make_trajectory, produce, read_all
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -66,13 +62,14 @@ def _incompressible(i: int, output_bytes: int):
     return traj
 
 
-def _assert_alive(proc: subprocess.Popen, log) -> None:
+def _assert_alive(proc: StageProc) -> None:
     """Bad input never stops a stage."""
-    assert proc.poll() is None, f"the stage died:\n{log.read_text()[-3000:]}"
+    assert proc.alive(), f"the stage died:\n{proc.log_tail()}"
 
 
 @pytest.mark.timeout(540)
-def test_oversized_outputs_are_dead_lettered_and_never_block_the_partition(bootstrap, run_name, tmp_path):
+def test_oversized_outputs_are_dead_lettered_and_never_block_the_partition(bootstrap, run_name, tmp_path,
+                                                                            start_stage):
     """An output over the size limit, even one whose value alone is just under it, is dead-lettered as oversized."""
     _limit_topics(bootstrap, run_name, ["rewards", "dead-letters"], LIMIT)
     good = [make_trajectory(i) for i in range(3)]
@@ -90,23 +87,23 @@ def test_oversized_outputs_are_dead_lettered_and_never_block_the_partition(boots
     try:
         rewards = read_all(bootstrap, run_name, "rewards", expect=4, timeout=120)
         letters = read_all(bootstrap, run_name, "dead-letters", expect=2, timeout=60)
-        _assert_alive(proc, log)
+        _assert_alive(proc)
     finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
-    assert sorted(r["record"].trajectory.trajectory_id for r in rewards) == sorted(
-        t.trajectory_id for t in (*good, fits)), log.read_text()[-3000:]
+        assert proc.stop() == 0, proc.log_tail()
+    assert sorted(r.record.trajectory.trajectory_id for r in rewards) == sorted(
+        t.trajectory_id for t in (*good, fits)), proc.log_tail()
     assert len(items) == len(rewards) + len(letters)  # in = out + dead letters
-    originals = {r["offset"]: r for r in read_all(bootstrap, run_name, "trajectories", expect=len(items))}
-    for letter in (l["record"] for l in letters):
+    originals = {r.offset: r for r in read_all(bootstrap, run_name, "trajectories", expect=len(items))}
+    for letter in (l.record for l in letters):
         assert letter.reason == "oversized" and letter.stage == "reward", letter.error
         assert "exceeds 100000" in letter.error
         # The letter itself would not fit with the original bytes in it: it says where they are instead.
         assert letter.value is None and "not kept" in letter.error
-        assert originals[letter.offset]["record"].trajectory_id in (near.trajectory_id, big.trajectory_id)
+        assert originals[letter.offset].record.trajectory_id in (near.trajectory_id, big.trajectory_id)
 
 
 @pytest.mark.timeout(330)
-def test_bad_headers_and_unencodable_outputs_are_dead_lettered(bootstrap, run_name, tmp_path):
+def test_bad_headers_and_unencodable_outputs_are_dead_lettered(bootstrap, run_name, tmp_path, start_stage):
     """Null and non-UTF-8 headers, and a reward whose output cannot be encoded, never crash the stage."""
     good = [make_trajectory(i) for i in range(4)]
     bad = [
@@ -118,17 +115,17 @@ def test_bad_headers_and_unencodable_outputs_are_dead_lettered(bootstrap, run_na
     items = [(b"good", good[0], None)] + [(k, v, h) for k, v, h, _ in bad] + [(b"good", g, None) for g in good[1:]]
     produce(bootstrap, run_name, "trajectories", items)
     log = tmp_path / "reward.log"
-    proc = start_stage("reward", bootstrap, run_name, "--reward", "bad_envs:unencodable", "--batch-size", "3",
+    proc = start_stage("reward", bootstrap, run_name, "--reward", "tests.bad_envs:unencodable", "--batch-size", "3",
                        log_path=log)
     try:
         rewards = read_all(bootstrap, run_name, "rewards", expect=len(good), timeout=90)
         letters = read_all(bootstrap, run_name, "dead-letters", expect=len(bad), timeout=60)
-        _assert_alive(proc, log)
+        _assert_alive(proc)
     finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
-    assert sorted(r["record"].trajectory.trajectory_id for r in rewards) == sorted(g.trajectory_id for g in good)
-    assert {l["key"]: l["record"].reason for l in letters} == {k: reason for k, _, _, reason in bad}
-    by_key = {l["key"]: l["record"] for l in letters}
+        assert proc.stop() == 0, proc.log_tail()
+    assert sorted(r.record.trajectory.trajectory_id for r in rewards) == sorted(g.trajectory_id for g in good)
+    assert {l.key: l.record.reason for l in letters} == {k: reason for k, _, _, reason in bad}
+    by_key = {l.key: l.record for l in letters}
     assert by_key[b"null-version"].headers["policy_version"] == b""  # a null header value, kept as empty
     assert "does not fit its schema" in by_key[b"surrogate"].error
     assert len(items) == len(rewards) + len(letters)
@@ -152,7 +149,7 @@ def _python(code: str) -> str:
 
 
 @pytest.mark.timeout(450)
-def test_environments_that_hang_or_crash_and_bad_text(bootstrap, run_name, tmp_path):
+def test_environments_that_hang_or_crash_and_bad_text(bootstrap, run_name, tmp_path, start_stage):
     """Hanging, crashing and memory-hungry environments and tools end as failures or dead letters, with reasons."""
     codec = default_codec()
     ok = [_episode(i, "single", "cba") for i in range(3)]
@@ -186,34 +183,29 @@ def test_environments_that_hang_or_crash_and_bad_text(bootstrap, run_name, tmp_p
                           b"null-version": "bad_header"})
     failed_expected = {ep.episode_id: cls for ep, (kind, cls) in failing if kind == "failed"}
 
-    log = tmp_path / "env.log"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
-               RLSTREAM_BOOTSTRAP=bootstrap, RLSTREAM_RUN=run_name)
-    with open(log, "ab") as out:
-        # The env stage with the misbehaving environments of tests/bad_envs.py registered.
-        proc = subprocess.Popen([sys.executable, "-m", "bad_envs", "run", "env", "--sandbox", "subprocess",
-                                 "--tool-timeout-s", "2", "--tool-memory-mb", "256", "--handler-timeout-s", "5",
-                                 "--batch-size", "4"], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    # The env stage with the misbehaving environments of tests/bad_envs.py registered.
+    proc = start_stage("env", bootstrap, run_name, "--sandbox", "subprocess", "--tool-timeout-s", "2",
+                       "--tool-memory-mb", "256", "--handler-timeout-s", "5", "--batch-size", "4",
+                       module="tests.bad_envs")
     n_traj = len(ok) + len(failed_expected)
     try:
         trajectories = read_all(bootstrap, run_name, "trajectories", expect=n_traj, timeout=180)
         observations = read_all(bootstrap, run_name, "observations", expect=1, timeout=60)
         letters = read_all(bootstrap, run_name, "dead-letters", expect=len(dead_expected), timeout=60)
-        _assert_alive(proc, log)
+        _assert_alive(proc)
     finally:
-        assert stop(proc, timeout=30) == 0, log.read_text()[-3000:]
+        assert proc.stop(timeout=30) == 0, proc.log_tail()
 
     # in = out + dead letters + failures (failed trajectories are outputs that say why).
-    failures = [t["record"] for t in trajectories if t["record"].status == "failed"]
-    assert len(records) == len(trajectories) + len(observations) + len(letters), log.read_text()[-3000:]
+    failures = [t.record for t in trajectories if t.record.status == "failed"]
+    assert len(records) == len(trajectories) + len(observations) + len(letters), proc.log_tail()
     assert {t.trajectory_id: t.failure.failure_class for t in failures} == failed_expected
     assert all(t.failure.stage == "env" and t.failure.message for t in failures)
-    assert sorted(t["record"].trajectory_id for t in trajectories if t["record"].status == "ok") == sorted(
+    assert sorted(t.record.trajectory_id for t in trajectories if t.record.status == "ok") == sorted(
         ep.episode_id for ep in ok)
-    assert {l["key"]: l["record"].reason for l in letters} == dead_expected
-    assert all(l["record"].error and l["record"].stage == "env" for l in letters)
-    obs = observations[0]["record"]
+    assert {l.key: l.record.reason for l in letters} == dead_expected
+    assert all(l.record.error and l.record.stage == "env" for l in letters)
+    obs = observations[0].record
     assert obs.episode_id == binary_tool.episode_id and obs.turns[-1].text == "\ufffd\ufffd ok\n"
 
 
@@ -269,7 +261,7 @@ def _publish_policy(bootstrap: str, run: str, root):
 
 
 @pytest.mark.timeout(660)
-def test_prompts_too_long_and_model_output_that_is_not_utf8(bootstrap, run_name, tmp_path):
+def test_prompts_too_long_and_model_output_that_is_not_utf8(bootstrap, run_name, tmp_path, start_stage):
     """Rollout, env and reward processes: a too-long prompt is a recorded failure, and non-UTF-8 model output
     keeps its exact token ids with U+FFFD in its text."""
     tokenizer = _publish_policy(bootstrap, run_name, tmp_path / "weights")
@@ -280,30 +272,29 @@ def test_prompts_too_long_and_model_output_that_is_not_utf8(bootstrap, run_name,
     long = make_task(99, group_size=g, prompt="abc" * 30 + ">")  # 92 tokens; --max-context is 64
     long.sampling = SamplingParams(temperature=1.0, max_tokens=4)
     produce(bootstrap, run_name, "prompts", [(t.task_id.encode(), t, None) for t in (*short, long)])
-    logs = {name: tmp_path / f"{name}.log" for name in ("rollout", "env", "reward")}
     procs = {
         "rollout": start_stage("rollout", bootstrap, run_name, "--backend", "transformers", "--max-context", "64",
-                               "--wait-policy-s", "120", log_path=logs["rollout"]),
-        "env": start_stage("env", bootstrap, run_name, "--sandbox", "subprocess", log_path=logs["env"]),
-        "reward": start_stage("reward", bootstrap, run_name, log_path=logs["reward"]),
+                               "--wait-policy-s", "120"),
+        "env": start_stage("env", bootstrap, run_name, "--sandbox", "subprocess"),
+        "reward": start_stage("reward", bootstrap, run_name),
     }
     n = (len(short) + 1) * g
     try:
         rewards = read_all(bootstrap, run_name, "rewards", expect=n, timeout=240)
         actions = read_all(bootstrap, run_name, "actions", expect=n, timeout=30)
         trajectories = read_all(bootstrap, run_name, "trajectories", expect=n, timeout=30)
-        letters = read_all(bootstrap, run_name, "dead-letters", idle=1.0)
-        for name, p in procs.items():
-            _assert_alive(p, logs[name])
+        letters = read_all(bootstrap, run_name, "dead-letters")
+        for p in procs.values():
+            _assert_alive(p)
     finally:
-        codes = {name: stop(p, timeout=30) for name, p in procs.items()}
-    assert codes == {"rollout": 0, "env": 0, "reward": 0}, {n: l.read_text()[-2000:] for n, l in logs.items()}
+        codes = {name: p.stop(timeout=30) for name, p in procs.items()}
+    assert codes == {"rollout": 0, "env": 0, "reward": 0}, {n: p.log_tail(2000) for n, p in procs.items()}
     # Every prompt became G episodes, every episode a trajectory, every trajectory a reward; nothing dead.
     assert letters == []
     assert len(actions) == len(trajectories) == len(rewards) == n
-    assert collections.Counter(r["record"].trajectory.trajectory_id for r in rewards).most_common(1)[0][1] == 1
+    assert collections.Counter(r.record.trajectory.trajectory_id for r in rewards).most_common(1)[0][1] == 1
 
-    too_long = [r["record"] for r in rewards if r["record"].trajectory.task.task_id == long.task_id]
+    too_long = [r.record for r in rewards if r.record.trajectory.task.task_id == long.task_id]
     assert len(too_long) == g
     for scored in too_long:
         traj = scored.trajectory
@@ -317,7 +308,7 @@ def test_prompts_too_long_and_model_output_that_is_not_utf8(bootstrap, run_name,
     alphabet = {c: b for b, c in _bytes_to_unicode().items()}
     not_utf8 = 0
     for r in rewards:
-        traj = r["record"].trajectory
+        traj = r.record.trajectory
         if traj.status != "ok":
             continue
         turn = traj.turns[-1]
@@ -378,5 +369,5 @@ def test_trainer_skips_samples_whose_reward_version_header_is_null_or_binary(boo
     trainer.stop()
     thread.join(60)
     assert errors == [] and trainer.version == 1
-    versions = [r["record"] for r in read_all(bootstrap, run_name, "policy-versions", expect=2)]
+    versions = [r.record for r in read_all(bootstrap, run_name, "policy-versions", expect=2)]
     assert versions[-1].version == 1 and versions[-1].samples_trained == 2 * g  # groups 3 and 4 only

@@ -9,8 +9,8 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from kafka_util import free_base_port
 from rlstream.infra import broker, broker_jars
+from tests.helpers.kafka import free_base_port
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -10,11 +10,10 @@ import pytest
 from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from kafka_util import free_base_port, make_trajectory, produce, read_all
 from rlstream.infra import broker
+from rlstream.kafka.tail import Seen
 from rlstream.kafka.topics import create_topics, topic_name
-from proc_guard import stop_or_kill as stop
-from stage_proc import start_stage
+from tests.helpers.kafka import free_base_port, make_trajectory, produce, read_all
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 GROUPS = 40
@@ -33,7 +32,7 @@ def _trajectories(start: int, n: int) -> list[tuple]:
     return [(f"g{i % GROUPS}".encode(), make_trajectory(i, group=i % GROUPS), None) for i in range(start, start + n)]
 
 
-def _read(*args, **kw) -> list[dict]:
+def _read(*args, **kw) -> list[Seen]:
     """read_all, again when a broker busy starting up does not answer its metadata request in time."""
     for attempt in range(10):
         try:
@@ -46,7 +45,7 @@ def _read(*args, **kw) -> list[dict]:
 
 def _wait_rewards(bootstrap: str, run: str, at_least: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
-    while len(_read(bootstrap, run, "rewards", idle=0.5, timeout=10)) < at_least:
+    while len(_read(bootstrap, run, "rewards", timeout=10)) < at_least:
         assert time.monotonic() < deadline, f"fewer than {at_least} rewards within {timeout}s"
         time.sleep(1)
 
@@ -55,15 +54,15 @@ def _exactly_once(bootstrap: str, run: str, n: int, log) -> None:
     """Every one of the n inputs has exactly one reward, and nothing went to dead-letters."""
     _read(bootstrap, run, "rewards", expect=n, timeout=400)
     time.sleep(2)  # a duplicate would come right after the last record
-    rewards = _read(bootstrap, run, "rewards", idle=2.0, timeout=120)
-    counts = collections.Counter(r["record"].trajectory.trajectory_id for r in rewards)
+    rewards = _read(bootstrap, run, "rewards", timeout=120)
+    counts = collections.Counter(r.record.trajectory.trajectory_id for r in rewards)
     assert len(counts) == n, f"lost {n - len(counts)} records\n{log.read_text()[-3000:]}"
     assert max(counts.values()) == 1, f"duplicated: {[k for k, c in counts.items() if c > 1][:5]}"
-    assert _read(bootstrap, run, "dead-letters", idle=0.5) == []
+    assert _read(bootstrap, run, "dead-letters") == []
 
 
 @pytest.mark.timeout(1740)
-def test_broker_restart_mid_run_loses_nothing_and_the_stage_resumes(home, tmp_path):
+def test_broker_restart_mid_run_loses_nothing_and_the_stage_resumes(home, tmp_path, start_stage):
     """Stop the only broker while a stage is mid-run and start it again with its data: the same stage
     process carries on by itself, and every input reaches the output exactly once."""
     port = free_base_port(2)
@@ -74,7 +73,7 @@ def test_broker_restart_mid_run_loses_nothing_and_the_stage_resumes(home, tmp_pa
     produce(bootstrap, run, "trajectories", _trajectories(0, first))
     log = tmp_path / "reward.log"
     # One record at a time, 50 ms each: the broker goes away in the middle of the work.
-    proc = start_stage("reward", bootstrap, run, "--reward", "reward_fns:slow", "--batch-size", "20",
+    proc = start_stage("reward", bootstrap, run, "--reward", "tests.reward_fns:slow", "--batch-size", "20",
                        "--concurrency", "1", "--instance", "w0", log_path=log)
     try:
         _wait_rewards(bootstrap, run, 40)
@@ -82,18 +81,18 @@ def test_broker_restart_mid_run_loses_nothing_and_the_stage_resumes(home, tmp_pa
         assert broker.status(home) == {}
         # Longer than transaction.timeout.ms (30 s): the open transaction expires while the broker is away.
         time.sleep(35)
-        assert proc.poll() is None, log.read_text()[-3000:]
+        assert proc.alive(), proc.log_tail()
         assert broker.up(home, port=port) == bootstrap
         produce(bootstrap, run, "trajectories", _trajectories(first, second))
         _exactly_once(bootstrap, run, first + second, log)
-        assert proc.poll() is None, "the stage did not survive the broker restart:\n" + log.read_text()[-3000:]
+        assert proc.alive(), "the stage did not survive the broker restart:\n" + log.read_text()[-3000:]
     finally:
-        code = stop(proc, timeout=60)
+        code = proc.stop(timeout=60)
     assert code == 0, log.read_text()[-3000:]
 
 
 @pytest.mark.timeout(2040)
-def test_three_brokers_replication_three_survive_losing_one(home, tmp_path):
+def test_three_brokers_replication_three_survive_losing_one(home, tmp_path, start_stage):
     """On `rlstream up --brokers 3` with replication 3 and min.insync.replicas 2, SIGKILL the broker that
     coordinates the stage's consumer group mid-run: the stage carries on without loss or duplicates."""
     port = free_base_port(6)
@@ -111,7 +110,7 @@ def test_three_brokers_replication_three_survive_losing_one(home, tmp_path):
     first, second = 300, 100
     produce(bootstrap, run, "trajectories", _trajectories(0, first))
     log = tmp_path / "reward.log"
-    proc = start_stage("reward", bootstrap, run, "--reward", "reward_fns:slow", "--batch-size", "20",
+    proc = start_stage("reward", bootstrap, run, "--reward", "tests.reward_fns:slow", "--batch-size", "20",
                        "--concurrency", "1", "--instance", "w0", log_path=log)
     try:
         _wait_rewards(bootstrap, run, 40)
@@ -121,11 +120,11 @@ def test_three_brokers_replication_three_survive_losing_one(home, tmp_path):
         assert victim not in broker.status(home) and len(broker.status(home)) == 2
         produce(bootstrap, run, "trajectories", _trajectories(first, second))
         _exactly_once(bootstrap, run, first + second, log)
-        assert proc.poll() is None, "the stage did not survive losing a broker:\n" + log.read_text()[-3000:]
+        assert proc.alive(), "the stage did not survive losing a broker:\n" + log.read_text()[-3000:]
         # The group's committed offsets cover every input, on the two brokers left.
         offsets = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(f"{run}.reward")])
         committed = offsets[f"{run}.reward"].result(30).topic_partitions
         assert sum(tp.offset for tp in committed if tp.topic == name) == first + second
     finally:
-        code = stop(proc, timeout=60)
+        code = proc.stop(timeout=60)
     assert code == 0, log.read_text()[-3000:]

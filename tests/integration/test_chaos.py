@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from stage_proc import ROOT
+from tests.helpers import ROOT
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 def test_killing_every_stage_loses_and_duplicates_nothing(bootstrap, tmp_path):
     run = "chaos-" + uuid.uuid4().hex[:8]
     proc = subprocess.run(
-        [sys.executable, "benchmarks/chaos.py", "--kills", "5", "--tasks", "24", "--seed", "1", "--run", run,
+        [sys.executable, "-m", "benchmarks.chaos", "--kills", "5", "--tasks", "24", "--seed", "1", "--run", run,
          "--bootstrap", bootstrap, "--workdir", str(tmp_path), "--interval", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=1800)
     out = proc.stdout + proc.stderr

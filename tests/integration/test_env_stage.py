@@ -5,10 +5,9 @@ import collections
 
 import pytest
 
-from kafka_util import produce, read_all
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Episode, SamplingParams, Task, Turn
-from stage_proc import start_stage, stop
+from tests.helpers.kafka import produce, read_all
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -36,7 +35,7 @@ def episode(i: int, env: str, *actions: str, max_turns: int = 4, version: int = 
 
 
 @pytest.mark.timeout(330)
-def test_env_stage_end_to_end(bootstrap, run_name, tmp_path):
+def test_env_stage_end_to_end(bootstrap, run_name, tmp_path, start_stage):
     singles = [episode(i, "single", "cba", version=2) for i in range(5)]
     tool_calls = [episode(10 + i, "calculator", f"calc({i}+{40 + i})") for i in range(4)]
     finals = [episode(20 + i, "calculator", "calc(12+34)", "46", version=3) for i in range(2)]
@@ -59,41 +58,41 @@ def test_env_stage_end_to_end(bootstrap, run_name, tmp_path):
         observations = read_all(bootstrap, run_name, "observations", expect=len(tool_calls), timeout=60)
         letters = read_all(bootstrap, run_name, "dead-letters", expect=len(bad), timeout=60)
     finally:
-        assert stop(proc, timeout=30) == 0, log.read_text()[-3000:]
+        assert proc.stop(timeout=30) == 0, proc.log_tail()
 
     # Counts reconcile: every input became exactly one output or one dead letter.
     assert len(trajectories) + len(observations) + len(letters) == len(everything), log.read_text()[-3000:]
-    by_id = {t["record"].trajectory_id: t for t in trajectories}
+    by_id = {t.record.trajectory_id: t for t in trajectories}
     assert len(by_id) == n_traj
 
     for ep in singles:
         t = by_id[ep.episode_id]
-        assert t["key"] == ep.group_id.encode() and t["headers"]["policy_version"] == b"2"
-        traj = t["record"]
+        assert t.key == ep.group_id.encode() and t.headers["policy_version"] == b"2"
+        traj = t.record
         assert traj.status == "ok" and traj.response == "cba" and traj.min_policy_version == 2
         assert "env.end" in traj.stage_times and traj.trace_id == ep.trace_id
 
-    obs = {o["record"].episode_id: o for o in observations}
+    obs = {o.record.episode_id: o for o in observations}
     for i, ep in enumerate(tool_calls):
         o = obs[ep.episode_id]
-        assert o["key"] == ep.episode_id.encode()
-        last = o["record"].turns[-1]
+        assert o.key == ep.episode_id.encode()
+        last = o.record.turns[-1]
         assert last.role == "observation" and last.text == f"={i + 40 + i}\n"
-        assert last.token_start == last.token_end == len(o["record"].token_ids)
-        assert o["record"].turns[0].tool_call.arguments == f"{i}+{40 + i}"
+        assert last.token_start == last.token_end == len(o.record.token_ids)
+        assert o.record.turns[0].tool_call.arguments == f"{i}+{40 + i}"
 
     for ep in finals:
-        traj = by_id[ep.episode_id]["record"]
+        traj = by_id[ep.episode_id].record
         assert traj.status == "ok" and (traj.min_policy_version, traj.max_policy_version) == (3, 4)
-        assert by_id[ep.episode_id]["headers"]["policy_version"] == b"3"
+        assert by_id[ep.episode_id].headers["policy_version"] == b"3"
         assert traj.turns[-1].text == "46" and traj.response == "calc(12+34)=46\n46"
 
     for ep in hangs:
-        traj = by_id[ep.episode_id]["record"]
+        traj = by_id[ep.episode_id].record
         assert traj.status == "failed", traj
         assert (traj.failure.failure_class, traj.failure.stage) == ("timeout", "env")
         assert traj.turns[-1].tool_result.failure_class == "timeout"
 
-    reasons = collections.Counter(letter["record"].reason for letter in letters)
+    reasons = collections.Counter(letter.record.reason for letter in letters)
     assert reasons == {"invalid": 2}
-    assert {letter["key"] for letter in letters} == {ep.episode_id.encode() for ep in bad}
+    assert {letter.key for letter in letters} == {ep.episode_id.encode() for ep in bad}

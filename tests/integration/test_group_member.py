@@ -7,10 +7,10 @@ import pytest
 
 from confluent_kafka import Consumer
 
-from kafka_util import make_task, produce
 from rlstream.config import KafkaSettings
 from rlstream.kafka.topics import topic_name
 from rlstream.kafka.group import GroupMember, group_consumer_config
+from tests.helpers.kafka import make_task, produce
 
 
 def _drain(member: GroupMember, want: int, timeout: float) -> set[int]:

@@ -11,8 +11,6 @@ import urllib.request
 import pytest
 from confluent_kafka import Producer
 
-from kafka_util import make_trajectory, produce
-from kafka_util import wait_for as _wait
 from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.monitoring.monitor import faust_available
 from rlstream.kafka.topics import topic_name
@@ -21,7 +19,9 @@ from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import PolicyVersion, Reward, ScoredTrajectory
 from rlstream.monitoring import metrics
 from rlstream.runtime.settings import RuntimeSettings
-from stage_proc import ROOT, start_stage, stop
+from tests.helpers import ROOT
+from tests.helpers.kafka import make_trajectory, produce
+from tests.helpers.kafka import wait_for as _wait
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -53,7 +53,7 @@ def _value(text: str, series: str, **labels) -> float | None:
 
 
 @pytest.mark.timeout(210)
-def test_stage_metrics_endpoint_exposes_the_loop_series(bootstrap, run_name, tmp_path):
+def test_stage_metrics_endpoint_exposes_the_loop_series(bootstrap, run_name, tmp_path, start_stage):
     """A real reward process: the named series are there, with its records, queue delay and consumer lag."""
     port = _free_port()
     log = tmp_path / "reward.log"
@@ -67,7 +67,7 @@ def test_stage_metrics_endpoint_exposes_the_loop_series(bootstrap, run_name, tmp
                                                              topic="trajectories") == 0 and t, 20,
                      "the lag gauge to come down to 0 (it refreshes every 5 s)")
     finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
+        assert proc.stop() == 0, proc.log_tail()
     for series in LOOP_SERIES:
         assert f"# TYPE {series}" in text or f"# TYPE {series.removesuffix('_total')}" in text, series
     assert _value(text, "rlstream_records_in_total", stage="reward", topic="trajectories") == 40
@@ -132,7 +132,8 @@ def test_trainer_metrics_carry_accepted_stale_and_publish_times(bootstrap, run_n
 
 @pytest.mark.parametrize("backend", ["faust", "plain"])
 @pytest.mark.timeout(450)
-def test_monitor_serves_per_version_figures_of_committed_records(backend, bootstrap, run_name, tmp_path):
+def test_monitor_serves_per_version_figures_of_committed_records(backend, bootstrap, run_name, tmp_path,
+                                                                  start_stage):
     """`rlstream run monitor`: reward mean and samples per version, stale counts; aborted records never count."""
     # `make setup` installs faust-streaming (beside pip's resolver, see the Makefile): a missing one is a failure.
     assert backend != "faust" or faust_available(), "faust-streaming is not installed: run make setup"
@@ -168,7 +169,7 @@ def test_monitor_serves_per_version_figures_of_committed_records(backend, bootst
         time.sleep(1.0)
         d = doc()
     finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
+        assert proc.stop() == 0, proc.log_tail()
     assert d["backend"] == backend
     # Windowed figures count what arrived in the current tumbling window (epoch-aligned), if it has not rolled on.
     assert [(r["policy_version"], r["samples"], r["reward_mean"]) for r in d["rewards"]] == [(0, 5, 0.0), (1, 5, 1.0)]

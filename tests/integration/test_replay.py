@@ -5,12 +5,9 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from kafka_util import make_trajectory, produce, read_all
-from kafka_util import wait_for as _wait_for
 from rlstream.config import KafkaSettings
 from rlstream.archive.query import open_archive, read_endpoint
 from rlstream.stages.replay import ReplaySettings, parse_since, parse_versions, replay
@@ -18,18 +15,15 @@ from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Reward, ScoredTrajectory
 from rlstream.stages.reward import exact_match
 from rlstream.runtime.settings import RuntimeSettings
-from stage_proc import ROOT, start_stage, stop
+from tests.helpers import ROOT
+from tests.helpers.kafka import make_trajectory, produce, read_all, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 N = 30
 RESPONSES = ["cba", "cbx", "abc", "c"]
-
-
-def partial_credit(trajectory):
-    """The 'new reward': the share of answer characters in the right place (exact match gave 0 or 1)."""
-    answer, response = trajectory.task.answer, trajectory.response
-    return {"chars": sum(a == b for a, b in zip(answer, response)) / len(answer)}
+#: The new reward, by dotted path: loaded in this process (topic replay) and in the CLI's (archive replay).
+NEW_REWARD = "tests.reward_fns:partial_credit"
 
 
 def _expected(i: int) -> float:
@@ -47,7 +41,7 @@ def _rows(url: str, run: str, version: str) -> list[list]:
 
 
 @pytest.mark.timeout(630)
-def test_replay_adds_exactly_one_row_per_trajectory_and_keeps_the_old(bootstrap, run_name, tmp_path):
+def test_replay_adds_exactly_one_row_per_trajectory_and_keeps_the_old(bootstrap, run_name, tmp_path, start_stage):
     """Topic replay, a resumed (no-op) replay, a policy-version filter, and an archive replay after 'retention'."""
     trajectories, scored = [], []
     for i in range(N):
@@ -67,19 +61,19 @@ def test_replay_adds_exactly_one_row_per_trajectory_and_keeps_the_old(bootstrap,
     log = tmp_path / "archive.log"
     archive = start_stage("archive", bootstrap, run_name, "--archive", url, "--archive-flush-s", "0.3", log_path=log)
     try:
-        _wait_for(lambda: read_endpoint(str(path)) or archive.poll() is not None, 60, "the SQL endpoint")
-        assert archive.poll() is None, log.read_text()[-3000:]
-        _wait_for(lambda: len(_rows(url, run_name, "v1")) == N, 60, "the v1 rows")
+        wait_for(lambda: read_endpoint(str(path)) or not archive.alive(), 60, "the SQL endpoint")
+        assert archive.alive(), archive.log_tail()
+        wait_for(lambda: len(_rows(url, run_name, "v1")) == N, 60, "the v1 rows")
         before = _rows(url, run_name, "v1")
 
         kafka = KafkaSettings(bootstrap=bootstrap, run=run_name)
         runtime = RuntimeSettings(batch_size=16, poll_timeout_s=0.1)
-        new = ReplaySettings(reward="test_replay:partial_credit", reward_version="v2", progress=False)
+        new = ReplaySettings(reward=NEW_REWARD, reward_version="v2", progress=False)
         result = replay(new, kafka, runtime)
         assert (result.scored, result.skipped) == (N, 0)
         print(f"topic replay: {result.rate:.0f} trajectories/s")
 
-        rows = _wait_for(lambda: (r := _rows(url, run_name, "v2")) and len(r) >= N and r, 60, "the v2 rows")
+        rows = wait_for(lambda: (r := _rows(url, run_name, "v2")) and len(r) >= N and r, 60, "the v2 rows")
         time.sleep(1.0)  # anything extra would have arrived by now
         rows = _rows(url, run_name, "v2")
         assert len(rows) == N and len({r[0] for r in rows}) == N
@@ -89,33 +83,32 @@ def test_replay_adds_exactly_one_row_per_trajectory_and_keeps_the_old(bootstrap,
         assert _rows(url, run_name, "v1") == before, "the old reward rows are untouched"
 
         # The trace goes on: each v2 record continues the trace of the trajectory it scores.
-        topic = {r["record"].trajectory.trajectory_id: r for r in read_all(bootstrap, run_name, "rewards", expect=2 * N)
-                 if r["headers"].get("reward_version") == b"v2"}
+        topic = {r.record.trajectory.trajectory_id: r for r in read_all(bootstrap, run_name, "rewards", expect=2 * N)
+                 if r.headers.get("reward_version") == b"v2"}
         for key, traj, heads in trajectories:
             parent = dict(heads)["traceparent"]
-            assert hdr.trace_id(topic[traj.trajectory_id]["headers"]["traceparent"]) == hdr.trace_id(parent)
-            assert topic[traj.trajectory_id]["key"] == key
+            assert hdr.trace_id(topic[traj.trajectory_id].headers["traceparent"]) == hdr.trace_id(parent)
+            assert topic[traj.trajectory_id].key == key
         # ... and the archive stores each record's traceparent as it travelled.
-        assert {r[0]: r[8] for r in rows} == {t: r["headers"]["traceparent"].decode() for t, r in topic.items()}
+        assert {r[0]: r[8] for r in rows} == {t: r.headers["traceparent"].decode() for t, r in topic.items()}
 
         # Run again: the group's committed offsets say it is all done.
         again = replay(new, kafka, runtime)
         assert again.scored == 0
 
         # Only policy version 2, under another version.
-        part = replay(ReplaySettings(reward="test_replay:partial_credit", reward_version="v2b", policy_version="2..2",
-                                     progress=False), kafka, runtime)
+        part = replay(ReplaySettings(reward=NEW_REWARD, reward_version="v2b", policy_version="2..2", progress=False),
+                      kafka, runtime)
         assert (part.scored, part.skipped) == (N // 3, N - N // 3)
 
         # After retention: rebuild the trajectories from the archive (through the CLI, as a user would).
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(ROOT / "tests"), str(ROOT)]))
         out = subprocess.run([sys.executable, "-m", "rlstream.cli", "replay", "--bootstrap", bootstrap, "--run",
-                              run_name, "--reward-version", "v3", "--reward", "test_replay:partial_credit",
+                              run_name, "--reward-version", "v3", "--reward", NEW_REWARD,
                               "--source", "archive", "--archive", url, "--no-progress"],
-                             capture_output=True, text=True, env=env, timeout=180)
+                             capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=180)
         assert out.returncode == 0, out.stderr[-3000:]
         assert f"replayed {N} trajectories from the archive" in out.stdout, out.stdout
-        rows3 = _wait_for(lambda: (r := _rows(url, run_name, "v3")) and len(r) >= N and r, 60, "the v3 rows")
+        rows3 = wait_for(lambda: (r := _rows(url, run_name, "v3")) and len(r) >= N and r, 60, "the v3 rows")
         time.sleep(1.0)
         rows3 = _rows(url, run_name, "v3")
         assert len(rows3) == N and [(r[0], r[1]) for r in rows3] == [(r[0], r[1]) for r in rows]
@@ -130,7 +123,7 @@ def test_replay_adds_exactly_one_row_per_trajectory_and_keeps_the_old(bootstrap,
             assert same == N
         assert _rows(url, run_name, "v1") == before
     finally:
-        assert stop(archive) == 0, log.read_text()[-3000:]
+        assert archive.stop() == 0, archive.log_tail()
 
 
 def test_replay_arguments():

@@ -8,61 +8,25 @@ import sys
 import time
 
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
 
-from kafka_util import make_trajectory
 from rlstream.archive.query import open_archive, read_endpoint
-from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import DeadLetter, Failure, PolicyVersion, Reward, ScoredTrajectory, ToolResult
-from stage_proc import ROOT, start_stage, stop
+from tests.helpers import ROOT
+from tests.helpers.kafka import make_trajectory, produce, read_all, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 HOUR_MS = 3_600_000
 
 
-def _produce(bootstrap: str, run: str, logical: str, items: list[tuple]) -> None:
-    """(key, record, headers, timestamp ms) tuples, with the record timestamps given."""
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
-    codec = default_codec()
-    for key, record, headers, ts in items:
-        value = codec.encode(type(record).__name__, record.to_dict())
-        producer.produce(topic_name(run, logical), value=value, key=key, headers=headers, timestamp=ts)
-    producer.flush(30)
-
-
-def _raw(bootstrap: str, run: str, logical: str) -> list[tuple[int, dict]]:
-    """Every record of a topic as (timestamp ms, decoded value)."""
-    name = topic_name(run, logical)
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"raw-{time.time_ns()}",
-                         "isolation.level": "read_committed", "enable.auto.commit": False})
-    parts = consumer.list_topics(name, timeout=10).topics[name].partitions
-    ends = {p: consumer.get_watermark_offsets(TopicPartition(name, p), timeout=10)[1] for p in parts}
-    consumer.assign([TopicPartition(name, p, 0) for p in parts])
-    out, seen = [], {p: 0 for p in parts}
-    deadline = time.monotonic() + 30
-    while any(seen[p] < ends[p] for p in parts) and time.monotonic() < deadline:
-        for m in consumer.consume(500, 0.5):
-            if not m.error():
-                out.append((m.timestamp()[1], default_codec().decode(m.value())[1]))
-                seen[m.partition()] = m.offset() + 1
-    consumer.close()
-    return out
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
+def _raw(bootstrap: str, run: str, logical: str) -> list[tuple[int, object]]:
+    """Every record of a topic as (timestamp ms, record)."""
+    return [(s.timestamp_ms, s.record) for s in read_all(bootstrap, run, logical)]
 
 
 @pytest.mark.timeout(690)
-def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp_path):
+def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp_path, start_stage):
     """Goodput (per hour and overall) and stale ratio from the report equal those computed here from the topics."""
     now = hdr.now_ms()
     base = now - now % HOUR_MS - 2 * HOUR_MS  # three clock hours of trajectories
@@ -97,30 +61,30 @@ def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp
                          hdr.build(v, hdr.new_traceparent()), published))
     letter = DeadLetter(stage="reward", reason="handler_timeout", error="slow", topic=f"{run_name}.trajectories",
                         partition=0, offset=3, failed_at=now, headers={})
-    _produce(bootstrap, run_name, "trajectories", trajectories)
-    _produce(bootstrap, run_name, "rewards", rewards)
-    _produce(bootstrap, run_name, "policy-versions", versions)
-    _produce(bootstrap, run_name, "dead-letters", [(b"k", letter, hdr.build(-1, hdr.new_traceparent()), now)])
+    produce(bootstrap, run_name, "trajectories", trajectories)
+    produce(bootstrap, run_name, "rewards", rewards)
+    produce(bootstrap, run_name, "policy-versions", versions)
+    produce(bootstrap, run_name, "dead-letters", [(b"k", letter, hdr.build(-1, hdr.new_traceparent()), now)])
 
     # Independently, from the raw topics.
     raw_traj = _raw(bootstrap, run_name, "trajectories")
-    raw_versions = sorted(_raw(bootstrap, run_name, "policy-versions"), key=lambda r: r[1]["version"])
+    raw_versions = sorted(_raw(bootstrap, run_name, "policy-versions"), key=lambda r: r[1].version)
     valid_by_hour: dict[int, int] = {}
     for ts, t in raw_traj:
-        if t["status"] == "ok":
+        if t.status == "ok":
             valid_by_hour[ts - ts % HOUR_MS] = valid_by_hour.get(ts - ts % HOUR_MS, 0) + 1
     accepted = stale = 0.0
     accepted_by_hour: dict[int, float] = {}
     prev = {"accepted": 0.0, "stale": 0.0}
     for _, pv in raw_versions:
-        m = pv["metrics"]
+        m = pv.metrics
         step = {}
         for k in ("accepted", "stale"):
             total = m.get(k, 0.0)
             step[k] = m[f"{k}_step"] if f"{k}_step" in m else (total - prev[k] if total >= prev[k] else total)
             prev[k] = total
         accepted, stale = accepted + step["accepted"], stale + step["stale"]
-        hour = pv["published_at"] - pv["published_at"] % HOUR_MS
+        hour = pv.published_at - pv.published_at % HOUR_MS
         accepted_by_hour[hour] = accepted_by_hour.get(hour, 0.0) + step["accepted"]
     times = [ts for ts, _ in raw_traj]
     span_s = (max(times) - min(times)) / 1000
@@ -132,8 +96,8 @@ def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp
     log = tmp_path / "archive.log"
     archive = start_stage("archive", bootstrap, run_name, "--archive", url, "--archive-flush-s", "0.3", log_path=log)
     try:
-        _wait_for(lambda: read_endpoint(str(path)) or archive.poll() is not None, 60, "the SQL endpoint")
-        assert archive.poll() is None, log.read_text()[-3000:]
+        wait_for(lambda: read_endpoint(str(path)) or not archive.alive(), 60, "the SQL endpoint")
+        assert archive.alive(), archive.log_tail()
 
         def archived():
             with open_archive(url) as db:
@@ -141,7 +105,7 @@ def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp
                                 f"(SELECT count() FROM rlstream.policy_versions WHERE run = '{run_name}'), "
                                 f"(SELECT count() FROM rlstream.dead_letters WHERE run = '{run_name}')")[1][0] \
                     == [120, len(metrics), 1]
-        _wait_for(archived, 60, "every record in the archive")
+        wait_for(archived, 60, "every record in the archive")
         out_dir = tmp_path / "report"
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         done = subprocess.run([sys.executable, "-m", "rlstream.cli", "report", "--run", run_name, "--out",
@@ -150,7 +114,7 @@ def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp
         assert done.returncode == 0, done.stderr[-3000:]
         assert "trajectory failed" in done.stdout and "reward v2" in done.stdout, done.stdout
     finally:
-        assert stop(archive) == 0, log.read_text()[-3000:]
+        assert archive.stop() == 0, archive.log_tail()
 
     figures = json.loads((out_dir / "figures.json").read_text())
 

@@ -11,13 +11,12 @@ import urllib.request
 
 import pytest
 
-from kafka_util import make_trajectory, produce, read_all
 from rlstream import cli, config
 from rlstream.config import KafkaSettings, from_sources
 from rlstream.archive import query
 from rlstream.schemas import headers as hdr
-from proc_guard import stop_or_kill as stop
-from stage_proc import ROOT
+from tests.helpers import ROOT
+from tests.helpers.kafka import make_trajectory, produce, read_all
 
 SECRET_CONFIG = "kc-Secret-7f3a9d"  # passed in --kafka-config (the process listing shows it; logs must not)
 SECRET_ENV = "env-Secret-2b8e1c"  # passed in RLSTREAM_KAFKA_SASL_PASSWORD
@@ -130,7 +129,7 @@ def _free_port() -> int:
 @pytest.mark.kafka
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_no_secret_in_logs_metrics_or_the_archive(bootstrap, run_name, tmp_path, clean_env):
+def test_no_secret_in_logs_metrics_or_the_archive(bootstrap, run_name, tmp_path, clean_env, start_stage):
     """Stages run with SASL secrets in --kafka-config and in the environment (the local broker is PLAINTEXT,
     so librdkafka carries them unused), with debug logging; logs, /metrics and every archived string are
     searched for them."""
@@ -145,8 +144,11 @@ def test_no_secret_in_logs_metrics_or_the_archive(bootstrap, run_name, tmp_path,
     archive = f"chdb://{tmp_path / 'archive'}"
     logs = {"reward": tmp_path / "reward.log", "archive": tmp_path / "archive.log"}
     env_args = ["--kafka-config", kafka_config]
-    reward = _start_verbose("reward", bootstrap, run_name, logs["reward"], *env_args, "--metrics-port", str(port))
-    arch = _start_verbose("archive", bootstrap, run_name, logs["archive"], *env_args, "--archive", archive)
+    # ``rlstream -v run STAGE``: debug logging, the secrets in this process's environment.
+    reward = start_stage("reward", bootstrap, run_name, *env_args, "--metrics-port", str(port),
+                         log_path=logs["reward"], options=("-v",))
+    arch = start_stage("archive", bootstrap, run_name, *env_args, "--archive", archive, log_path=logs["archive"],
+                       options=("-v",))
     try:
         assert len(read_all(bootstrap, run_name, "rewards", expect=len(good), timeout=120)) == len(good)
         assert len(read_all(bootstrap, run_name, "dead-letters", expect=1, timeout=60)) == 1
@@ -155,7 +157,7 @@ def test_no_secret_in_logs_metrics_or_the_archive(bootstrap, run_name, tmp_path,
         assert "rlstream_records_out_total" in metrics_text
         rows = _archived_rows(archive, run_name, expect=len(good) * 2 + 2)
     finally:
-        codes = {name: stop(p, timeout=60) for name, p in (("reward", reward), ("archive", arch))}
+        codes = {name: p.stop(timeout=60) for name, p in (("reward", reward), ("archive", arch))}
     assert codes == {"reward": 0, "archive": 0}, {n: p.read_text()[-2000:] for n, p in logs.items()}
     texts = {"metrics": metrics_text, "archive": "\n".join(rows),
              **{f"{name} log": path.read_text(errors="replace") for name, path in logs.items()}}
@@ -163,15 +165,6 @@ def test_no_secret_in_logs_metrics_or_the_archive(bootstrap, run_name, tmp_path,
     for what, text in texts.items():
         for secret in SECRETS:
             assert secret not in text, f"{secret} found in the {what}"
-
-
-def _start_verbose(stage: str, bootstrap: str, run: str, log_path, *args: str) -> subprocess.Popen:
-    """``rlstream -v run STAGE``: debug logging, the secrets in this process's environment."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
-               RLSTREAM_BOOTSTRAP=bootstrap, RLSTREAM_RUN=run)
-    with open(log_path, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "rlstream.cli", "-v", "run", stage, *args], env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _archived_rows(archive: str, run: str, expect: int, timeout: float = 120) -> list[str]:
@@ -195,7 +188,8 @@ def _archived_rows(archive: str, run: str, expect: int, timeout: float = 120) ->
 @pytest.mark.kafka
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sasl_settings_from_the_environment_reach_the_kafka_clients(bootstrap, run_name, tmp_path, clean_env):
+def test_sasl_settings_from_the_environment_reach_the_kafka_clients(bootstrap, run_name, tmp_path, clean_env,
+                                                                    start_stage):
     """A stage told by its environment to speak SASL to the PLAINTEXT local broker tries SASL (so the settings
     reached librdkafka), waits for the broker instead of crashing, logs no password, and stops on SIGTERM."""
     clean_env.setenv("RLSTREAM_KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
@@ -203,15 +197,15 @@ def test_sasl_settings_from_the_environment_reach_the_kafka_clients(bootstrap, r
     clean_env.setenv("RLSTREAM_KAFKA_SASL_USERNAME", "rlstream-user")
     clean_env.setenv("RLSTREAM_KAFKA_SASL_PASSWORD", SECRET_ENV)
     log = tmp_path / "reward.log"
-    proc = _start_verbose("reward", bootstrap, run_name, log, "--instance", "sasl")
+    proc = start_stage("reward", bootstrap, run_name, "--instance", "sasl", log_path=log, options=("-v",))
     try:
         deadline = time.monotonic() + 120
         while "SASL PLAIN mechanism handshake failed" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text()[-3000:]
+            assert proc.alive(), log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
     finally:
-        code = stop(proc, timeout=90)
+        code = proc.stop(timeout=90)
     text = log.read_text(errors="replace")
     assert code == 0, text[-3000:]
     assert SECRET_ENV not in text

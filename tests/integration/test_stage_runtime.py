@@ -2,30 +2,25 @@
 from __future__ import annotations
 
 import collections
-import signal
 import time
 
 import pytest
 
-from kafka_util import make_trajectory, produce, read_all
-from kafka_util import wait_for as _wait_for
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
-from stage_proc import start_stage, stop
+from tests.helpers.kafka import make_trajectory, produce, read_all, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
-
-
 @pytest.mark.parametrize("n,mode", [
-    (400, ["--reward", "reward_fns:slow", "--batch-size", "25", "--concurrency", "1", "--no-pipeline"]),
+    (400, ["--reward", "tests.reward_fns:slow", "--batch-size", "25", "--concurrency", "1", "--no-pipeline"]),
     # Pipelined: 32 heavy-tailed judgements in flight across polls, finished out of order, committed in order.
-    (4000, ["--reward", "reward_fns:jittery", "--batch-size", "25", "--concurrency", "32",
+    (4000, ["--reward", "tests.reward_fns:jittery", "--batch-size", "25", "--concurrency", "32",
             "--commit-interval-s", "0.05"]),
 ], ids=["batch", "pipelined"])
 @pytest.mark.timeout(480)
-def test_sigkill_mid_batch_loses_and_duplicates_nothing(bootstrap, run_name, tmp_path, n, mode):
+def test_sigkill_mid_batch_loses_and_duplicates_nothing(bootstrap, run_name, tmp_path, start_stage, n, mode):
     """(a) Kill -9 a stage inside a transaction, restart it: every input appears exactly once downstream."""
     produce(bootstrap, run_name, "trajectories",
             [(f"g{i % 50}".encode(), make_trajectory(i, group=i % 50), None) for i in range(n)])
@@ -33,28 +28,26 @@ def test_sigkill_mid_batch_loses_and_duplicates_nothing(bootstrap, run_name, tmp
     log = tmp_path / "stage.log"
     proc = start_stage("reward", bootstrap, run_name, *args, log_path=log)
     # Let it commit a few transactions, then kill it while a batch is being handled.
-    _wait_for(lambda: len(read_all(bootstrap, run_name, "rewards", idle=0.5, timeout=5)) >= 50, 90,
-              "first committed rewards")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
-    partial = len(read_all(bootstrap, run_name, "rewards", idle=0.5, timeout=5))
+    wait_for(lambda: len(read_all(bootstrap, run_name, "rewards", timeout=5)) >= 50, 90, "first committed rewards")
+    proc.kill()
+    partial = len(read_all(bootstrap, run_name, "rewards", timeout=5))
     assert partial < n, "the stage finished before it could be killed; raise n"
-    proc = start_stage("reward", bootstrap, run_name, *args, log_path=log)
+    proc.start()  # the same --instance: its transactional id fences what the killed one left open
     try:
         rewards = read_all(bootstrap, run_name, "rewards", expect=n, timeout=120)
         time.sleep(2)  # anything duplicated would show up right after the last record
-        rewards = read_all(bootstrap, run_name, "rewards", idle=1.0)
+        rewards = read_all(bootstrap, run_name, "rewards")
     finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
-    counts = collections.Counter(r["record"].trajectory.trajectory_id for r in rewards)
+        assert proc.stop() == 0, proc.log_tail()
+    counts = collections.Counter(r.record.trajectory.trajectory_id for r in rewards)
     assert len(counts) == n, f"lost {n - len(counts)} records"
     assert max(counts.values()) == 1, f"duplicated: {[k for k, c in counts.items() if c > 1][:5]}"
-    assert all(r["headers"]["reward_version"] == b"v1" for r in rewards)
-    assert read_all(bootstrap, run_name, "dead-letters", idle=0.5) == []
+    assert all(r.headers["reward_version"] == b"v1" for r in rewards)
+    assert read_all(bootstrap, run_name, "dead-letters") == []
 
 
 @pytest.mark.timeout(270)
-def test_bad_records_go_to_dead_letters_and_good_ones_flow(bootstrap, run_name, tmp_path):
+def test_bad_records_go_to_dead_letters_and_good_ones_flow(bootstrap, run_name, tmp_path, start_stage):
     """(b) Every kind of bad input ends in dead-letters with its reason; the good records still get rewards."""
     codec = default_codec()
     good = [make_trajectory(i, response="cba") for i in range(10)]
@@ -82,17 +75,17 @@ def test_bad_records_go_to_dead_letters_and_good_ones_flow(bootstrap, run_name, 
     items += [(k, v, h) for k, v, h, _ in bad[len(good):]]
     produce(bootstrap, run_name, "trajectories", items)
     log = tmp_path / "stage.log"
-    proc = start_stage("reward", bootstrap, run_name, "--reward", "reward_fns:picky", "--handler-timeout-s", "2",
-                       "--batch-size", "8", log_path=log)
+    proc = start_stage("reward", bootstrap, run_name, "--reward", "tests.reward_fns:picky",
+                       "--handler-timeout-s", "2", "--batch-size", "8", log_path=log)
     try:
         rewards = read_all(bootstrap, run_name, "rewards", expect=len(good), timeout=90)
         letters = read_all(bootstrap, run_name, "dead-letters", expect=len(bad), timeout=60)
     finally:
         # SIGTERM ends cleanly even with a handler thread still hung.
-        assert stop(proc, timeout=20) == 0, log.read_text()[-3000:]
-    assert sorted(r["record"].trajectory.trajectory_id for r in rewards) == sorted(g.trajectory_id for g in good)
-    assert all(r["record"].reward.total == 1.0 for r in rewards)
-    by_key = {l["key"]: l["record"] for l in letters}
+        assert proc.stop(timeout=20) == 0, proc.log_tail()
+    assert sorted(r.record.trajectory.trajectory_id for r in rewards) == sorted(g.trajectory_id for g in good)
+    assert all(r.record.reward.total == 1.0 for r in rewards)
+    by_key = {l.key: l.record for l in letters}
     assert {k: v.reason for k, v in by_key.items()} == {k: reason for k, _, _, reason in bad}
     for key, value, _, _ in bad:
         letter = by_key[key]

@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
 
-from kafka_util import make_trajectory, produce, read_all
 from rlstream.policy.weights import WeightStore, tokenizer_hash
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, Reward, ScoredTrajectory
 from rlstream.models.tiny import build_model, build_tokenizer, save_pretrained
-from stage_proc import start_stage, stop
+from tests.helpers.kafka import make_trajectory, produce, read_all
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -29,7 +27,7 @@ def publish_student(bootstrap, run, tmp_path):
 
 
 @pytest.mark.timeout(270)
-def test_teacher_logprobs_match_the_model_on_student_tokens(bootstrap, run_name, tmp_path):
+def test_teacher_logprobs_match_the_model_on_student_tokens(bootstrap, run_name, tmp_path, start_stage):
     model, tok, folder = publish_student(bootstrap, run_name, tmp_path)
     samples = []
     for i in range(6):
@@ -44,7 +42,7 @@ def test_teacher_logprobs_match_the_model_on_student_tokens(bootstrap, run_name,
     try:
         feedback = read_all(bootstrap, run_name, "feedback", expect=len(samples), timeout=120)
     finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
+        assert proc.stop() == 0, proc.log_tail()
     assert len(feedback) == len(samples)
     seq = torch.tensor([tok("abc>")["input_ids"] + [7, 6, 5, 2]])
     with torch.no_grad():
@@ -52,12 +50,12 @@ def test_teacher_logprobs_match_the_model_on_student_tokens(bootstrap, run_name,
     p = len(tok("abc>")["input_ids"])
     expected = [float(lp[p - 1]), float(lp[p]), 0.0, float(lp[p + 2])]
     for f in feedback:
-        assert f["record"].teacher_logprobs == pytest.approx(expected, abs=1e-4)
-        assert f["record"].teacher_version == "v0"
+        assert f.record.teacher_logprobs == pytest.approx(expected, abs=1e-4)
+        assert f.record.teacher_version == "v0"
 
 
 @pytest.mark.timeout(210)
-def test_teacher_with_another_tokenizer_is_refused(bootstrap, run_name, tmp_path):
+def test_teacher_with_another_tokenizer_is_refused(bootstrap, run_name, tmp_path, start_stage):
     _, tok, folder = publish_student(bootstrap, run_name, tmp_path)
     other = tmp_path / "other-teacher"
     model = build_model(tok)

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from kafka_util import make_trajectory, produce, read_all
 from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Reward, ScoredTrajectory
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.trainer.service import TrainerService, TrainerSettings
+from tests.helpers.kafka import make_trajectory, produce, read_all
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 G = 4
@@ -98,11 +98,11 @@ def test_stale_samples_are_never_trained_on_and_restart_resumes(bootstrap, run_n
     thread2.join(60)
     assert trainer2.trained == [(4, ["task-9", "task-10"])], "restarted trainer retrained or skipped samples"
 
-    versions = [r["record"] for r in read_all(bootstrap, run_name, "policy-versions", idle=1.0)]
+    versions = [r.record for r in read_all(bootstrap, run_name, "policy-versions")]
     assert [v.version for v in versions] == [0, 1, 2, 3, 4, 5]
     assert versions[-1].parent_version == 4 and versions[-1].samples_trained == 2 * G
-    letters = read_all(bootstrap, run_name, "dead-letters", idle=1.0)
-    assert [(l["key"], l["record"].reason, l["record"].stage) for l in letters] == [(b"junk", "malformed", "trainer")]
+    letters = read_all(bootstrap, run_name, "dead-letters")
+    assert [(l.key, l.record.reason, l.record.stage) for l in letters] == [(b"junk", "malformed", "trainer")]
 
 
 @pytest.mark.timeout(690)

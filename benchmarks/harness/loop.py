@@ -1,4 +1,5 @@
-"""The whole loop for benchmarks: stage processes (loop_procs), a paced prompt source, and the published versions.
+"""The whole loop for benchmarks: stage processes (rlstream.infra.supervisor), a paced prompt source, and the
+published versions (rlstream.kafka.tail).
 
 The prompt source runs in the benchmark's own process so that it can pace itself two ways: AReaL's
 ``(version + eta + 1)`` steps ahead (async), or one batch at a time behind a barrier (sync).
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -15,23 +17,43 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rlstream.config import KafkaSettings
+from rlstream.infra import broker
+from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
+from rlstream.kafka.tail import TopicTail
+from rlstream.kafka.topics import create_topics
+from rlstream.policy.weights import local_path
+from rlstream.schemas.records import PolicyVersion, SamplingParams
+from rlstream.sources.prompts import PromptProducer, make_task, task_items
 
-from loop_procs import ROOT, StageProc, Supervisor, TopicTail, free_port, stage_env  # noqa: E402
-from rlstream.config import KafkaSettings  # noqa: E402
-from rlstream.infra import broker  # noqa: E402
-from rlstream.kafka.topics import create_topics  # noqa: E402
-from rlstream.policy.weights import local_path  # noqa: E402
-from rlstream.sources.prompts import PromptProducer, make_task, task_items  # noqa: E402
-from rlstream.schemas.records import PolicyVersion, SamplingParams  # noqa: E402
-
+#: The repository root: stage processes start there, so ``benchmarks.harness.workloads:...`` loads in them.
+ROOT = Path(__file__).resolve().parents[2]
 #: Stop order: the source is already stopped; upstream first so each stage finishes what it holds.
 STOP_ORDER = ["rollout", "rollout1", "env", "reward", "trainer"]
 
 
 def log(tag: str, msg: str) -> None:
+    """A progress line on stderr (stdout carries the results)."""
     print(f"[{tag} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.5, what: str = "") -> object:
+    """Poll until ``predicate()`` is truthy (returned); TimeoutError naming ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
 
 
 class Loop:
@@ -44,48 +66,53 @@ class Loop:
         self.workdir.mkdir(parents=True, exist_ok=True)
         create_topics({"bootstrap.servers": self.bootstrap}, self.run, partitions=partitions)
         self.kafka = KafkaSettings(bootstrap=self.bootstrap, run=self.run)
-        self.env = stage_env(self.bootstrap, self.run, PYTHONWARNINGS="ignore", **extra_env)
+        self.env = stage_env(self.bootstrap, self.run, **ONE_THREAD, PYTHONWARNINGS="ignore", **extra_env)
         self.sup = Supervisor()
         self.metrics_ports: dict[str, int] = {}
 
     def add(self, name: str, argv: list[str]) -> StageProc:
+        """A stage process (started by ``start``) with its own /metrics port."""
         port = free_port()
         self.metrics_ports[name] = port
         proc = StageProc(name, [*argv, "--metrics-port", str(port)], self.env, self.workdir / "logs" / f"{name}.log",
-                         group=f"{self.run}.{argv[1]}")
+                         group=f"{self.run}.{argv[1]}", cwd=ROOT)
         return self.sup.add(proc)
 
     def trainer(self, *, eta: int, groups_per_step: int = 16, lr: float = 1e-4, warmup_steps: int = 300,
                 window_groups: int = 32, extra: tuple = ()) -> StageProc:
+        """The trainer stage."""
         return self.add("trainer", ["run", "trainer", "--weights", str(self.workdir / "weights"), "--eta", str(eta),
                                     "--groups-per-step", str(groups_per_step), "--window-groups", str(window_groups),
                                     "--lr", str(lr), "--warmup-steps", str(warmup_steps), "--threads", "1",
                                     "--instance", "0", *extra])
 
     def rollout(self, *, eta: int, instance: int = 0, backend: str = "vllm", batch_size: int = 64) -> StageProc:
+        """A rollout worker (``rollout``, ``rollout1``, ... by instance)."""
         return self.add("rollout" if instance == 0 else f"rollout{instance}",
                         ["run", "rollout", "--backend", backend, "--eta", str(eta), "--threads", "1",
                          "--instance", str(instance), "--batch-size", str(batch_size)])
 
     def env_stage(self) -> StageProc:
+        """The env stage, tools in subprocess sandboxes."""
         return self.add("env", ["run", "env", "--instance", "0", "--sandbox", "subprocess"])
 
     def reward(self, fn: str, *, instance: int = 0, concurrency: int = 256, batch_size: int = 256) -> StageProc:
+        """A reward worker with reward function ``fn`` (a dotted path)."""
         return self.add("reward" if instance == 0 else f"reward{instance}",
                         ["run", "reward", "--reward", fn, "--instance", str(instance),
                          "--concurrency", str(concurrency), "--batch-size", str(batch_size)])
 
     def start(self) -> None:
-        for p in self.sup.procs.values():
-            p.start()
+        """Start every stage."""
+        self.sup.start_all()
 
     def stop(self) -> None:
-        order = [n for n in STOP_ORDER if n in self.sup.procs] + [n for n in self.sup.procs if n not in STOP_ORDER]
-        self.sup.stop_all(order, timeout=30)
+        """Stop every stage, upstream first."""
+        self.sup.stop_all(STOP_ORDER, timeout=30)
 
     def dead(self) -> list[str]:
         """Stages that exited on their own (a benchmark reports them rather than hiding them with restarts)."""
-        return [n for n, p in self.sup.procs.items() if p.proc is not None and not p.alive()]
+        return self.sup.dead()
 
     def scrape(self, name: str, metric: str) -> float | None:
         """One sample of a stage's Prometheus metric (first series), or None when unreachable."""
@@ -96,7 +123,6 @@ class Loop:
             return None
         m = re.search(rf"^{re.escape(metric)}(?:{{[^}}]*}})? ([-0-9.e+naif]+)$", text, re.M)
         return float(m.group(1)) if m else None
-
 
     def mean(self, name: str, histogram: str) -> tuple[float, float]:
         """(mean, count) of a stage's Prometheus histogram; (nan, 0) when it has no samples."""
@@ -121,7 +147,7 @@ class Versions:
     """The run's PolicyVersion records as they are committed."""
 
     def __init__(self, loop: Loop):
-        self.tail = TopicTail(loop.bootstrap, loop.run, ["policy-versions"])
+        self.tail = TopicTail(loop.kafka.client_config(), loop.run, ["policy-versions"], name="bench-versions")
 
     def all(self) -> list[tuple[PolicyVersion, float]]:
         """(record, monotonic time this process saw it), in version order."""
@@ -129,10 +155,12 @@ class Versions:
         return sorted(seen, key=lambda x: x[0].version)
 
     def latest(self) -> int:
+        """The newest version seen (-1 before the first)."""
         versions = self.all()
         return versions[-1][0].version if versions else -1
 
     def wait_for(self, version: int, timeout: float, alive: Callable[[], bool] = lambda: True) -> bool:
+        """Wait until ``version`` is announced, while ``alive()``; whether it was."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and alive():
             if self.latest() >= version:
@@ -141,6 +169,7 @@ class Versions:
         return False
 
     def close(self) -> None:
+        """Stop following the topic."""
         self.tail.close()
 
 
@@ -168,12 +197,15 @@ class PacedSource(threading.Thread):
         self.error: BaseException | None = None
 
     def stop(self) -> None:
+        """Stop producing (the thread ends within a step)."""
         self._stop.set()
 
     def _rollouts_at(self, version: int) -> bool:
+        """Every rollout worker reports generating with ``version`` or newer."""
         return all(self.loop.rollout_version(r) >= version for r in self.rollouts)
 
     def run(self) -> None:
+        """Produce tasks as the pacing allows, until stopped; an error is kept in ``error``."""
         try:
             items, max_new = task_items(self.task, "train", self.seed)
             out = PromptProducer(self.loop.kafka)

@@ -1,63 +1,44 @@
-"""Helpers for integration tests: produce typed records and read a topic back under read_committed."""
+"""Typed records for tests, produced to a run's topics and read back (committed records, to each partition's end).
+
+Produce is the tests' own: rlstream has no typed-produce helper outside its transactional producer yet.
+"""
 from __future__ import annotations
 
+import random
+import socket
 import time
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Producer
 
+from rlstream.kafka.tail import Seen, read_to_end
 from rlstream.kafka.topics import TOPICS, topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
-from rlstream.schemas.records import RECORD_TYPES, SamplingParams, Task, Trajectory, Turn
+from rlstream.schemas.records import SamplingParams, Task, Trajectory, Turn
 
 
 def produce(bootstrap: str, run: str, logical: str, items: list[tuple], flush: bool = True) -> None:
-    """Produce (key, record-or-bytes, headers-or-None) tuples; records get default headers."""
+    """Produce (key, record-or-bytes, headers-or-None[, timestamp ms]) tuples, not in a transaction; records get
+    default headers, and the time of producing unless a timestamp is given."""
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
-    for key, value, headers in items:
+    for key, value, headers, *at in items:
         if not isinstance(value, (bytes, bytearray)):
             value = default_codec().encode(TOPICS[logical].record, value.to_dict())
         if headers is None:
             headers = hdr.build(0, hdr.new_traceparent())
-        producer.produce(topic_name(run, logical), value=value, key=key, headers=headers)
+        # Timestamp 0: librdkafka stamps the time of producing.
+        producer.produce(topic_name(run, logical), value=value, key=key, headers=headers, timestamp=at[0] if at else 0)
     if flush:
         producer.flush(30)
 
 
-def read_all(bootstrap: str, run: str, logical: str, expect: int | None = None, timeout: float = 60.0,
-             idle: float = 3.0) -> list[dict]:
-    """Every committed record of a topic as dicts with key, headers, record (decoded typed) and raw value."""
-    name = topic_name(run, logical)
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{time.time_ns()}",
-                         "isolation.level": "read_committed", "enable.auto.commit": False,
-                         "auto.offset.reset": "earliest"})
-    meta = consumer.list_topics(name, timeout=10)
-    consumer.assign([TopicPartition(name, p, 0) for p in meta.topics[name].partitions])
-    out: list[dict] = []
-    deadline = time.monotonic() + timeout
-    last_new = time.monotonic()
-    try:
-        while time.monotonic() < deadline:
-            msgs = consumer.consume(500, 0.5)
-            for m in msgs:
-                if m.error():
-                    continue
-                _, value = default_codec().decode(m.value())
-                out.append({"key": m.key(), "headers": hdr.as_dict(m.headers()), "partition": m.partition(),
-                            "offset": m.offset(), "record": RECORD_TYPES[TOPICS[logical].record].from_dict(value),
-                            "value": m.value()})
-            if msgs:
-                last_new = time.monotonic()
-            if expect is not None and len(out) >= expect and time.monotonic() - last_new > 0.5:
-                break
-            if expect is None and time.monotonic() - last_new > idle:
-                break
-    finally:
-        consumer.close()
-    return out
+def read_all(bootstrap: str, run: str, logical: str, expect: int = 0, timeout: float = 60.0) -> list[Seen]:
+    """Every committed record of a topic (at least ``expect``, waiting up to ``timeout`` for them), decoded."""
+    return read_to_end({"bootstrap.servers": bootstrap}, run, logical, expect=expect, timeout=timeout)
 
 
 def make_task(i: int, group_size: int = 2, answer: str = "cba", prompt: str = "abc>") -> Task:
+    """Task ``task-<i>`` of the reverse task."""
     return Task(task_id=f"task-{i}", group_id=f"task-{i}", task_name="reverse", env_name="single",
                 env_version="1", prompt=prompt, sampling=SamplingParams(), created_at=hdr.now_ms(),
                 answer=answer, group_size=group_size)
@@ -65,6 +46,7 @@ def make_task(i: int, group_size: int = 2, answer: str = "cba", prompt: str = "a
 
 def make_trajectory(i: int, response: str = "cba", n_tokens: int = 4, group: int | None = None,
                     version: int = 0) -> Trajectory:
+    """Trajectory ``traj-<i>`` of task ``group`` (default ``i``): one action turn of ``n_tokens`` tokens."""
     task = make_task(group if group is not None else i)
     return Trajectory(trajectory_id=f"traj-{i}", group_id=task.group_id, sample_index=0, task=task,
                       response=response, min_policy_version=version, max_policy_version=version,
@@ -88,8 +70,6 @@ def free_base_port(n: int = 2) -> int:
     """A port p with p .. p+n-1 all free, below the kernel's ephemeral range (each broker node takes a broker and a
     controller port). An ephemeral port can be taken by any outgoing connection while a broker is down between two
     starts, which made restarts fail now and then."""
-    import random
-    import socket
     low = 32768
     try:
         low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])

@@ -1,4 +1,6 @@
-"""Reward functions and draws shared by the loop benchmarks; stage processes load them by dotted path.
+"""Workloads of the benchmarks: reward functions (stage processes load them by dotted path,
+``benchmarks.harness.workloads:<name>``), the seeded latency and length draws, and the trajectories the bus
+benchmarks produce.
 
 Every random draw is seeded by the sample's id, so two runs of one workload see the same latencies and lengths.
 """
@@ -11,6 +13,8 @@ import os
 import random
 import time
 
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.records import SamplingParams, Task, Trajectory, Turn
 from rlstream.sources.tasks import clean_response
 
 # Knobs come from the environment: a reward loaded by dotted path in its own process takes no arguments.
@@ -30,6 +34,7 @@ LENGTH_PROBS = tuple(_TAIL[i] - _TAIL[i + 1] if i < len(LENGTH_BUCKETS) - 1 else
 
 
 def _rng(key: str) -> random.Random:
+    """A generator seeded by ``key``: the same draws for the same sample in every run."""
     return random.Random(int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little"))
 
 
@@ -49,10 +54,27 @@ def reverse_score(response: str, answer: str) -> float:
 
 
 def _response(trajectory) -> str:
+    """The text the verifier judges: the last turn's, else the whole response."""
     return trajectory.turns[-1].text if trajectory.turns else trajectory.response
 
 
+def make_trajectory(i: int, n_tokens: int = 4) -> Trajectory:
+    """Trajectory ``traj-<i>`` of task ``task-<i>`` (reverse "abc", answered right): one action turn of ``n_tokens``
+    tokens; what the bus benchmarks push through a stage."""
+    task = Task(task_id=f"task-{i}", group_id=f"task-{i}", task_name="reverse", env_name="single", env_version="1",
+                prompt="abc>", sampling=SamplingParams(), created_at=hdr.now_ms(), answer="cba", group_size=2)
+    return Trajectory(trajectory_id=f"traj-{i}", group_id=task.group_id, sample_index=0, task=task, response="cba",
+                      min_policy_version=0, max_policy_version=0, token_ids=list(range(n_tokens)),
+                      loss_mask=[1] * n_tokens, behaviour_logprobs=[-1.0] * n_tokens,
+                      turns=[Turn("action", "cba", 0, n_tokens, policy_version=0)])
+
+
 # -- rlstream reward functions (one Trajectory each) ----------------------------------------------------
+
+def constant(trajectory) -> float:
+    """A reward that costs nothing, so a hop measures the bus."""
+    return 1.0
+
 
 def exact(trajectory) -> float:
     """No added latency."""
@@ -80,12 +102,14 @@ async def io_judge(trajectory) -> float:
 # -- TRL reward functions (a batch of completions; dataset columns arrive as keyword lists) -------------
 
 def trl_exact(prompts, completions, answer, **_) -> list[float]:
+    """Exact match, no added latency."""
     return [reverse_score(c, a) for c, a in zip(completions, answer)]
 
 
 async def trl_fixed_latency(prompts, completions, answer, **_) -> list[float]:
     """Every completion judged concurrently: the batch waits BENCH_REWARD_LATENCY_S once (TRL's best case)."""
     async def one(c, a):
+        """One completion, judged after the fixed latency."""
         await asyncio.sleep(FIXED_S)
         return reverse_score(c, a)
     return list(await asyncio.gather(*(one(c, a) for c, a in zip(completions, answer))))

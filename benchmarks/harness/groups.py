@@ -1,0 +1,21 @@
+"""A consumer group's committed offsets: a stage's progress as the broker records it."""
+from __future__ import annotations
+
+from confluent_kafka import ConsumerGroupTopicPartitions
+from confluent_kafka.admin import AdminClient
+
+
+def group_offsets(admin: AdminClient, group: str, timeout: float = 10.0) -> dict[tuple[str, int], int]:
+    """The committed offsets of a consumer group ({} when it has none, or the broker did not answer)."""
+    try:
+        future = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)],
+                                                   request_timeout=timeout)[group]
+        parts = future.result(timeout + 5).topic_partitions or []
+    except Exception:  # a broker or coordinator moving: callers poll again
+        return {}
+    return {(tp.topic, tp.partition): tp.offset for tp in parts if tp.offset >= 0 and tp.error is None}
+
+
+def advanced(before: dict[tuple[str, int], int], now: dict[tuple[str, int], int]) -> bool:
+    """Whether any partition's committed offset moved past ``before``."""
+    return any(offset > before.get(tp, -1) for tp, offset in now.items())

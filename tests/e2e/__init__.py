@@ -1,0 +1,1 @@
+"""End-to-end: the whole loop, every stage its own process."""

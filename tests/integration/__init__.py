@@ -1,0 +1,1 @@
+"""Integration tests against the real broker (and chDB), with real stage processes."""

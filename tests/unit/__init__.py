@@ -1,0 +1,1 @@
+"""Unit tests: no broker, no archive server."""
