@@ -16,9 +16,9 @@ import tempfile
 import time
 
 from rlstream.archive.sink import ArchiveSettings, ArchiveSink
-from rlstream.config import LoopSettings
 from rlstream.archive.tables import TABLES
 from rlstream.archive.views import install_views, standard_queries, trajectory_timeline_sql
+from rlstream.config import LoopSettings
 
 GOAL_S = 1.0
 RUN = "bench"

@@ -19,10 +19,10 @@ import uuid
 
 from confluent_kafka import Producer
 
-from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.archive.decode import NativeTable, meta_row
 from rlstream.archive.sink import ArchiveSettings, ArchiveSink
 from rlstream.archive.tables import TABLES
+from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.kafka.topics import create_topics, topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec

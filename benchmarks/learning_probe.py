@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from rlstream.sources.tasks import get_task, verify
 from rlstream.models.tiny import build_model, build_tokenizer
+from rlstream.sources.tasks import get_task, verify
 from rlstream.trainer.warmup import encode_prompts, greedy_exact_match, supervised_warmup
 
 

@@ -21,16 +21,16 @@ import uuid
 
 from confluent_kafka import Producer
 
-from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.archive.query import open_archive, read_endpoint
+from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.kafka.topics import create_topics, topic_name
-from rlstream.stages.replay import ReplaySettings, replay
+from rlstream.runtime.runner import StageRunner
+from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import SamplingParams, Task, Trajectory, Turn
+from rlstream.stages.replay import ReplaySettings, replay
 from rlstream.stages.reward import RewardSettings, RewardStage
-from rlstream.runtime.runner import StageRunner
-from rlstream.runtime.settings import RuntimeSettings
 
 
 def trajectory(i: int, tokens: int) -> Trajectory:

@@ -44,8 +44,8 @@ def trl_worker(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from benchmarks.harness import workloads
-    from rlstream.sources.tasks import get_task
     from rlstream.models.tiny import build_model, build_tokenizer
+    from rlstream.sources.tasks import get_task
     from rlstream.trainer.warmup import greedy_exact_match, supervised_warmup
 
     torch.set_num_threads(args.threads)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import inspect
+import logging
 import os
 import sys
 

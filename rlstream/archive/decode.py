@@ -10,10 +10,9 @@ import json
 import re
 import secrets
 
-from rlstream.kafka.records import Message
-
 from rlstream.archive.query import DATABASE
 from rlstream.archive.tables import TABLES
+from rlstream.kafka.records import Message
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import HEADER_LEN, load_current, packed_paths
 

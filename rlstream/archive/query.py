@@ -20,9 +20,9 @@ import threading
 import urllib.error
 import urllib.request
 import uuid
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 from rlstream.config import DEFAULT_ARCHIVE, LoopSettings, add_arguments, knob, load

@@ -9,14 +9,14 @@ import argparse
 import html
 import json
 import math
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 from rlstream.archive.query import DATABASE, format_table, open_archive
+from rlstream.archive.views import install_views, quote, standard_queries, trajectory_timeline
 from rlstream.config import LoopSettings, add_arguments, knob, load
 from rlstream.errors import UsageError
-from rlstream.archive.views import install_views, quote, standard_queries, trajectory_timeline
 
 #: Figure key -> section title (keys of standard_queries).
 SECTIONS = [

@@ -20,14 +20,14 @@ from typing import Any, ClassVar
 
 from prometheus_client import Counter, Histogram
 
-from rlstream.config import KafkaSettings, LoopSettings, knob
-from rlstream.kafka.topics import TOPICS, create_topics, topic_name
-from rlstream.schemas.codec import HEADER_LEN, MARKER, DecodeError, default_codec
-from rlstream.kafka.group import GroupMember
-from rlstream.kafka.records import Message
 from rlstream.archive.decode import NativeTable, meta_row, undecodable_row
 from rlstream.archive.query import DATABASE, ArchiveError, SqlEndpoint, connect, resolve, run_sql
 from rlstream.archive.tables import TABLES, TOPIC_TABLE
+from rlstream.config import KafkaSettings, LoopSettings, knob
+from rlstream.kafka.group import GroupMember
+from rlstream.kafka.records import Message
+from rlstream.kafka.topics import TOPICS, create_topics, topic_name
+from rlstream.schemas.codec import HEADER_LEN, MARKER, DecodeError, default_codec
 
 log = logging.getLogger(__name__)
 

@@ -11,14 +11,10 @@ import os
 import signal
 from pathlib import Path
 
-from rlstream.infra.broker_config import (
-    HOST, BrokerError, bootstrap_of, broker_port, controller_port, kafka_root, locked, new_cluster_id, node_ids,
-    read_layout, resolve_port, write_layout,
-)
+from rlstream.infra.broker_config import (HOST, BrokerError, bootstrap_of, broker_port, controller_port, kafka_root,
+                                          locked, new_cluster_id, node_ids, read_layout, resolve_port, write_layout)
 from rlstream.infra.broker_jars import kafka_lib
-from rlstream.infra.broker_process import (
-    node_pid, pid_file, port_open, start_nodes, stop_nodes, wait_exit, wait_ready,
-)
+from rlstream.infra.broker_process import node_pid, pid_file, port_open, start_nodes, stop_nodes, wait_exit, wait_ready
 
 START_TIMEOUT_S = 60.0  # per node: three JVMs starting on two cores take their turns
 STOP_TIMEOUT_S = 30.0

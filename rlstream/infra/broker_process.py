@@ -15,10 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from rlstream.infra.broker_config import (
-    HOST, BrokerError, bootstrap_of, broker_port, controller_port, kafka_root, log4j2_properties, node_dir,
-    node_ids, server_properties,
-)
+from rlstream.infra.broker_config import (HOST, BrokerError, bootstrap_of, broker_port, controller_port, kafka_root,
+                                          log4j2_properties, node_dir, node_ids, server_properties)
 from rlstream.infra.broker_jars import java, kafka_lib
 
 JVM_HEAP = ["-Xmx512m", "-Xms256m"]

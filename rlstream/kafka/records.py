@@ -14,7 +14,6 @@ from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import DecodeError, default_codec
 from rlstream.schemas.records import RECORD_TYPES, Record
 
-
 __all__ = ["Incoming", "Message", "Rejected", "TypedProducer", "decode", "encode", "produce"]
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-
 import time
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server

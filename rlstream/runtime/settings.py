@@ -1,8 +1,8 @@
 """Knobs of the shared stage runtime (every stage process and replay reads them from flags and the environment)."""
 from __future__ import annotations
 
-from typing import ClassVar
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rlstream.config import knob
 from rlstream.kafka.topics import MAX_MESSAGE_BYTES

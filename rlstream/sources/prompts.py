@@ -12,15 +12,15 @@ import itertools
 import json
 import logging
 from collections.abc import Iterator
-from typing import ClassVar
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from rlstream.config import KafkaSettings, LoopSettings, add_arguments, knob, load
-from rlstream.kafka.topics import topic_name
-from rlstream.schemas import headers as hdr
 from rlstream.errors import UsageError
 from rlstream.kafka.records import TypedProducer
+from rlstream.kafka.topics import topic_name
+from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import SamplingParams, Task
 
 log = logging.getLogger(__name__)

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 from rlstream.config import knob
-from rlstream.schemas.headers import now_ms
-from rlstream.schemas.records import Episode, Failure, Task, ToolCall, ToolResult, Trajectory, Turn
 from rlstream.monitoring import metrics
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
+from rlstream.schemas.headers import now_ms
+from rlstream.schemas.records import Episode, Failure, Task, ToolCall, ToolResult, Trajectory, Turn
 from rlstream.stages.sandbox import Sandbox, SandboxLimits, SandboxResult
 
 log = logging.getLogger(__name__)

@@ -169,6 +169,7 @@ class VLLMBackend(InferenceBackend):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if threads <= 1 else "all")
         from vllm import LLM
+
         # No async scheduling: a step's tokens must come from the weights loaded when that step ran, so that
         # the version stamped on each token (and its log-prob) is the one that sampled it.
         self.llm = LLM(model=str(folder), dtype="float32", max_model_len=max_model_len, enforce_eager=True,
@@ -196,6 +197,7 @@ class VLLMBackend(InferenceBackend):
         from vllm import SamplingParams as VSampling
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
+
         from rlstream.schemas.headers import now_ms
         if not prompts:
             return []

@@ -17,8 +17,8 @@ import logging
 import re
 import sys
 import time
-from typing import ClassVar
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rlstream.archive.replay_source import ArchivedTrajectories
 from rlstream.config import KafkaSettings, LoopSettings, add_arguments, knob, load

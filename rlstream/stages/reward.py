@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 from rlstream.config import knob
+from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Reward, ScoredTrajectory, Trajectory
-from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
 
 
 @dataclass

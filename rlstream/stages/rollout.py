@@ -19,19 +19,19 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import ClassVar
 from dataclasses import dataclass
+from typing import ClassVar
 
 from rlstream.config import LoopSettings, knob
 from rlstream.errors import UserError
-from rlstream.policy.watcher import PolicyWatcher
+from rlstream.monitoring import metrics
 from rlstream.policy.staleness import rollout_should_pause
+from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import local_path
+from rlstream.runtime.stage import Incoming, Output, Stage, StageContext
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn
-from rlstream.monitoring import metrics
 from rlstream.stages.inference import Generation, make_backend
-from rlstream.runtime.stage import Incoming, Output, Stage, StageContext
 
 log = logging.getLogger(__name__)
 

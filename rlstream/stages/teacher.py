@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import ClassVar
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from rlstream.config import LoopSettings, knob
 from rlstream.errors import UserError
 from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import local_path, tokenizer_hash
+from rlstream.runtime.stage import Incoming, Output, Stage, StageContext
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import ScoredTrajectory, TeacherFeedback
-from rlstream.runtime.stage import Incoming, Output, Stage, StageContext
 
 log = logging.getLogger(__name__)
 

@@ -12,29 +12,28 @@ import logging
 import signal
 import threading
 import time
-from typing import ClassVar
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
-from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from rlstream.config import KafkaSettings, LoopSettings, knob
-from rlstream.policy.staleness import StalenessCounter, StalenessFilter
-from rlstream.trainer.window import WindowedFIFO, WindowItem
 from rlstream.kafka import records
+from rlstream.kafka.group import GroupMember
 from rlstream.kafka.records import Rejected
 from rlstream.kafka.topics import topic_name
 from rlstream.kafka.transactions import TransactionalProducer
-from rlstream.policy.weights import WeightStore, local_path, tokenizer_hash
-from rlstream.schemas import headers as hdr
-from rlstream.schemas.codec import default_codec
-from rlstream.schemas.records import PolicyVersion, TeacherFeedback
 from rlstream.monitoring import metrics
-from rlstream.kafka.group import GroupMember
+from rlstream.policy.staleness import StalenessCounter, StalenessFilter
+from rlstream.policy.watcher import last_policy_version
+from rlstream.policy.weights import WeightStore, local_path, tokenizer_hash
 from rlstream.runtime.settings import RuntimeSettings
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.records import PolicyVersion, TeacherFeedback
 from rlstream.trainer.engine import make_engine
 from rlstream.trainer.update import UpdateConfig, build_batch, policy_update
+from rlstream.trainer.window import WindowedFIFO, WindowItem
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +130,7 @@ class TrainerService:
             self._member.close()
 
     @property
-    def consumer(self) -> Consumer:
+    def consumer(self):
         """The group member's current consumer (a new object after it was replaced)."""
         return self._member.consumer
 
@@ -139,7 +138,7 @@ class TrainerService:
 
     def _load_or_create(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        announced = _last_announced(self.kafka, self.loop.policy)
+        announced = last_policy_version(self.kafka.client_config(), self.kafka.run, self.loop.policy)
         if announced is not None and self.store.path(self.loop.policy, announced.version).exists():
             folder = local_path(announced.weights_uri)
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -275,33 +274,3 @@ class TrainerService:
     def _pop_letters(self):
         letters, self._letters = self._letters, []
         return letters
-
-
-def _last_announced(kafka: KafkaSettings, policy: str) -> PolicyVersion | None:
-    """The newest committed PolicyVersion of ``policy`` (reads the compacted topic to its end)."""
-    name = topic_name(kafka.run, "policy-versions")
-    # The end of a partition is its last stable offset for a read_committed reader, and transaction markers take
-    # offsets too: only librdkafka's partition-EOF event says "caught up" without waiting for silence.
-    consumer = Consumer({**kafka.client_config(), "group.id": f"{kafka.run}.trainer-resume",
-                         "enable.auto.commit": False, "isolation.level": "read_committed",
-                         "enable.partition.eof": True})
-    try:
-        parts = consumer.list_topics(name, timeout=30).topics[name].partitions
-        latest: PolicyVersion | None = None
-        for p in parts:
-            low, high = consumer.get_watermark_offsets(TopicPartition(name, p), timeout=10)
-            if high <= low:
-                continue
-            consumer.assign([TopicPartition(name, p, low)])
-            deadline, at_end = time.monotonic() + 60, False
-            while not at_end and time.monotonic() < deadline:
-                for m in consumer.consume(500, 0.2):
-                    if m.error() is not None:
-                        at_end = at_end or m.error().code() == KafkaError._PARTITION_EOF
-                        continue
-                    pv = PolicyVersion.from_dict(default_codec().decode(m.value(), expect="PolicyVersion")[1])
-                    if pv.policy == policy and (latest is None or pv.version > latest.version):
-                        latest = pv
-        return latest
-    finally:
-        consumer.close()

@@ -198,8 +198,8 @@ class _Msg:
 def test_clickhouse_and_python_decoding_store_identical_rows(tmp_path):
     """The chDB fast path (ClickHouse decodes the Avro) and the Python path give the same rows, bad records included."""
     from rlstream.archive.sink import ArchiveSettings, ArchiveSink
-    from rlstream.config import LoopSettings
     from rlstream.archive.tables import TABLES
+    from rlstream.config import LoopSettings
     codec = default_codec()
     heads = [hdr.build(3, hdr.new_traceparent(), "v2", produced_at=1_700_000_000_500), None,
              [("policy_version", b"99999999999"), ("produced_at", b"soon")]]

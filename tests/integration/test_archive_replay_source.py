@@ -5,16 +5,16 @@ import dataclasses
 
 import pytest
 from confluent_kafka import Producer
-
 from kafka_util import make_task
 from kafka_util import wait_for as _wait_for
+from stage_proc import start_stage, stop
+
 from rlstream.archive.query import read_endpoint
 from rlstream.archive.replay_source import ArchivedTrajectories
 from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import Failure, SamplingParams, ToolCall, ToolResult, Trajectory, Turn
-from stage_proc import start_stage, stop
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -15,10 +15,10 @@ import time
 import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
+from rlstream.infra.supervisor import StageProc
 from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
-from rlstream.infra.supervisor import StageProc
 from rlstream.schemas.records import Episode, PolicyVersion, Reward, SamplingParams, ScoredTrajectory, Task, Turn
 from tests.helpers.kafka import make_task, make_trajectory, produce, read_all
 
@@ -244,8 +244,8 @@ def _byte_tokenizer():
 
 def _publish_policy(bootstrap: str, run: str, root):
     """Version 0 of a random tiny policy over the byte tokenizer, as the trainer would announce it."""
-    from rlstream.policy.weights import WeightStore
     from rlstream.models.tiny import build_model
+    from rlstream.policy.weights import WeightStore
     tokenizer = _byte_tokenizer()
     model = build_model(tokenizer, seed=0)
 

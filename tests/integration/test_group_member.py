@@ -4,12 +4,11 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from confluent_kafka import Consumer
 
 from rlstream.config import KafkaSettings
-from rlstream.kafka.topics import topic_name
 from rlstream.kafka.group import GroupMember, group_consumer_config
+from rlstream.kafka.topics import topic_name
 from tests.helpers.kafka import make_task, produce
 
 

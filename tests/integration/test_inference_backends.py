@@ -11,9 +11,9 @@ import urllib.request
 import pytest
 import torch
 
+from rlstream.models.tiny import build_model, build_tokenizer, save_pretrained
 from rlstream.schemas.records import SamplingParams
 from rlstream.stages.inference import OpenAIBackend, TransformersBackend, VLLMBackend
-from rlstream.models.tiny import build_model, build_tokenizer, save_pretrained
 
 pytestmark = pytest.mark.slow
 
@@ -147,9 +147,9 @@ def test_rollout_stage_on_vllm_labels_a_turn_spanning_a_swap_with_its_oldest_ver
     """The rollout stage end to end on vLLM: v1 is announced while a batch generates. Each episode's header and
     turn carry v0 (the oldest weights in it); its log-probs are v0's up to the swap and v1's after it, given the
     whole prefix; episodes continued under v1 carry the rollout.swap.v1 stamp."""
+    from rlstream.runtime.stage import Incoming
     from rlstream.schemas.records import PolicyVersion, Task
     from rlstream.stages.rollout import SWAP_STAMP, RolloutSettings, RolloutStage
-    from rlstream.runtime.stage import Incoming
 
     tok, v0, v1 = models
 

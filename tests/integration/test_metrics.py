@@ -12,13 +12,13 @@ import pytest
 from confluent_kafka import Producer
 
 from rlstream.config import KafkaSettings, LoopSettings
-from rlstream.monitoring.monitor import faust_available
 from rlstream.kafka.topics import topic_name
+from rlstream.monitoring import metrics
+from rlstream.monitoring.monitor import faust_available
+from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import PolicyVersion, Reward, ScoredTrajectory
-from rlstream.monitoring import metrics
-from rlstream.runtime.settings import RuntimeSettings
 from tests.helpers import ROOT
 from tests.helpers.kafka import make_trajectory, produce
 from tests.helpers.kafka import wait_for as _wait

@@ -12,8 +12,8 @@ import urllib.request
 import pytest
 
 from rlstream import cli, config
-from rlstream.config import KafkaSettings, from_sources
 from rlstream.archive import query
+from rlstream.config import KafkaSettings, from_sources
 from rlstream.schemas import headers as hdr
 from tests.helpers import ROOT
 from tests.helpers.kafka import make_trajectory, produce, read_all

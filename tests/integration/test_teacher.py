@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
+from rlstream.models.tiny import build_model, build_tokenizer, save_pretrained
 from rlstream.policy.weights import WeightStore, tokenizer_hash
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, Reward, ScoredTrajectory
-from rlstream.models.tiny import build_model, build_tokenizer, save_pretrained
 from tests.helpers.kafka import make_trajectory, produce, read_all
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

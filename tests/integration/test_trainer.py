@@ -7,9 +7,9 @@ import time
 import pytest
 
 from rlstream.config import KafkaSettings, LoopSettings
+from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Reward, ScoredTrajectory
-from rlstream.runtime.settings import RuntimeSettings
 from rlstream.trainer.service import TrainerService, TrainerSettings
 from tests.helpers.kafka import make_trajectory, produce, read_all
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from rlstream.sources import tool_tasks
+from rlstream.runtime.stage import Incoming, InvalidRecord
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Trajectory, Turn
-from rlstream.stages.env import (ENVIRONMENTS, Calculator, EnvSettings, EnvStage, Environment, SingleTurn,
-                                  StepResult, tool_calls)
-from rlstream.runtime.stage import Incoming, InvalidRecord
+from rlstream.sources import tool_tasks
+from rlstream.stages.env import (ENVIRONMENTS, Calculator, Environment, EnvSettings, EnvStage, SingleTurn, StepResult,
+                                 tool_calls)
 
 
 def make_task(env: str = "single", max_turns: int = 1, answer: str = "46") -> Task:

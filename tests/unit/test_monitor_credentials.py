@@ -6,8 +6,8 @@ import ssl
 import pytest
 
 from rlstream.config import KafkaSettings
-from rlstream.monitoring.monitor import Monitor, MonitorSettings, faust_credentials
 from rlstream.errors import UserError
+from rlstream.monitoring.monitor import Monitor, MonitorSettings, faust_credentials
 
 
 def _faust():

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from rlstream.runtime.stage import Incoming
 from rlstream.schemas.records import PolicyVersion, SamplingParams, Task
 from rlstream.stages.inference import Generation, InferenceBackend
 from rlstream.stages.rollout import SWAP_STAMP, RolloutSettings, RolloutStage
-from rlstream.runtime.stage import Incoming
 
 
 class FakeWatcher:

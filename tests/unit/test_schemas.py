@@ -80,6 +80,7 @@ def test_token_arrays_travel_packed_and_come_back_as_lists(codec):
 
 def test_packed_array_of_wrong_length_is_malformed(codec):
     import io
+
     from fastavro import schemaless_writer
     fp, schema = codec._current["Task"]
     record = dict(sample_task().to_dict(), prompt_token_ids=b"\x01\x02\x03")  # 3 bytes: not an int32 array
@@ -111,6 +112,7 @@ def test_current_schemas_are_frozen():
 def test_every_frozen_version_reads_under_the_current_schema(name, version, path):
     """Backward compatibility: data written with any old version decodes with the current schema."""
     import io
+
     from fastavro import schemaless_writer
     raw = json.loads(path.read_text())
     old = parse_schema(raw)
@@ -132,6 +134,7 @@ def test_every_frozen_version_reads_under_the_current_schema(name, version, path
 def test_old_policy_version_record_gets_new_field_default():
     """(d) A PolicyVersion written with v1 (before tokenizer_hash) decodes with the default."""
     import io
+
     from fastavro import schemaless_writer
     v1 = parse_schema(json.loads((HISTORY_DIR / "PolicyVersion" / "v1.avsc").read_text()))
     buf = io.BytesIO(b"\xc3\x01" + schema_fingerprint(v1))

@@ -8,11 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rlstream.policy.staleness import (
-    StalenessCounter,
-    StalenessFilter,
-    rollout_should_pause,
-)
+from rlstream.policy.staleness import StalenessCounter, StalenessFilter, rollout_should_pause
 
 versions = st.integers(min_value=0, max_value=10_000)
 etas = st.integers(min_value=0, max_value=64)
