@@ -139,9 +139,13 @@ class LoopSettings:
     group_size: int = knob(8, "Samples per prompt (G): a group's advantages are computed among its samples")
     groups_per_step: int = knob(16, "Complete groups per trainer update (the paced prompt source issues as many)")
     home: str = knob(".rlstream", "Local state: the broker's data, weights, run logs and the embedded archive")
-    archive: str = knob(DEFAULT_ARCHIVE, "Archive URL: chdb://PATH (embedded; relative paths from the working "
-                                         "directory) or http(s)://HOST:PORT of a ClickHouse server; credentials "
-                                         "only from RLSTREAM_CLICKHOUSE_USER / RLSTREAM_CLICKHOUSE_PASSWORD")
+    archive: str = knob("", "Archive URL: chdb://PATH (embedded; relative paths from the working directory) or "
+                            "http(s)://HOST:PORT of a ClickHouse server; credentials only from "
+                            "RLSTREAM_CLICKHOUSE_USER / RLSTREAM_CLICKHOUSE_PASSWORD (default: chdb://HOME/archive)")
+
+    def __post_init__(self) -> None:
+        if not self.archive:  # the embedded archive lives with the rest of the loop's local state
+            object.__setattr__(self, "archive", f"chdb://{self.home.rstrip('/') or '.'}/archive")
 
     @property
     def home_path(self) -> Path:

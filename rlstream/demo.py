@@ -8,6 +8,7 @@ explore the run, and ``reward A -> B over N policy versions in T s``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import queue
 import signal
@@ -16,8 +17,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-from rlstream.config import add_arguments, knob
+from rlstream.config import LoopSettings, add_arguments, knob, load
 from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
 from rlstream.kafka.tail import Seen, TopicTail
 from rlstream.kafka.topics import create_topics
@@ -30,22 +32,21 @@ STOP_ORDER = ["prompts", "rollout", "env", "reward", "trainer", "archive"]
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """Knobs of the local demo (defaults: reverse 3 letters with a tiny Qwen2, vLLM when installed)."""
+    """Knobs of the local demo (defaults: reverse 3 letters with a tiny Qwen2, vLLM when installed); the run, η,
+    group sizes, home and archive are the loop's settings (without --run, a fresh demo-<time> run, so a fresh
+    model)."""
 
-    run: str = knob("", "Run name (default: a fresh demo-<time> run, so a fresh model)")
+    ROLE: ClassVar[str] = "DEMO"
+
     task: str = knob("reverse", "Task to learn: reverse or arithmetic")
     minutes: float = knob(15.0, "Give up after this long")
     target: float = knob(0.8, "Stop once held-out reward reaches this")
     backend: str = knob("auto", "Rollout engine: auto (vLLM if installed), transformers, vllm",
                         choices=("auto", "transformers", "vllm"))
-    eta: int = knob(2, "Staleness bound η")
-    group_size: int = knob(8, "Samples per prompt (G)")
-    groups_per_step: int = knob(16, "Groups per update")
     lr: float = knob(1e-4, "Learning rate")
     warmup_steps: int = knob(300, "Supervised warm-up steps before RL (part of the demo, see README)")
     heldout_every: int = knob(2, "Evaluate the held-out set every N policy versions")
     heldout_count: int = knob(128, "Held-out tasks per evaluation")
-    archive: str = knob("chdb://.rlstream/archive", "Archive URL (chdb:// path or http:// server)")
 
 
 @dataclass
@@ -68,19 +69,21 @@ class Progress:
         return (len(self.train_times) - 1) / span if span > 0 else 0.0
 
 
-def run_demo(s: DemoSettings) -> int:
+def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
     """Run the loop until held-out reward reaches the target or time is up; 0 when it was reached."""
     from rlstream.infra import broker
     started = time.monotonic()
-    bootstrap = broker.up()
-    run = s.run or time.strftime("demo-%Y%m%d-%H%M%S")
-    home = Path(os.environ.get("RLSTREAM_HOME", ".rlstream")).resolve()
+    home = loop.home_path
+    bootstrap = broker.up(home)
+    run = loop.run
     run_dir = home / "runs" / run
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     client = {"bootstrap.servers": bootstrap}
     create_topics(client, run)
-    env = stage_env(bootstrap, run, **ONE_THREAD, RLSTREAM_ETA=str(s.eta),
-                    RLSTREAM_GROUPS_PER_STEP=str(s.groups_per_step))
+    # Every stage reads the loop's settings from the same variables.
+    env = stage_env(bootstrap, run, **ONE_THREAD, RLSTREAM_HOME=str(home), RLSTREAM_POLICY=loop.policy,
+                    RLSTREAM_ETA=str(loop.eta), RLSTREAM_GROUP_SIZE=str(loop.group_size),
+                    RLSTREAM_GROUPS_PER_STEP=str(loop.groups_per_step), RLSTREAM_ARCHIVE=loop.archive)
     weights = str(run_dir / "weights")
     plan = {
         "trainer": ["run", "trainer", "--weights", weights, "--task", s.task, "--lr", str(s.lr),
@@ -89,9 +92,8 @@ def run_demo(s: DemoSettings) -> int:
                     "--batch-size", "64"],
         "env": ["run", "env", "--instance", "0"],
         "reward": ["run", "reward", "--instance", "0"],
-        "archive": ["run", "archive", "--archive", s.archive],
-        "prompts": ["prompts", "--task", s.task, "--paced", "--count", "0", "--group-size", str(s.group_size),
-                    "--heldout-every", str(s.heldout_every), "--heldout-count", str(s.heldout_count)],
+        "archive": ["run", "archive"],
+        "prompts": ["prompts", "--task", s.task, "--paced", "--count", "0", "--heldout-every", str(s.heldout_every), "--heldout-count", str(s.heldout_count)],
     }
     sup = Supervisor()
     for name, argv in plan.items():
@@ -220,12 +222,15 @@ def _plot(progress: Progress, path: Path, task: str) -> Path:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from rlstream.config import load as settings
-    sys.exit(run_demo(settings(DemoSettings, args)))
+    loop = load(LoopSettings, args)
+    if args.run is None and "RLSTREAM_RUN" not in os.environ:
+        loop = dataclasses.replace(loop, run=time.strftime("demo-%Y%m%d-%H%M%S"))  # a fresh run: a fresh model
+    sys.exit(run_demo(load(DemoSettings, args), loop))
 
 
 def add_command(sub) -> None:
     """Register ``rlstream demo``."""
     p = sub.add_parser("demo", help="run the whole loop locally until a tiny model learns")
+    add_arguments(p, LoopSettings)
     add_arguments(p, DemoSettings)
     p.set_defaults(func=cmd_demo)
