@@ -70,7 +70,7 @@ def uses(ep) -> list[tuple[int, int, int]]:
 def measure(args, swap: str) -> dict:
     """One fresh loop with the rollouts' --swap mode; per-version latencies to every worker generating."""
     log("publish", f"swap={swap}: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    loop = Loop("publish", RLSTREAM_SWAP=swap)
+    loop = Loop("publish", RLSTREAM_ROLLOUT_SWAP=swap)
     loop.trainer(eta=2, groups_per_step=args.groups_per_step, warmup_steps=0)
     for i in range(2):
         loop.rollout(eta=2, instance=i, backend="vllm")
