@@ -5,9 +5,6 @@ import dataclasses
 
 import pytest
 from confluent_kafka import Producer
-from kafka_util import make_task
-from kafka_util import wait_for as _wait_for
-from stage_proc import start_stage, stop
 
 from rlstream.archive.query import read_endpoint
 from rlstream.archive.replay_source import ArchivedTrajectories
@@ -15,6 +12,8 @@ from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import Failure, SamplingParams, ToolCall, ToolResult, Trajectory, Turn
+from tests.helpers.kafka import make_task
+from tests.helpers.kafka import wait_for as _wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -42,7 +41,8 @@ def _trajectory(i: int) -> Trajectory:
                       stage_times={"rollout.start": T0 + i, "rollout.end": T0 + 2 * i}, trace_id=task.trace_id)
 
 
-def test_archived_trajectories_page_back_as_they_were_sent(bootstrap, run_name, tmp_path):
+@pytest.mark.timeout(300)
+def test_archived_trajectories_page_back_as_they_were_sent(bootstrap, run_name, tmp_path, start_stage):
     """Pages in (partition, offset) order rebuild every record, key and header; each filter and resume cuts rows."""
     sent = {}  # (partition, offset) -> (key, policy_version, traceparent, produced_at, timestamp, trajectory)
     producer = Producer({"bootstrap.servers": bootstrap})
@@ -62,8 +62,8 @@ def test_archived_trajectories_page_back_as_they_were_sent(bootstrap, run_name, 
     log = tmp_path / "archive.log"
     proc = start_stage("archive", bootstrap, run_name, "--archive", url, "--archive-flush-s", "0.3", log_path=log)
     try:
-        _wait_for(lambda: read_endpoint(str(path)) or proc.poll() is not None, 60, "the SQL endpoint")
-        assert proc.poll() is None, log.read_text()[-3000:]
+        _wait_for(lambda: read_endpoint(str(path)) or not proc.alive(), 60, "the SQL endpoint")
+        assert proc.alive(), log.read_text()[-3000:]
         with ArchivedTrajectories(url, run_name) as source:
             _wait_for(lambda: source.count() == len(sent), 90, f"{len(sent)} archived trajectories")
             assert source.partitions() == [0, 1]
@@ -96,4 +96,4 @@ def test_archived_trajectories_page_back_as_they_were_sent(bootstrap, run_name, 
         assert selected(resume={1: 4}, from_offset=1) == sorted(k for k in sent if k[1] >= (1, 4)[k[0]])
         assert selected(versions=(9, None)) == []
     finally:
-        assert stop(proc) == 0, log.read_text()[-3000:]
+        assert proc.stop() == 0, log.read_text()[-3000:]
