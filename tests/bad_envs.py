@@ -6,9 +6,9 @@ environments registered; reward functions load by dotted path as usual (``tests.
 import sys
 import time
 
+from rlstream.rewards import RewardResult, exact_match
 from rlstream.schemas.records import Trajectory
 from rlstream.stages.env import Environment, StepResult, register_environment
-from rlstream.stages.reward import RewardResult, exact_match
 
 
 class HangingEnv(Environment):

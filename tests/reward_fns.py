@@ -3,7 +3,7 @@ repository root)."""
 import random
 import time
 
-from rlstream.stages.reward import exact_match
+from rlstream.rewards import exact_match
 
 
 def slow(trajectory):

@@ -66,7 +66,7 @@ class StageRunner:
                                          transaction_timeout_ms=settings.transaction_timeout_ms,
                                          stopping=lambda: self._stopping)
         self.handlers = Handlers(stage, settings)
-        self.ctx = StageContext(self)
+        self.ctx = StageContext(kafka, self.set_paused, self.paused_topics)
         self._assigned: list = []
         # Consumed records not yet committed past, and what each partition's committed offset metadata says.
         self._window = OffsetWindow()

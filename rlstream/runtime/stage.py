@@ -6,14 +6,11 @@ decodes its inputs, calls it, encodes its outputs and commits them with the inpu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from rlstream.config import KafkaSettings
 from rlstream.kafka.records import Incoming
 from rlstream.schemas.records import Record
-
-if TYPE_CHECKING:
-    from rlstream.runtime.runner import StageRunner
 
 __all__ = ["Incoming", "InvalidRecord", "Output", "Stage", "StageContext"]
 
@@ -61,20 +58,22 @@ class Stage:
 class StageContext:
     """What a stage may do to its own consumption: pause and resume partitions."""
 
-    def __init__(self, runner: "StageRunner"):
-        self._runner = runner
+    def __init__(self, kafka: KafkaSettings, set_paused: Callable[[str, bool], None], paused_topics: set[str]):
+        self._kafka = kafka
+        self._set_paused = set_paused
+        self._paused = paused_topics  # the runner's own set: it re-applies these after a rebalance
 
     def pause(self, logical_topic: str) -> None:
         """Stop fetching a topic (backpressure); records wait in Kafka."""
-        self._runner.set_paused(logical_topic, True)
+        self._set_paused(logical_topic, True)
 
     def resume(self, logical_topic: str) -> None:
-        self._runner.set_paused(logical_topic, False)
+        self._set_paused(logical_topic, False)
 
     def is_paused(self, logical_topic: str) -> bool:
-        return logical_topic in self._runner.paused_topics
+        return logical_topic in self._paused
 
     @property
     def kafka(self) -> KafkaSettings:
         """The process's Kafka settings, for stages that open clients of their own (policy watchers)."""
-        return self._runner.kafka
+        return self._kafka

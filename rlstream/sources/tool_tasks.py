@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from rlstream.schemas.records import Trajectory
-from rlstream.sources.tasks import Task, TaskItem, clean_response
+from rlstream.sources.tasks import Task, TaskItem
 
 
 def _calculator_pairs() -> list[tuple[str, str]]:
@@ -42,18 +41,3 @@ def get_task(name: str) -> ToolTask:
 def generate(name: str, seed: int = 0, split: str = "train", count: int | None = None) -> Iterator[TaskItem]:
     """Shorthand for ``get_task(name).stream(seed, split, count)``."""
     return get_task(name).stream(seed=seed, split=split, count=count)
-
-
-def calculator_reward(trajectory: Trajectory):
-    """1.0 for the right final answer reached after a successful ``calc`` call, else 0.0.
-
-    Use as ``--reward rlstream.sources.tool_tasks:calculator_reward``.
-    """
-    from rlstream.stages.reward import RewardResult  # the reward stage's type; imported late to keep producers light
-    answer = trajectory.task.answer or ""
-    final = trajectory.turns[-1].text if trajectory.turns else trajectory.response
-    correct = clean_response(final) == answer.strip()
-    used = any(t.tool_call is not None and t.tool_call.name == "calc" and t.tool_result is not None
-               and t.tool_result.failure_class is None for t in trajectory.turns)
-    return RewardResult(1.0 if correct and used else 0.0,
-                        {"correct": float(correct), "used_tool": float(used)}, verifier_version="calculator/1")

@@ -42,7 +42,7 @@ class ReplaySettings:
 
     ROLE: ClassVar[str] = "REPLAY"
 
-    reward: str = knob("rlstream.stages.reward:exact_match", "Reward function as a dotted path (module:function)")
+    reward: str = knob("rlstream.rewards:exact_match", "Reward function as a dotted path (module:function)")
     reward_version: str = knob("", "Version written on every replayed reward (required; a new one per replay)")
     since: str = knob("", "Only trajectories produced at or after TIME: ISO 8601 (UTC unless it says), "
                           "epoch milliseconds, or an age such as 90m, 6h, 2d")

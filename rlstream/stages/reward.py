@@ -1,69 +1,20 @@
-"""The reward stage: trajectories in, scored trajectories out.
-
-A reward function is given as a dotted path ``package.module:function`` (or
-``package.module.function``) with one signature::
-
-    def reward(trajectory: Trajectory) -> float | dict[str, float] | RewardResult
-
-It may be ``async`` (a remote judge): one process then keeps many judgements
-in flight at once. A dict is a breakdown whose values sum to the total.
+"""The reward stage: trajectories in, scored trajectories out, through a reward function (``rlstream.rewards``
+documents its one signature) that may be ``async``: one process then keeps many judgements in flight at once.
 """
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from rlstream.config import knob
+from rlstream.rewards import RewardResult, load_reward
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Reward, ScoredTrajectory, Trajectory
-
-
-@dataclass
-class RewardResult:
-    """What a reward function may return when it has more to say than a number."""
-
-    total: float
-    breakdown: dict[str, float] = field(default_factory=dict)
-    violations: list[str] = field(default_factory=list)
-    verifier_version: str = ""
-    judge_version: str = ""
-
-
-def normalise_answer(text: str) -> str:
-    """Compare answers without surrounding whitespace or end-of-sequence markers."""
-    return text.replace("<eos>", "").strip()
-
-
-def exact_match(trajectory: Trajectory) -> RewardResult:
-    """1.0 when the response equals the task's answer, else 0.0 (rule-based verifier)."""
-    answer = trajectory.task.answer
-    if answer is None:
-        raise InvalidRecord("exact_match needs task.answer")
-    response = trajectory.turns[-1].text if trajectory.turns else trajectory.response
-    hit = normalise_answer(response) == normalise_answer(answer)
-    return RewardResult(1.0 if hit else 0.0, {"exact": 1.0 if hit else 0.0}, verifier_version="exact_match/1")
-
-
-def load_reward(spec: str) -> Callable[[Trajectory], Any]:
-    """Import a reward function from ``module:function`` or ``module.function``."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        module_name, _, attr = spec.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"reward {spec!r} is not a dotted path like package.module:function")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load reward {spec!r}: {exc}") from None
-    if not callable(fn):
-        raise ValueError(f"reward {spec!r} is not callable")
-    return fn
 
 
 def to_reward(raw: Any, reward_version: str, latency_ms: float) -> Reward:
@@ -88,7 +39,7 @@ class RewardSettings:
 
     ROLE: ClassVar[str] = "REWARD"
 
-    reward: str = knob("rlstream.stages.reward:exact_match", "Reward function as a dotted path (module:function)")
+    reward: str = knob("rlstream.rewards:exact_match", "Reward function as a dotted path (module:function)")
     reward_version: str = knob("v1", "Version written on every reward; replay scores again under a new one")
 
 

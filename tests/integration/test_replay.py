@@ -10,11 +10,11 @@ import pytest
 
 from rlstream.archive.query import open_archive, read_endpoint
 from rlstream.config import KafkaSettings
+from rlstream.rewards import exact_match
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Reward, ScoredTrajectory
 from rlstream.stages.replay import ReplaySettings, parse_since, parse_versions, replay
-from rlstream.stages.reward import exact_match
 from tests.helpers import ROOT
 from tests.helpers.kafka import make_trajectory, produce, read_all, wait_for
 

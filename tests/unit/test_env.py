@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from rlstream import rewards
 from rlstream.runtime.stage import Incoming, InvalidRecord
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Trajectory, Turn
@@ -92,11 +93,11 @@ def test_calculator_final_answer_ends_the_episode_and_records_the_tool(stage):
     assert (traj.min_policy_version, traj.max_policy_version, out.policy_version) == (3, 5, 3)
     assert traj.response == "calc(12+34)=46\n46"
     assert [c.arguments for c in tool_calls(traj, "calc")] == ["12+34"]
-    reward = tool_tasks.calculator_reward(traj)
+    reward = rewards.calculator_reward(traj)
     assert reward.total == 1.0 and reward.breakdown == {"correct": 1.0, "used_tool": 1.0}
     # The same answer without the tool earns nothing: the task demands the call.
     no_tool = stage.handle(incoming(make_episode("calculator", ("46",), max_turns=4)))[0].record
-    assert tool_calls(no_tool) == [] and tool_tasks.calculator_reward(no_tool).total == 0.0
+    assert tool_calls(no_tool) == [] and rewards.calculator_reward(no_tool).total == 0.0
 
 
 def test_calculator_errors_are_observations(stage):
