@@ -54,7 +54,7 @@ def _stage_parts(stage: str):
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    from rlstream.monitoring import metrics
+    from rlstream import metrics
     from rlstream.runtime.runner import StageRunner
     from rlstream.runtime.settings import RuntimeSettings
     kafka = settings(KafkaSettings, args)

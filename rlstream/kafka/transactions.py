@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterable
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 
+from rlstream import metrics
 from rlstream.config import KafkaSettings
 from rlstream.kafka.dead_letters import dead_letter
 from rlstream.kafka.topics import MAX_MESSAGE_BYTES, topic_name
-from rlstream.monitoring import metrics
 
 log = logging.getLogger(__name__)
 

@@ -1,3 +1,3 @@
-"""What a running loop tells people: Prometheus metrics of every process, and the faust monitor that
-computes windowed per-version figures from the topics.
+"""The faust monitor: windowed per-version figures computed from the topics of a running loop, served over HTTP
+(`rlstream run monitor`), with a plain consumer as its fallback where faust is not installed.
 """

@@ -8,8 +8,8 @@ import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from rlstream import metrics
 from rlstream.kafka.records import Incoming, Rejected
-from rlstream.monitoring import metrics
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.runtime.stage import InvalidRecord, Output, Stage
 

@@ -19,6 +19,7 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any, Callable, Sequence
 
+from rlstream import metrics
 from rlstream.config import KafkaSettings
 from rlstream.kafka import records
 from rlstream.kafka.dead_letters import wire_bytes
@@ -27,7 +28,6 @@ from rlstream.kafka.records import Incoming, Message, Rejected
 from rlstream.kafka.sources import GroupSource, InputSource
 from rlstream.kafka.topics import logical_name, topic_name
 from rlstream.kafka.transactions import Offset, TransactionalProducer
-from rlstream.monitoring import metrics
 from rlstream.runtime.handlers import Handlers
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.runtime.stage import Output, Stage, StageContext

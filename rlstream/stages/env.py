@@ -17,8 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
+from rlstream import metrics
 from rlstream.config import knob
-from rlstream.monitoring import metrics
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Episode, Failure, Task, ToolCall, ToolResult, Trajectory, Turn

@@ -22,9 +22,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import ClassVar
 
+from rlstream import metrics
 from rlstream.config import LoopSettings, knob
 from rlstream.errors import UserError
-from rlstream.monitoring import metrics
 from rlstream.policy.staleness import rollout_should_pause
 from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import local_path

@@ -18,13 +18,13 @@ from typing import ClassVar
 
 import torch
 
+from rlstream import metrics
 from rlstream.config import KafkaSettings, LoopSettings, knob
 from rlstream.kafka import records
 from rlstream.kafka.group import GroupMember
 from rlstream.kafka.records import Rejected
 from rlstream.kafka.topics import topic_name
 from rlstream.kafka.transactions import TransactionalProducer
-from rlstream.monitoring import metrics
 from rlstream.policy.staleness import StalenessCounter, StalenessFilter
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weights import WeightStore, local_path, tokenizer_hash

@@ -11,9 +11,9 @@ import urllib.request
 import pytest
 from confluent_kafka import Producer
 
+from rlstream import metrics
 from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.kafka.topics import topic_name
-from rlstream.monitoring import metrics
 from rlstream.monitoring.monitor import faust_available
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
