@@ -30,7 +30,7 @@ def _arithmetic_pairs() -> list[tuple[str, str]]:
 
 
 @dataclass
-class Task:
+class TaskFamily:
     """A finite universe of (prompt, answer) pairs split once into train and held-out."""
 
     name: str
@@ -80,15 +80,15 @@ class Task:
         return random.Random(seed).sample(train, n)
 
 
-TASKS: dict[str, Task] = {
+TASKS: dict[str, TaskFamily] = {
     # 3 letters + <eos>; held-out reversals must be learnt as an algorithm, not looked up.
-    "reverse": Task("reverse", _reverse_pairs, max_new_tokens=4),
+    "reverse": TaskFamily("reverse", _reverse_pairs, max_new_tokens=4),
     # Sums of two two-digit numbers: up to 3 digits + <eos>.
-    "arithmetic": Task("arithmetic", _arithmetic_pairs, max_new_tokens=4),
+    "arithmetic": TaskFamily("arithmetic", _arithmetic_pairs, max_new_tokens=4),
 }
 
 
-def get_task(name: str) -> Task:
+def get_task(name: str) -> TaskFamily:
     """Look a task up in TASKS, with a clear error for unknown names."""
     try:
         return TASKS[name]

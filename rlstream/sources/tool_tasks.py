@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from rlstream.sources.tasks import Task, TaskItem
+from rlstream.sources.tasks import TaskFamily, TaskItem
 
 
 def _calculator_pairs() -> list[tuple[str, str]]:
@@ -17,7 +17,7 @@ def _calculator_pairs() -> list[tuple[str, str]]:
 
 
 @dataclass
-class ToolTask(Task):
+class ToolTask(TaskFamily):
     """A task whose episodes run in a multi-turn env (``env_name``) for up to ``max_turns`` actions."""
 
     env_name: str = "calculator"
