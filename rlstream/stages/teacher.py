@@ -81,7 +81,7 @@ class TeacherStage(Stage):
         log.info("teacher %s loaded from %s", self.version, folder)
 
     def handle_batch(self, items: list[Incoming]) -> list[list[Output]]:
-        from rlstream.trainer.losses import token_logprobs
+        from rlstream.models.logprobs import token_logprobs
         torch = self.torch
         started = time.perf_counter()
         rows = []

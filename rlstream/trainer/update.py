@@ -5,9 +5,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rlstream.models.logprobs import token_logprobs
 from rlstream.schemas.records import ScoredTrajectory, TeacherFeedback
 from rlstream.trainer.advantages import compute_advantages
-from rlstream.trainer.losses import kl_penalty, opd_reverse_kl_loss, ppo_clip_loss, token_logprobs
+from rlstream.trainer.losses import kl_penalty, opd_reverse_kl_loss, ppo_clip_loss
 
 
 @dataclass

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from rlstream.trainer.losses import aggregate, kl_penalty, opd_reverse_kl_loss, ppo_clip_loss, token_logprobs
+from rlstream.models.logprobs import token_logprobs
+from rlstream.trainer.losses import aggregate, kl_penalty, opd_reverse_kl_loss, ppo_clip_loss
 
 LN2 = math.log(2.0)
 
