@@ -117,7 +117,6 @@ class PromptSource(threading.Thread):
                     self._more.wait_for(lambda: i < self._allowed)
                 task = make_task("reverse", next(items), self.group_size, sampling, prefix=f"{self.kafka.run}-")
                 out.send(task)
-                out.producer.poll(0)
                 self.sent.append(task.task_id)
                 time.sleep(1 / self.rate)
             out.flush()

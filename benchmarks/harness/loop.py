@@ -222,7 +222,7 @@ class PacedSource(threading.Thread):
                     n = self.max_tokens(item[0]) if self.max_tokens else max_new
                     out.send(make_task(self.task, item, self.group_size, SamplingParams(temperature=1.0, max_tokens=n)))
                     self.sent += 1
-                out.producer.flush(10)
+                out.flush(10)
                 if self.sent >= allowed:
                     self.versions.wait_for(version + 1, 0.5, lambda: not self._stop.is_set())
         except BaseException as exc:  # reported by the benchmark, never swallowed
