@@ -68,11 +68,11 @@ def last_boxed(text: str) -> str | None:
     """The content of the last ``\\boxed{...}`` whose braces balance, or None."""
     start = text.rfind("\\boxed{")
     while start >= 0:
-        depth, i = 0, start + len("\\boxed")
-        for i in range(i, len(text)):
+        depth, opening = 0, start + len("\\boxed")
+        for i in range(opening, len(text)):
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             if depth == 0:
-                return text[start + len("\\boxed{"):i]
+                return text[opening + 1:i]
         start = text.rfind("\\boxed{", 0, start)  # this one never closes: try the one before
     return None
 
@@ -94,7 +94,9 @@ def extract_answer(text: str) -> str | None:
 
 def _parse_math(text: str) -> list:
     """math-verify's reading of ``text``; bare LaTeX (``x^2+1``) is retried inside ``$...$``."""
-    from math_verify import parse  # imported on first use: sympy and the LaTeX grammar take a second to load
+    # Imported on first use (here and in math_answer): sympy takes a second to load, which every process importing
+    # rlstream.rewards (the trainer, the CLI) would pay.
+    from math_verify import parse
     return parse(text, parsing_timeout=None) or parse(f"${text}$", parsing_timeout=None)
 
 
@@ -125,6 +127,7 @@ def math_answer(trajectory: Trajectory) -> RewardResult:
 
 
 def _is_punct(ch: str) -> bool:
+    """Unicode punctuation (ASCII's and curly quotes, dashes, ...); symbols such as $ or + are not."""
     return unicodedata.category(ch).startswith("P")
 
 
