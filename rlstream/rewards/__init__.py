@@ -1,14 +1,45 @@
-"""Reward functions: the one signature every reward takes, and the built-in verifiers.
+"""Reward functions: the one signature every reward takes, the built-in verifiers, and weighted composites.
 
-A reward function is given by its dotted path, ``package.module:function`` (or ``package.module.function``)::
+A reward function has one signature::
 
     def reward(trajectory: Trajectory) -> float | dict[str, float] | RewardResult
 
 It may be ``async`` (a remote judge). A dict is a breakdown whose values sum to the total; a ``RewardResult``
-also carries violations and the verifier's and judge's versions. Raising ``InvalidRecord`` dead-letters the
-trajectory with its reason. Built in: ``rlstream.rewards:exact_match``, ``rlstream.rewards:calculator_reward``.
-"""
-from rlstream.rewards.api import RewardResult, load_reward
-from rlstream.rewards.builtin import calculator_reward, exact_match, normalise_answer
+also carries violations and the verifier's and judge's versions. Raising ``InvalidRecord`` says the trajectory
+cannot be judged (a task without an answer): it is dead-lettered with its reason. Raising anything else, or running
+past the reward stage's ``--judge-timeout-s``, is the judge's failure: the trajectory is still scored, with a
+Reward whose ``failure_class`` is ``judge_error`` or ``judge_timeout`` (``JUDGE_FAILURES``), total 0.0 and the
+error in ``violations``; the trainer must not train on such a sample.
 
-__all__ = ["RewardResult", "calculator_reward", "exact_match", "load_reward", "normalise_answer"]
+``--reward`` (``RLSTREAM_REWARD``) takes a spec: comma-separated parts, each a built-in verifier's name or a
+dotted path (``package.module:function`` or ``package.module.function``), each with an optional ``:weight``::
+
+    --reward math                                   # one built-in verifier
+    --reward mypkg.rewards:judge                    # one function of yours, its return value as it is
+    --reward "math:1.0,format:0.2,length:0.1"       # weighted sum of three verifiers
+    --reward "math,mypkg.rewards:style:0.5"         # a part without a weight weighs 1.0
+
+A composite's total is the weighted sum of its parts' totals; its breakdown has one key per part (the verifier's
+name, or the function's name) holding that part's weighted share, so the breakdown sums to the total; violations
+are prefixed ``part:``; its verifier version lists every part's version and weight (``math/1*1+format/1*0.2``).
+A composite is ``async`` when any part is, and then its parts run concurrently. Any part raising fails the whole
+judgement (``judge_error``): a total without one of its parts is not the reward that was asked for.
+
+Built-in verifiers (``rlstream.rewards.verifiers`` documents what each reads from the task):
+``math`` (math-verify answer equivalence: the last ``\\boxed{}``, ``#### x`` or last number against
+``task.answer``), ``exact`` (``exact_match``), ``normalized`` (case, whitespace and punctuation aside), ``regex``
+(``task.metadata["regex"]``; ``regex_reward(pattern)`` for a fixed one), ``format`` (``\\boxed{}``, ``#### x``,
+``<answer>`` tags or a code block, by ``task.metadata["format"]``), ``length`` (a penalty in [-1, 0] past a token
+budget), ``code`` (the share of ``task.metadata["tests"]`` the response's code passes in the sandbox) and
+``calculator`` (``calculator_reward``: the right answer after a successful ``calc`` call).
+"""
+from rlstream.rewards.api import JUDGE_FAILURES, RewardResult, as_result, final_text, import_reward
+from rlstream.rewards.builtin import calculator_reward, exact_match, normalise_answer
+from rlstream.rewards.compose import load_reward, parse_spec
+from rlstream.rewards.verifiers import (FORMATS, VERIFIERS, code_tests, extract_answer, format_check, length_penalty,
+                                        math_answer, normalise_loose, normalized_match, regex_match, regex_reward)
+
+__all__ = ["FORMATS", "JUDGE_FAILURES", "VERIFIERS", "RewardResult", "as_result", "calculator_reward", "code_tests",
+           "exact_match", "extract_answer", "final_text", "format_check", "import_reward", "length_penalty",
+           "load_reward", "math_answer", "normalise_answer", "normalise_loose", "normalized_match", "parse_spec",
+           "regex_match", "regex_reward"]

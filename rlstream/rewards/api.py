@@ -1,4 +1,5 @@
-"""The reward function's contract: its return type and how it is found by its dotted path."""
+"""The reward function's contract: its return type, how a return value becomes one, how a function is found by its
+dotted path, and the failure classes a judgement that could not be made carries."""
 from __future__ import annotations
 
 import importlib
@@ -6,6 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlstream.schemas.records import Trajectory
+
+#: ``Reward.failure_class`` of a judgement the reward function could not make: it raised (``judge_error``) or ran
+#: past the reward stage's judge timeout (``judge_timeout``). Its total (0.0) is no reward: the trainer must not
+#: train on it. A failed episode's class (timeout, crash, env_error, ...) is not among these: that 0.0 is earned.
+JUDGE_FAILURES = ("judge_error", "judge_timeout")
 
 
 @dataclass
@@ -19,7 +25,23 @@ class RewardResult:
     judge_version: str = ""
 
 
-def load_reward(spec: str) -> Callable[[Trajectory], Any]:
+def as_result(raw: Any) -> RewardResult:
+    """A reward function's return value as a RewardResult: a number is the total, a dict a breakdown that sums to it."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, dict, RewardResult)):
+        raise TypeError(f"reward function returned {type(raw).__name__}; expected float, dict or RewardResult")
+    if isinstance(raw, (int, float)):
+        return RewardResult(float(raw))
+    if isinstance(raw, dict):
+        return RewardResult(float(sum(raw.values())), {k: float(v) for k, v in raw.items()})
+    return raw
+
+
+def final_text(trajectory: Trajectory) -> str:
+    """The text a verifier judges: the last turn's (a multi-turn episode's final answer), else the response."""
+    return trajectory.turns[-1].text if trajectory.turns else trajectory.response
+
+
+def import_reward(spec: str) -> Callable[[Trajectory], Any]:
     """Import a reward function from ``module:function`` or ``module.function``."""
     module_name, sep, attr = spec.partition(":")
     if not sep:

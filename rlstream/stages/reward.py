@@ -1,30 +1,34 @@
 """The reward stage: trajectories in, scored trajectories out, through a reward function (``rlstream.rewards``
 documents its one signature) that may be ``async``: one process then keeps many judgements in flight at once.
+
+A judge that raises or runs past ``judge_timeout_s`` still scores the trajectory: its Reward carries the failure
+class (``rlstream.rewards.JUDGE_FAILURES``) instead of the trajectory going to dead-letters, so the trainer's group
+completes without it rather than waiting out its head timeout.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from rlstream.config import knob
-from rlstream.rewards import RewardResult, load_reward
+from rlstream.rewards import as_result, load_reward
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Reward, ScoredTrajectory, Trajectory
 
+log = logging.getLogger(__name__)
+#: How much of a judge's error message its Reward keeps (in ``violations``).
+_ERROR_CHARS = 500
+
 
 def to_reward(raw: Any, reward_version: str, latency_ms: float) -> Reward:
     """Check a reward function's return value and turn it into the Reward record."""
-    if isinstance(raw, bool) or not isinstance(raw, (int, float, dict, RewardResult)):
-        raise TypeError(f"reward function returned {type(raw).__name__}; expected float, dict or RewardResult")
-    if isinstance(raw, (int, float)):
-        raw = RewardResult(float(raw))
-    elif isinstance(raw, dict):
-        raw = RewardResult(float(sum(raw.values())), {k: float(v) for k, v in raw.items()})
+    raw = as_result(raw)
     values = [raw.total, *raw.breakdown.values()]
     if not all(math.isfinite(v) for v in values):
         raise InvalidRecord(f"reward is not finite: total={raw.total} breakdown={raw.breakdown}")
@@ -39,8 +43,12 @@ class RewardSettings:
 
     ROLE: ClassVar[str] = "REWARD"
 
-    reward: str = knob("rlstream.rewards:exact_match", "Reward function as a dotted path (module:function)")
+    reward: str = knob("rlstream.rewards:exact_match", "Reward function: a built-in verifier (math, exact, "
+                       "normalized, regex, format, length, code, calculator), a dotted path (module:function), or "
+                       "weighted parts like math:1.0,format:0.2,length:0.1 (see rlstream.rewards)")
     reward_version: str = knob("v1", "Version written on every reward; replay scores again under a new one")
+    judge_timeout_s: float = knob(20.0, "A reward function running longer gives a judge_timeout reward (keep it "
+                                        "under --handler-timeout-s, past which the trajectory is dead-lettered)")
 
 
 class RewardStage(Stage):
@@ -63,8 +71,31 @@ class RewardStage(Stage):
                             failure_class=traj.failure.failure_class if traj.failure else "failed",
                             scored_at=now_ms())
         else:
-            raw = await (self.fn(traj) if self._async else asyncio.to_thread(self.fn, traj))
-            reward = to_reward(raw, self.settings.reward_version, (time.perf_counter() - started) * 1000)
+            reward = await self._judge(traj, started)
         traj.stage_times["reward.end"] = now_ms()
         return [Output("rewards", item.key, ScoredTrajectory(traj, reward),
                        reward_version=self.settings.reward_version)]
+
+    async def _judge(self, traj: Trajectory, started: float) -> Reward:
+        """The reward function's Reward, or one carrying the judge's failure class (total 0.0, never trained on)."""
+        call = self.fn(traj) if self._async else asyncio.to_thread(self.fn, traj)
+        try:
+            raw = await asyncio.wait_for(call, self.settings.judge_timeout_s)
+        except InvalidRecord:
+            raise  # the trajectory cannot be judged: dead-lettered with its reason
+        except TimeoutError:
+            # A sync function's thread cannot be stopped: it finishes in the background and its result is dropped.
+            return self._judge_failure("judge_timeout", f"no judgement within {self.settings.judge_timeout_s}s",
+                                       started)
+        except Exception as exc:
+            return self._judge_failure("judge_error", f"{type(exc).__name__}: {exc}", started)
+        return to_reward(raw, self.settings.reward_version, (time.perf_counter() - started) * 1000)
+
+    def _judge_failure(self, failure_class: str, error: str, started: float) -> Reward:
+        """Total 0.0 with the failure class and the error; the error made encodable (a lone surrogate in an
+        exception's message would otherwise send the trajectory to dead-letters after all)."""
+        error = error.encode("utf-8", "replace").decode("utf-8")
+        log.warning("reward %s: %s", failure_class, error)
+        return Reward(total=0.0, reward_version=self.settings.reward_version, failure_class=failure_class,
+                      violations=[f"{failure_class}: {error}"[:_ERROR_CHARS]],
+                      latency_ms=(time.perf_counter() - started) * 1000, scored_at=now_ms())

@@ -48,7 +48,8 @@ def test_sigkill_mid_batch_loses_and_duplicates_nothing(bootstrap, run_name, tmp
 
 @pytest.mark.timeout(270)
 def test_bad_records_go_to_dead_letters_and_good_ones_flow(bootstrap, run_name, tmp_path, start_stage):
-    """(b) Every kind of bad input ends in dead-letters with its reason; the good records still get rewards."""
+    """(b) Every kind of bad input ends in dead-letters with its reason; the good records still get rewards, and a
+    judge that raises or hangs gives a reward carrying its failure class."""
     codec = default_codec()
     good = [make_trajectory(i, response="cba") for i in range(10)]
     unknown_fp = b"\xc3\x01" + b"\x13" * 8 + codec.encode("Trajectory", good[0].to_dict())[10:]
@@ -60,13 +61,13 @@ def test_bad_records_go_to_dead_letters_and_good_ones_flow(bootstrap, run_name, 
         (b"no-version", make_trajectory(100), [("traceparent", hdr.new_traceparent().encode())], "bad_header"),
         (b"text-version", make_trajectory(101), [("policy_version", b"seven")], "bad_header"),
         (b"wrong-record", codec.encode("Task", good[0].task.to_dict()), ok_headers(), "wrong_record"),
-        (b"raises", make_trajectory(102, response="raise"), None, "handler_error"),
-        (b"hangs", make_trajectory(103, response="hang"), None, "handler_timeout"),
         (b"nan", make_trajectory(104, response="nan"), None, "invalid"),
         (b"inf", make_trajectory(105, response="inf"), None, "invalid"),
         (b"wrongtype", make_trajectory(106, response="wrongtype"), None, "handler_error"),
     ]
-    items = []
+    judge_failures = {b"raises": (make_trajectory(102, response="raise"), "judge_error"),
+                      b"hangs": (make_trajectory(103, response="hang"), "judge_timeout")}
+    items = [(key, t, None) for key, (t, _) in judge_failures.items()]
     for i, g in enumerate(good):
         items.append((b"good", g, None))
         if i < len(bad):
@@ -76,15 +77,19 @@ def test_bad_records_go_to_dead_letters_and_good_ones_flow(bootstrap, run_name, 
     produce(bootstrap, run_name, "trajectories", items)
     log = tmp_path / "stage.log"
     proc = start_stage("reward", bootstrap, run_name, "--reward", "tests.reward_fns:picky",
-                       "--handler-timeout-s", "2", "--batch-size", "8", log_path=log)
+                       "--handler-timeout-s", "2", "--judge-timeout-s", "1", "--batch-size", "8", log_path=log)
     try:
-        rewards = read_all(bootstrap, run_name, "rewards", expect=len(good), timeout=90)
+        rewards = read_all(bootstrap, run_name, "rewards", expect=len(good) + len(judge_failures), timeout=90)
         letters = read_all(bootstrap, run_name, "dead-letters", expect=len(bad), timeout=60)
     finally:
         # SIGTERM ends cleanly even with a handler thread still hung.
         assert proc.stop(timeout=20) == 0, proc.log_tail()
-    assert sorted(r.record.trajectory.trajectory_id for r in rewards) == sorted(g.trajectory_id for g in good)
-    assert all(r.record.reward.total == 1.0 for r in rewards)
+    judged = {r.key: r.record.reward for r in rewards if r.key in judge_failures}
+    assert {k: r.failure_class for k, r in judged.items()} == {k: cls for k, (_, cls) in judge_failures.items()}
+    assert all(r.total == 0.0 and r.violations[0].startswith(r.failure_class) for r in judged.values())
+    scored = [r for r in rewards if r.key not in judge_failures]
+    assert sorted(r.record.trajectory.trajectory_id for r in scored) == sorted(g.trajectory_id for g in good)
+    assert all(r.record.reward.total == 1.0 and r.record.reward.failure_class is None for r in scored)
     by_key = {l.key: l.record for l in letters}
     assert {k: v.reason for k, v in by_key.items()} == {k: reason for k, _, _, reason in bad}
     for key, value, _, _ in bad:
