@@ -7,14 +7,16 @@ import json
 import time
 from pathlib import Path
 
+import datasets
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
 from rlstream.infra.supervisor import StageProc, stage_env
 from rlstream.kafka.topics import topic_name
+from rlstream.schemas.records import PolicyVersion
 from rlstream.sources.exactly_once import SOURCE_ID, SOURCE_SEQ
 from tests.helpers import ROOT
-from tests.helpers.kafka import read_all
+from tests.helpers.kafka import produce, read_all
 
 pytestmark = pytest.mark.kafka
 
@@ -68,7 +70,7 @@ def ours(seen, source: str) -> list:
     return [s for s in seen if s.headers.get(SOURCE_ID) == source.encode()]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1320)
 def test_a_killed_dataset_source_resumes_exactly_once(tmp_path, bootstrap, run_name, prompts_proc):
     rows = [{"prompt": None if i in BAD else f"prompt {i}", "answer": str(i), "uid": f"q{i}"} for i in range(ROWS)]
     data = tmp_path / "train.jsonl"
@@ -136,3 +138,50 @@ def test_a_killed_dataset_source_resumes_exactly_once(tmp_path, bootstrap, run_n
     assert sorted(s.record.prompt for s in new) == [f"q{i}" for i in range(5)]
     assert sorted(s.record.answer for s in new) == [str(i) for i in range(5)]
     assert Path(tmp_path / "home" / "datasets").is_dir()  # the datasets cache stays in the loop's home
+
+
+def announce(bootstrap: str, run: str, version: int) -> None:
+    """Policy ``p`` at ``version`` on the run's policy-versions topic, as the trainer announces it."""
+    produce(bootstrap, run, "policy-versions",
+            [(b"p", PolicyVersion(policy="p", version=version, weights_uri="", created_at=0, published_at=0), None)])
+
+
+def split_ids(bootstrap: str, run: str, expect: int) -> tuple[list[str], list[str]]:
+    """(training task ids, held-out task ids) once at least ``expect`` tasks are committed and two quiet seconds
+    passed (a paced source must not go beyond its allowance in them)."""
+    read_all(bootstrap, run, "prompts", expect=expect, timeout=120)
+    time.sleep(2.0)
+    seen = read_all(bootstrap, run, "prompts")
+    return ([s.record.task_id for s in seen if s.record.split == "train"],
+            [s.record.task_id for s in seen if s.record.split == "heldout"])
+
+
+@pytest.mark.timeout(810)
+def test_a_paced_dataset_source_follows_the_trainer_and_resumes_its_rounds(tmp_path, bootstrap, run_name,
+                                                                           prompts_proc):
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.parquet"
+    train.write_text("".join(json.dumps({"prompt": f"t{i}", "answer": str(i)}) + "\n" for i in range(30)))
+    datasets.Dataset.from_list([{"prompt": f"h{i}", "answer": str(i)} for i in range(3)]).to_parquet(str(held))
+    args = ("--dataset", str(train), "--eval-dataset", str(held), "--paced", "--policy", "p", "--eta", "0",
+            "--groups-per-step", "2", "--heldout-every", "2", "--batch-rows", "4")
+    proc = prompts_proc(*args)
+    # No policy yet: one step of groups, (version 0 + eta 0 + 1) * 2 tasks, and no evaluation round.
+    train_ids, held_ids = split_ids(bootstrap, run_name, 2)
+    assert (len(train_ids), held_ids) == (2, [])
+    announce(bootstrap, run_name, 0)  # round 0 is due at version 0
+    train_ids, held_ids = split_ids(bootstrap, run_name, 5)
+    assert (len(train_ids), len(held_ids)) == (2, 3) and all(h.startswith("v0-r0-") for h in held_ids)
+    announce(bootstrap, run_name, 2)  # two steps further, and round 1
+    train_ids, held_ids = split_ids(bootstrap, run_name, 6 + 6)
+    assert (len(train_ids), len(held_ids)) == (6, 6)
+    assert sum(h.startswith("v2-r1-") for h in held_ids) == 3
+    proc.kill()
+
+    again = prompts_proc(*args)
+    announce(bootstrap, run_name, 3)
+    train_ids, held_ids = split_ids(bootstrap, run_name, 8 + 6)
+    # Resumed: two more training tasks, no evaluation round again, nothing twice.
+    assert (len(train_ids), len(held_ids)) == (8, 6)
+    assert len(set(train_ids)) == 8 and len(set(held_ids)) == 6
+    assert sorted(int(t.rsplit("-r", 1)[1].removesuffix("-e0")) for t in train_ids) == list(range(8))
+    assert again.alive(), again.log_tail()
