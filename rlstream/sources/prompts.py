@@ -67,7 +67,8 @@ class PromptSettings:
     epochs: int = knob(1, "Passes over --dataset")
     shuffle_seed: int = knob(-1, "Seed of each epoch's shuffle of --dataset (-1: the dataset's order)")
     source_id: str = knob("", "Identity of the dataset source, whose position a restart resumes from (default: "
-                              "the dataset's name and a hash of its path, split, seed and columns)")
+                              "the dataset's name and a hash of its path, split, seed and columns); a source given one resumes "
+                              "correctly only with the same dataset, seed and columns")
     batch_rows: int = knob(256, "Dataset rows per transaction")
     batch_pause: float = knob(0.0, "Seconds each dataset transaction waits before its commit (a gentle rate)")
 
@@ -217,6 +218,11 @@ def produce_dataset(kafka: KafkaSettings, s: PromptSettings, loop: LoopSettings,
     """
     if s.paced and not s.dataset:
         raise UsageError("--paced with --eval-dataset needs --dataset (the training prompts it paces)")
+    if s.batch_rows < 1:
+        raise UsageError(f"--batch-rows must be at least 1, got {s.batch_rows}")
+    # A transaction open longer than its timeout (30 s) is aborted by the broker: every batch would be redone forever.
+    if not 0 <= s.batch_pause <= 20:
+        raise UsageError(f"--batch-pause must be between 0 and 20 seconds, got {s.batch_pause}")
     suffix = ".eval" if s.dataset else ""
     evals = open_dataset(s.eval_dataset, "--eval-dataset", s, loop, "heldout", suffix) if s.eval_dataset else None
     train = open_dataset(s.dataset, "--dataset", s, loop, s.split) if s.dataset else None
