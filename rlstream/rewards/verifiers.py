@@ -38,8 +38,8 @@ from typing import Callable
 from rlstream.rewards.api import RewardResult, final_text
 from rlstream.rewards.builtin import calculator_reward, exact_match, normalise_answer
 from rlstream.runtime.stage import InvalidRecord
+from rlstream.sandbox import Sandbox
 from rlstream.schemas.records import Trajectory
-from rlstream.stages.sandbox import Sandbox
 
 _GSM8K = re.compile(r"####[ \t]*([^\n]*\S)")
 # A number not glued to a preceding digit or point: thousands separators, decimals and a/b fractions included.

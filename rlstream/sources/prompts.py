@@ -25,8 +25,9 @@ from rlstream.kafka.records import TypedProducer
 from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import SamplingParams, Task
-from rlstream.sources.dataset import Columns, DatasetSource, Item, clean_id, parse_column_list, source_id
+from rlstream.sources.dataset import Columns, DatasetSource, Item, clean_id
 from rlstream.sources.dataset import load as load_dataset
+from rlstream.sources.dataset import parse_column_list, source_id
 from rlstream.sources.exactly_once import ExactlyOnceWriter, Out
 
 log = logging.getLogger(__name__)

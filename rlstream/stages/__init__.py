@@ -1,4 +1,4 @@
-"""The loop's stream processors: rollout (with its inference backends), env (with its sandbox), reward,
+"""The loop's stream processors: rollout (with its inference backends), env, reward,
 teacher, and replay (the reward stage over a past range).
 
 Each is decode -> handle -> encode only: a Stage subclass whose handler maps typed

@@ -20,9 +20,9 @@ from typing import Callable, ClassVar
 from rlstream import metrics
 from rlstream.config import knob
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
+from rlstream.sandbox import Sandbox, SandboxLimits, SandboxResult
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Episode, Failure, Task, ToolCall, ToolResult, Trajectory, Turn
-from rlstream.stages.sandbox import Sandbox, SandboxLimits, SandboxResult
 
 log = logging.getLogger(__name__)
 

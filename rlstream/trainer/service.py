@@ -28,6 +28,7 @@ from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.policy.staleness import StalenessCounter, StalenessFilter
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weights import WeightStore, local_path, tokenizer_hash
+from rlstream.rewards import JUDGE_FAILURES
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, TeacherFeedback
@@ -203,6 +204,13 @@ class TrainerService:
             traj = sample.scored.trajectory if isinstance(sample, TeacherFeedback) else sample.trajectory
             if traj.task.split != "train":
                 continue  # held-out samples measure the policy; they are never trained on
+            reward = sample.scored.reward if isinstance(sample, TeacherFeedback) else sample.reward
+            if reward.failure_class in JUDGE_FAILURES:
+                # The judge failed, not the policy: its 0 is no reward. The group trains without the sample (a failed
+                # episode's 0, by contrast, is a real reward and is trained on).
+                metrics.FAILURES.labels("trainer", reward.failure_class).inc()
+                self.window.refuse(traj.group_id, traj.task.group_size, position)
+                continue
             # The η bound is enforced here, from the header, before a sample can reach a batch.
             accepted = self.counter.observe(self.filter, self.version, item.policy_version)
             metrics.count_staleness("trainer", accepted, self.counter.stale_ratio)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlstream.stages.sandbox import Sandbox, SandboxLimits, docker_available, namespaces_available
+from rlstream.sandbox import Sandbox, SandboxLimits, docker_available, namespaces_available
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -242,7 +242,7 @@ def test_docker_backend_passes_limits_and_classifies(monkeypatch):
     import sys
     import types
 
-    from rlstream.stages import sandbox as sandbox_module
+    from rlstream import sandbox as sandbox_module
 
     runs = []
 

@@ -14,10 +14,10 @@ import pytest
 from rlstream.rewards import (JUDGE_FAILURES, RewardResult, extract_answer, load_reward, normalise_loose, parse_spec,
                               regex_reward, verifiers)
 from rlstream.runtime.stage import Incoming, InvalidRecord
+from rlstream.sandbox import Sandbox, SandboxLimits
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Failure, SamplingParams, Task, Trajectory, Turn
 from rlstream.stages.reward import RewardSettings, RewardStage
-from rlstream.stages.sandbox import Sandbox, SandboxLimits
 
 HERE = "tests.unit.test_verifiers"
 
