@@ -185,8 +185,22 @@ def faust_app(settings: MonitorSettings, kafka: KafkaSettings):
     rewards_topic = app.topic(topic_name(run, "rewards"), key_serializer="raw", value_serializer="raw")
     policy_topic = app.topic(topic_name(run, "policy-versions"), key_serializer="raw", value_serializer="raw")
 
+    async def changelogs_known() -> None:
+        """Wait until the producer has metadata for every table's changelog topic.
+
+        With use_partitioner, faust picks a changelog record's partition with aiokafka's partitioner, which reads the
+        producer's metadata without waiting for it: a changelog created a moment before is not in it yet, the agent
+        crashes on its first event and that event is lost (seen on a loaded CI machine). aiokafka's public
+        ``partitions_for`` waits for the metadata; faust reaches its aiokafka producer only through
+        ``_ensure_producer``.
+        """
+        producer = app.producer._ensure_producer()
+        for table in list(app.tables.values()):
+            await producer.partitions_for(table.changelog_topic.get_topic_name())
+
     @app.agent(rewards_topic)
     async def on_reward(stream):
+        await changelogs_known()
         async for event in stream.events():
             try:
                 _, value = codec.decode(event.value, expect="ScoredTrajectory")
@@ -202,6 +216,7 @@ def faust_app(settings: MonitorSettings, kafka: KafkaSettings):
 
     @app.agent(policy_topic)
     async def on_policy(stream):
+        await changelogs_known()
         async for event in stream.events():
             try:
                 _, value = codec.decode(event.value, expect="PolicyVersion")
