@@ -9,7 +9,7 @@ from typing import Any
 from confluent_kafka import Message, Producer
 
 from rlstream.config import KafkaSettings
-from rlstream.kafka.topics import TOPICS, logical_name, topic_name
+from rlstream.kafka.topics import TOPICS, topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import DecodeError, default_codec
 from rlstream.schemas.records import RECORD_TYPES, Record
@@ -47,13 +47,24 @@ class Incoming:
         return raw.decode() if raw is not None else None
 
 
-def decode(m: Message, run: str, *, require_policy_version: bool = True) -> Incoming:
-    """The typed record of a consumed message of ``run``; Rejected with the dead-letter reason if it is not one.
+def produce_waiting(producer: Producer, topic: str, value: bytes | None, key: Any = None,
+                    headers: list | None = None) -> None:
+    """Produce, waiting for deliveries while librdkafka's local queue is full (its BufferError is backpressure)."""
+    while True:
+        try:
+            producer.produce(topic, value=value, key=key, headers=headers)
+            return
+        except BufferError:
+            producer.poll(0.05)
+
+
+def decode(m: Message, logical: str, *, require_policy_version: bool = True) -> Incoming:
+    """The typed record of a consumed message of the logical topic ``logical``; Rejected with the dead-letter
+    reason if it is not one.
 
     Headers are checked before the value is decoded: consumers filter on them without decoding, so a bad header
     must never pass as a version.
     """
-    logical = logical_name(run, m.topic())
     headers = hdr.as_dict(m.headers())
     try:
         version = hdr.policy_version(headers)
@@ -96,13 +107,8 @@ class TypedProducer:
         self.producer = Producer({**kafka.client_config(), "linger.ms": 20, "enable.idempotence": True, **overrides})
 
     def produce(self, topic: str, value: bytes | None, key: Any = None, headers: list | None = None) -> None:
-        """Produce raw bytes, waiting for deliveries while the local queue is full."""
-        while True:
-            try:
-                self.producer.produce(topic, value=value, key=key, headers=headers)
-                return
-            except BufferError:
-                self.producer.poll(0.1)
+        """Produce raw bytes."""
+        produce_waiting(self.producer, topic, value, key, headers)
 
     def send(self, logical: str, key: Any, record: Record, policy_version: int, traceparent: str | None = None,
              reward_version: str | None = None) -> None:

@@ -25,6 +25,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer, Topic
 from rlstream import metrics
 from rlstream.config import KafkaSettings
 from rlstream.kafka.dead_letters import dead_letter
+from rlstream.kafka.records import produce_waiting
 from rlstream.kafka.topics import MAX_MESSAGE_BYTES, topic_name
 
 log = logging.getLogger(__name__)
@@ -146,13 +147,8 @@ class TransactionalProducer:
         return True
 
     def produce(self, topic: str, value: bytes | None, key: Any = None, headers: list | None = None) -> None:
-        """Produce into the open transaction, waiting for deliveries while the local queue is full."""
-        while True:
-            try:
-                self.producer.produce(topic, value=value, key=key, headers=headers)
-                return
-            except BufferError:
-                self.producer.poll(0.05)
+        """Produce into the open transaction."""
+        produce_waiting(self.producer, topic, value, key, headers)
 
     def dead_letter(self, stage: str, msg: Message, reason: str, error: str,
                     max_bytes: int = MAX_MESSAGE_BYTES) -> None:

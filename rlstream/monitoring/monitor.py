@@ -198,14 +198,21 @@ def faust_app(settings: MonitorSettings, kafka: KafkaSettings):
         for table in list(app.tables.values()):
             await producer.partitions_for(table.changelog_topic.get_topic_name())
 
+    def decoded(event, record: str) -> dict | None:
+        """The event's value as ``record``; None for a value that does not decode (the stages dead-letter bad
+        records; the monitor only skips them)."""
+        try:
+            return codec.decode(event.value, expect=record)[1]
+        except Exception as exc:
+            log.warning("monitor: undecodable %s record: %s", record, exc)
+            return None
+
     @app.agent(rewards_topic)
     async def on_reward(stream):
         await changelogs_known()
         async for event in stream.events():
-            try:
-                _, value = codec.decode(event.value, expect="ScoredTrajectory")
-            except Exception as exc:  # the stages dead-letter bad records; the monitor only skips them
-                log.warning("monitor: undecodable reward record: %s", exc)
+            value = decoded(event, "ScoredTrajectory")
+            if value is None:
                 continue
             reward = value["reward"]
             key, total = reward_key(dict(event.headers or {}), reward["reward_version"]), reward["total"]
@@ -218,10 +225,8 @@ def faust_app(settings: MonitorSettings, kafka: KafkaSettings):
     async def on_policy(stream):
         await changelogs_known()
         async for event in stream.events():
-            try:
-                _, value = codec.decode(event.value, expect="PolicyVersion")
-            except Exception as exc:
-                log.warning("monitor: undecodable policy record: %s", exc)
+            value = decoded(event, "PolicyVersion")
+            if value is None:
                 continue
             version, entry = policy_entry(value)
             policies[version] = entry

@@ -274,8 +274,9 @@ class StageRunner:
     # -- records in, records out ---------------------------------------------------------------------------------
 
     def _decode(self, m: Message, now_ms: int) -> Incoming:
-        metrics.RECORDS_IN.labels(self.stage.name, logical_name(self.kafka.run, m.topic())).inc()
-        item = records.decode(m, self.kafka.run, require_policy_version=self.stage.require_policy_version)
+        logical = logical_name(self.kafka.run, m.topic())
+        metrics.RECORDS_IN.labels(self.stage.name, logical).inc()
+        item = records.decode(m, logical, require_policy_version=self.stage.require_policy_version)
         produced = item.headers.get(hdr.PRODUCED_AT)
         if produced is not None and produced.isdigit():
             metrics.QUEUE_DELAY.labels(self.stage.name).observe(max(0, now_ms - int(produced)) / 1000)

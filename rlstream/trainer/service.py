@@ -192,7 +192,7 @@ class TrainerService:
                 self.window.skip(position)  # trained before the restart
                 continue
             try:
-                item = records.decode(m, self.kafka.run)
+                item = records.decode(m, self.settings.source)
             except Rejected as rej:
                 self._letters.append((m, rej.reason, str(rej)))
                 continue
