@@ -40,3 +40,10 @@ def partial_credit(trajectory):
     or 1)."""
     answer, response = trajectory.task.answer, trajectory.response
     return {"chars": sum(a == b for a, b in zip(answer, response)) / len(answer)}
+
+
+def digit_share(trajectory):
+    """The share of the response's characters that are digits: varies between a random model's samples, so a
+    group's advantages are not all zero and an update moves the weights."""
+    response = trajectory.response
+    return {"digits": sum(c.isdigit() for c in response) / max(1, len(response))}

@@ -54,9 +54,12 @@ class Handlers:
 
     def _call_batch(self, items: list[Incoming]):
         result = self.stage.handle_batch(items)
-        if result is not None and len(result) != len(items):
+        if result is None:
+            return None
+        if len(result) != len(items):
             raise TypeError(f"handle_batch returned {len(result)} results for {len(items)} records")
-        return result
+        # A batch handler refuses one record by putting its exception in that record's place (Stage.handle_batch).
+        return [self.rejection(r) if isinstance(r, Exception) else r for r in result]
 
     def _run_timed(self, fn, items: list[Incoming], n: int):
         """Run a batch handler in the pool with a timeout scaled to the batch; errors become Rejected."""

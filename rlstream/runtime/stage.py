@@ -44,8 +44,12 @@ class Stage:
     def handle(self, item: Incoming) -> list[Output]:
         raise NotImplementedError
 
-    def handle_batch(self, items: list[Incoming]) -> list[list[Output]] | None:
-        """Handle a whole batch at once (e.g. batched generation); None means per record."""
+    def handle_batch(self, items: list[Incoming]) -> list[list[Output] | Exception] | None:
+        """Handle a whole batch at once (e.g. batched generation); None means per record.
+
+        One entry per item, in order. An entry that is an exception (``InvalidRecord``: reason ``invalid``)
+        dead-letters that record alone; raising fails the batch, which is then retried record by record.
+        """
         return None
 
     def before_poll(self, ctx: "StageContext") -> None:

@@ -7,8 +7,11 @@ restarted source recomputes it and continues from any ``seq`` (``rlstream.source
 
 A row that cannot become a Task (no prompt, a prompt that is not text, messages that are not a list of
 {role, content}) is an ``Item`` with an error instead of a Task: it goes to dead letters and the source goes on.
-The Task schema has no field for chat messages: they travel as JSON in ``metadata["messages"]``, and the prompt
-is their plain transcript (``render_messages``), which is what the rollout tokenizes today.
+The Task schema has no field for chat messages: they travel as JSON in ``metadata["messages"]`` (the trajectory
+keeps them as they were), and the rollout turns them into prompt ids with the model's chat template. The Task's
+``prompt`` is their plain transcript (``render_messages``), for people and SQL. ``chat=True`` makes a plain prompt
+column a conversation of one user message (after ``system_prompt``, when given), so an instruct model gets its
+template on a dataset like GSM8K that has only a question column.
 """
 from __future__ import annotations
 
@@ -157,13 +160,14 @@ class DatasetSource:
 
     def __init__(self, ds, columns: Columns, *, path: str, source_id: str, epochs: int = 1, shuffle_seed: int = -1,
                  split: str = "train", group_size: int = 8, sampling: SamplingParams = SamplingParams(),
-                 name: str | None = None, flag: str = "--dataset"):
+                 name: str | None = None, flag: str = "--dataset", chat: bool = False, system_prompt: str = ""):
         check_columns(ds.column_names, columns, flag)
         if epochs < 1:
             raise UsageError(f"--epochs must be at least 1, got {epochs}")
         self.ds, self.columns, self.path, self.source_id = ds, columns, path, source_id
         self.epochs, self.shuffle_seed, self.split = epochs, shuffle_seed, split
         self.group_size, self.sampling = group_size, sampling
+        self.chat, self.system_prompt = chat or bool(columns.messages), system_prompt
         self.name = name or clean_id(Path(path).stem)
         self.rows = len(ds)
         self._order: tuple[int, list[int] | range] | None = None
@@ -203,8 +207,6 @@ class DatasetSource:
         metadata = {k: as_text(raw[k]) for k in c.metadata if raw[k] is not None}
         if c.messages:
             messages = _check_messages(raw[c.messages])
-            prompt = render_messages(messages)
-            metadata["messages"] = json.dumps(messages, ensure_ascii=False)
         else:
             prompt = raw[c.prompt]
             if prompt is None:
@@ -213,6 +215,12 @@ class DatasetSource:
                 raise ValueError(f"the prompt (column {c.prompt!r}) is a {type(prompt).__name__}, not text")
             if not prompt:
                 raise ValueError(f"the prompt (column {c.prompt!r}) is an empty string")
+            messages = [{"role": "user", "content": prompt}]
+        if self.chat:
+            if self.system_prompt and messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": self.system_prompt}, *messages]
+            prompt = render_messages(messages)
+            metadata["messages"] = json.dumps(messages, ensure_ascii=False)
         answer = raw[c.answer] if c.answer else None
         base = as_text(raw[c.id]) if c.id and raw[c.id] is not None else f"{self.source_id}-r{row}"
         # One id per row and epoch: a group of the next epoch must not join the groups of the last.

@@ -62,6 +62,10 @@ class PromptSettings:
     prompt_column: str = knob("prompt", "Dataset column of the prompt text")
     messages_column: str = knob("", "Dataset column of chat messages (a list of {role, content}) to use instead of "
                                     "--prompt-column; kept as JSON in the Task's metadata['messages']")
+    chat: bool = knob(False, "Make each --prompt-column prompt a user message, so the rollout applies the model's "
+                             "chat template (implied by --messages-column)")
+    system_prompt: str = knob("", "With --chat or --messages-column: a system message put before each conversation "
+                                  "that has none")
     answer_column: str = knob("answer", "Dataset column of the answer or reference ('' for none)")
     metadata_columns: str = knob("", "Dataset columns copied into the Task's metadata, comma-separated")
     id_column: str = knob("", "Dataset column of a task id (default: the source id and the row index)")
@@ -187,7 +191,8 @@ def open_dataset(path: str, flag: str, s: PromptSettings, loop: LoopSettings, sp
     sampling = SamplingParams(temperature=0.0 if heldout else s.temperature, max_tokens=s.max_tokens or DATASET_TOKENS)
     ds = load_dataset(path, flag, cache_dir=str(loop.home_path / "datasets"))
     return DatasetSource(ds, columns, path=path, source_id=sid, epochs=1 if heldout else s.epochs, shuffle_seed=seed,
-                         split=split, group_size=1 if heldout else loop.group_size, sampling=sampling, flag=flag)
+                         split=split, group_size=1 if heldout else loop.group_size, sampling=sampling, flag=flag,
+                         chat=s.chat, system_prompt=s.system_prompt)
 
 
 def _out(src: DatasetSource, item: Item) -> Out:

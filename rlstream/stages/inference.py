@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from rlstream.models.loading import ModelError, context_limit, dtype_name, load_model, load_tokenizer, torch_dtype
 from rlstream.schemas.records import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -75,20 +76,24 @@ class TransformersBackend(InferenceBackend):
 
     name = "transformers"
 
-    def __init__(self, folder: Path, threads: int = 1, device: str = "cpu"):
+    def __init__(self, folder: Path, threads: int = 1, device: str = "cpu", dtype: str = "auto"):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
         torch.set_num_threads(max(1, threads))
         self.torch = torch
         self.device = device
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
-        self.eos = self.tokenizer.eos_token_id
-        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
+        self.tokenizer = load_tokenizer(folder, flag="policy folder")
+        self.model = load_model(folder, dtype, flag="policy folder").to(device).eval()
+        self.eos = _stop_ids(self.model, self.tokenizer)
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
 
     def load_weights(self, folder: Path, version: int) -> None:
         from safetensors.torch import load_file
-        state = load_file(str(Path(folder) / "model.safetensors"), device=self.device)
+        shards = sorted(Path(folder).glob("*.safetensors"))
+        if not shards:
+            raise ValueError(f"v{version}: no safetensors weights in {folder}")
+        state = {}
+        for shard in shards:  # save_pretrained splits a large model into several
+            state.update(load_file(str(shard), device=self.device))
         # Tied embeddings are saved once; strict=False keeps lm_head tied to embed_tokens.
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
@@ -111,6 +116,7 @@ class TransformersBackend(InferenceBackend):
         out_tokens: list[list[int]] = [[] for _ in prompts]
         out_lps: list[list[float]] = [[] for _ in prompts]
         done = torch.zeros(len(prompts), dtype=torch.bool)
+        stops = torch.tensor(self.eos, dtype=torch.long)
         past = None
         cur_ids, cur_pos = ids, positions
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -132,15 +138,28 @@ class TransformersBackend(InferenceBackend):
                     if not done[i]:
                         out_tokens[i].append(int(nxt[i]))
                         out_lps[i].append(float(chosen[i]))
-                done |= nxt == self.eos
+                done |= torch.isin(nxt, stops)
                 if bool(done.all()):
                     break
                 cur_ids = nxt[:, None]
                 cur_pos = cur_pos[:, -1:] + 1
                 mask = torch.cat([mask, torch.ones((len(prompts), 1), dtype=torch.long)], dim=1)
         # Weights change only between calls here, so one version made every token.
-        return [Generation(t, lp, "stop" if t and t[-1] == self.eos else "length", [self.version] * len(t))
+        return [Generation(t, lp, "stop" if t and t[-1] in self.eos else "length", [self.version] * len(t))
                 for t, lp in zip(out_tokens, out_lps)]
+
+
+def _stop_ids(model, tokenizer) -> list[int]:
+    """The token ids that end a turn: the generation config's eos ids (chat models list their end-of-turn token
+    there), else the tokenizer's eos."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise ModelError("the model names no end-of-sequence token (generation_config.eos_token_id or the "
+                         "tokenizer's eos_token); every response would run to its length limit")
+    return ids
 
 
 def _top_p_probs(probs, top_p: float):
@@ -162,7 +181,7 @@ class VLLMBackend(InferenceBackend):
     name = "vllm"
     swaps_mid_generation = True
 
-    def __init__(self, folder: Path, threads: int = 1, max_model_len: int = 64):
+    def __init__(self, folder: Path, threads: int = 1, max_model_len: int = 0, dtype: str = "auto"):
         import os
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # The engine core in this process: weight reloads are a direct call, and no spawn re-imports.
@@ -172,7 +191,8 @@ class VLLMBackend(InferenceBackend):
 
         # No async scheduling: a step's tokens must come from the weights loaded when that step ran, so that
         # the version stamped on each token (and its log-prob) is the one that sampled it.
-        self.llm = LLM(model=str(folder), dtype="float32", max_model_len=max_model_len, enforce_eager=True,
+        self.llm = LLM(model=str(folder), dtype=dtype_name(torch_dtype(dtype, folder)),
+                       max_model_len=max_model_len or context_limit(folder), enforce_eager=True,
                        load_format="safetensors", seed=0, async_scheduling=False)
         self.tokenizer = self.llm.get_tokenizer()
         self.eos = self.tokenizer.eos_token_id
@@ -268,7 +288,8 @@ class OpenAIBackend(InferenceBackend):
         # The server owns its weights; we pin the version on each request so a gateway can route or refuse.
         self.version = version
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 between_steps: BetweenSteps | None = None) -> list[Generation]:
         body = {"model": self.model, "prompt": prompts, "max_tokens": params.max_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "logprobs": 1,
                 "return_tokens_as_token_ids": True, "return_token_ids": True}
@@ -292,15 +313,16 @@ class OpenAIBackend(InferenceBackend):
 
 
 def make_backend(kind: str, folder: Path, threads: int = 1, url: str = "", model: str = "",
-                 version: int = -1) -> InferenceBackend:
-    """Build a backend by name, holding policy ``version`` (the weights in ``folder``); ``auto`` is vLLM when
-    importable, else transformers."""
-    backend = _make_backend(kind, folder, threads, url, model)
+                 version: int = -1, dtype: str = "auto", max_context: int = 0) -> InferenceBackend:
+    """Build a backend by name, holding policy ``version`` (the weights in ``folder``) in ``dtype`` with a context of
+    ``max_context`` tokens (0: the model's own); ``auto`` is vLLM when importable, else transformers."""
+    backend = _make_backend(kind, folder, threads, url, model, dtype, max_context)
     backend.version = version
     return backend
 
 
-def _make_backend(kind: str, folder: Path, threads: int, url: str, model: str) -> InferenceBackend:
+def _make_backend(kind: str, folder: Path, threads: int, url: str, model: str, dtype: str,
+                  max_context: int) -> InferenceBackend:
     if kind == "auto":
         try:
             import vllm  # noqa: F401
@@ -309,9 +331,9 @@ def _make_backend(kind: str, folder: Path, threads: int, url: str, model: str) -
             log.info("vLLM unavailable (%s); using the transformers backend", exc)
             kind = "transformers"
     if kind == "transformers":
-        return TransformersBackend(folder, threads=threads)
+        return TransformersBackend(folder, threads=threads, dtype=dtype)
     if kind == "vllm":
-        return VLLMBackend(folder, threads=threads)
+        return VLLMBackend(folder, threads=threads, max_model_len=max_context, dtype=dtype)
     if kind == "openai":
         if not url:
             raise ValueError("--backend openai needs --engine-url (an OpenAI-compatible server)")

@@ -15,6 +15,7 @@ over). ``--swap batch`` loads only between batches.
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -25,10 +26,11 @@ from typing import ClassVar
 from rlstream import metrics
 from rlstream.config import LoopSettings, knob
 from rlstream.errors import UserError
+from rlstream.models.loading import ModelError, chat_prompt_ids, chat_turn_ids, context_limit, load_tokenizer
 from rlstream.policy.staleness import rollout_should_pause
 from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import local_path
-from rlstream.runtime.stage import Incoming, Output, Stage, StageContext
+from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn
 from rlstream.stages.inference import Generation, make_backend
@@ -47,7 +49,13 @@ class RolloutSettings:
     engine_url: str = knob("", "Base URL of an OpenAI-compatible server (backend openai)")
     engine_model: str = knob("", "Model name to send to the OpenAI-compatible server")
     threads: int = knob(1, "Torch / engine threads for this process (small machines: give each stage a budget)")
-    max_context: int = knob(64, "Longest prompt + response the engine takes; longer episodes fail as prompt_too_long")
+    dtype: str = knob("auto", "Engine dtype: auto (the checkpoint's own), bf16, fp16, fp32",
+                      choices=("auto", "bf16", "fp16", "fp32"))
+    max_context: int = knob(0, "Longest prompt + response the engine takes (0: the model's max_position_embeddings); "
+                               "a longer prompt is dead-lettered with its length, a longer episode ends as "
+                               "context_exhausted")
+    max_new_tokens: int = knob(0, "Most new tokens per turn: a task asking for more is cut to this "
+                                  "(0: as the task asks)")
     wait_policy_s: float = knob(600.0, "How long to wait at start for the first announced policy")
     swap: str = knob("step", "When new weights go in: step (as soon as announced; between engine steps of a "
                              "generation in progress where the backend can, vLLM) or batch (only between batches)",
@@ -71,6 +79,7 @@ class RolloutStage(Stage):
         self.settings = settings
         self.backend = None
         self.version = -1
+        self.max_context = settings.max_context  # 0 until the first version's folder says the model's own
         self.watcher: PolicyWatcher | None = None
         # The engine is used by one thread at a time: the batch handler (a pool thread), the swapper thread
         # and before_poll (the main thread). A handler that outlived its timeout still holds it.
@@ -92,12 +101,11 @@ class RolloutStage(Stage):
                             "is the trainer running for this run?")
         pv = self.watcher.latest
         folder = local_path(pv.weights_uri)
+        self.max_context = self.settings.max_context or context_limit(folder)
         self.backend = make_backend(self.settings.backend, folder, threads=self.settings.threads,
-                                    url=self.settings.engine_url, model=self.settings.engine_model, version=pv.version)
-        self.tokenizer = getattr(self.backend, "tokenizer", None)
-        if self.tokenizer is None:
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(folder)
+                                    url=self.settings.engine_url, model=self.settings.engine_model, version=pv.version,
+                                    dtype=self.settings.dtype, max_context=self.max_context)
+        self.tokenizer = getattr(self.backend, "tokenizer", None) or load_tokenizer(folder, flag="policy folder")
         self.version = pv.version
         metrics.POLICY_VERSION.labels(self.name).set(self.version)
         log.info("rollout generating with %s v%d on %s", pv.policy, pv.version, self.backend.name)
@@ -171,26 +179,27 @@ class RolloutStage(Stage):
 
     # -- generation ------------------------------------------------------------------------
 
-    def handle_batch(self, items: list[Incoming]) -> list[list[Output]]:
-        episodes: list[tuple[int, Episode]] = []  # (item index, episode)
-        for idx, item in enumerate(items):
-            if item.topic == "prompts":
-                episodes += [(idx, ep) for ep in self._start_episodes(item.record)]
-            else:
-                episodes.append((idx, self._with_observation(item.record)))
-        results: list[list[Output]] = [[] for _ in items]
+    def handle_batch(self, items: list[Incoming]) -> list[list[Output] | Exception]:
+        results: list[list[Output] | Exception] = [[] for _ in items]
         by_params: dict[tuple, list[tuple[int, Episode]]] = defaultdict(list)
-        for idx, ep in episodes:
-            limit = self.settings.max_context - ep.task.sampling.max_tokens
-            if len(ep.task.prompt_token_ids) + len(ep.token_ids) > limit:
-                ep.failure = Failure("prompt_too_long", f"context of {len(ep.task.prompt_token_ids) + len(ep.token_ids)}"
-                                     f" tokens leaves no room for {ep.task.sampling.max_tokens} new tokens "
-                                     f"(max_context {self.settings.max_context})", self.name)
-                ep.done = True
-                results[idx].append(self._output(ep))
+        for idx, item in enumerate(items):
+            try:
+                episodes = (self._start_episodes(item.record) if item.topic == "prompts"
+                            else [self._with_observation(item.record)])
+            except (InvalidRecord, ModelError) as exc:
+                results[idx] = InvalidRecord(str(exc))  # this record alone is dead-lettered, with why
                 continue
-            s = ep.task.sampling
-            by_params[(s.temperature, s.top_p, s.top_k, s.max_tokens, s.seed)].append((idx, ep))
+            for ep in episodes:
+                params = self._sampling(ep)
+                if params.max_tokens <= 0:
+                    context = len(ep.task.prompt_token_ids) + len(ep.token_ids)
+                    ep.failure = Failure("context_exhausted", f"the episode's {context} tokens leave no room for a "
+                                         f"new turn (max_context {self.max_context})", self.name)
+                    ep.done = True
+                    results[idx].append(self._output(ep))
+                    continue
+                by_params[(params.temperature, params.top_p, params.top_k, params.max_tokens, params.seed)].append(
+                    (idx, ep))
         for key, group in by_params.items():
             params = SamplingParams(temperature=key[0], top_p=key[1], top_k=key[2], max_tokens=key[3], seed=key[4])
             step = self.settings.swap == "step"
@@ -206,6 +215,14 @@ class RolloutStage(Stage):
                 self._append_turn(ep, gen, started, finished, started_version)
                 results[idx].append(self._output(ep))
         return results
+
+    def _sampling(self, ep: Episode) -> SamplingParams:
+        """This turn's sampling: the task's, its new tokens cut to --max-new-tokens and to the context left."""
+        s = ep.task.sampling
+        room = self.max_context - len(ep.task.prompt_token_ids) - len(ep.token_ids)
+        wanted = min(s.max_tokens, self.settings.max_new_tokens or s.max_tokens)
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              max_tokens=min(wanted, room), seed=s.seed)
 
     def _append_turn(self, ep: Episode, gen: Generation, started: int, finished: int, started_version: int) -> None:
         """Add one generation to an episode as an action turn, versioned by the oldest weights in it."""
@@ -225,16 +242,33 @@ class RolloutStage(Stage):
         ep.stage_times["rollout.end"] = finished
 
     def _start_episodes(self, task: Task) -> list[Episode]:
+        """The G episodes of a task, its prompt tokenized once: through the chat template for chat messages.
+
+        InvalidRecord when the prompt cannot fit the context with room for one new token.
+        """
         if not task.prompt_token_ids:
-            task.prompt_token_ids = self.tokenizer(task.prompt)["input_ids"]
+            if task.metadata.get("messages"):
+                task.prompt_token_ids = chat_prompt_ids(self.tokenizer, json.loads(task.metadata["messages"]))
+            else:
+                task.prompt_token_ids = self.tokenizer(task.prompt)["input_ids"]
+        if len(task.prompt_token_ids) >= self.max_context:
+            raise InvalidRecord(f"prompt of {len(task.prompt_token_ids)} tokens does not fit max_context "
+                                f"{self.max_context} with room for a response (task asks {task.sampling.max_tokens} "
+                                "new tokens); raise the rollout's --max-context or shorten the prompt")
         return [Episode(episode_id=f"{task.group_id}:{i}", group_id=task.group_id, sample_index=i, task=task,
                         stage_times={"prompt.created": task.created_at}, trace_id=task.trace_id)
                 for i in range(max(1, task.group_size))]
 
     def _with_observation(self, ep: Episode) -> Episode:
+        """Append the env's observation as context tokens: a chat episode's through the template, as a message of
+        ``metadata['observation_role']`` (default ``user``) followed by the next generation prompt."""
         turn = ep.turns[-1]
         if turn.role == "observation" and turn.token_end == turn.token_start and turn.text:
-            ids = self.tokenizer(turn.text, add_special_tokens=False)["input_ids"]
+            if ep.task.metadata.get("messages"):
+                role = ep.task.metadata.get("observation_role", "user")
+                ids = chat_turn_ids(self.tokenizer, [{"role": role, "content": turn.text}])
+            else:
+                ids = self.tokenizer(turn.text, add_special_tokens=False)["input_ids"]
             turn.token_start = len(ep.token_ids)
             ep.token_ids += ids
             ep.loss_mask += [0] * len(ids)  # environment tokens are context, never trained on

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from rlstream.config import LoopSettings, knob
 from rlstream.errors import UserError
+from rlstream.models.loading import check_folder, load_model
 from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import local_path, tokenizer_hash
 from rlstream.runtime.stage import Incoming, Output, Stage, StageContext
@@ -33,7 +34,9 @@ class TeacherSettings:
 
     ROLE: ClassVar[str] = "TEACHER"
 
-    teacher: str = knob("", "Teacher model folder (a transformers checkpoint); '' follows the policy itself")
+    teacher: str = knob("", "Teacher model: a Hugging Face folder or hub id; '' follows the policy itself")
+    dtype: str = knob("auto", "Teacher dtype: auto (the checkpoint's own), bf16, fp16, fp32",
+                      choices=("auto", "bf16", "fp16", "fp32"))
     teacher_version: str = knob("", "Version label written on feedback ('' = folder name or policy version)")
     threads: int = knob(1, "Torch threads for this process")
     wait_policy_s: float = knob(600.0, "How long to wait at start for the student's first policy version")
@@ -65,7 +68,6 @@ class TeacherStage(Stage):
         if self.model is not None:
             return
         import torch
-        from transformers import AutoModelForCausalLM
         torch.set_num_threads(max(1, self.settings.threads))
         self.torch = torch
         self.watcher = PolicyWatcher(ctx.kafka.client_config(), ctx.kafka.run, self.loop.policy)
@@ -73,11 +75,12 @@ class TeacherStage(Stage):
             raise UserError(f"no {self.loop.policy} policy announced within {self.settings.wait_policy_s}s; "
                             "is the trainer running for this run?")
         student = self.watcher.latest
-        folder = Path(self.settings.teacher) if self.settings.teacher else local_path(student.weights_uri)
+        folder = check_folder(self.settings.teacher, "--teacher") if self.settings.teacher else \
+            local_path(student.weights_uri)
         check_tokenizers(folder, student.tokenizer_hash)
         self.version = self.settings.teacher_version or (folder.name if self.settings.teacher else
                                                          f"{student.policy}-v{student.version}")
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.model = load_model(folder, self.settings.dtype, flag="--teacher").eval()
         log.info("teacher %s loaded from %s", self.version, folder)
 
     def handle_batch(self, items: list[Incoming]) -> list[list[Output]]:

@@ -25,6 +25,7 @@ from rlstream.kafka.group import GroupMember
 from rlstream.kafka.records import Rejected
 from rlstream.kafka.topics import topic_name
 from rlstream.kafka.transactions import TransactionalProducer
+from rlstream.models.loading import TINY, check_folder, load_model, load_tokenizer, read_chat_template, torch_dtype
 from rlstream.policy.staleness import StalenessCounter, StalenessFilter
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weights import WeightStore, local_path, tokenizer_hash
@@ -52,7 +53,13 @@ class TrainerSettings:
     source: str = knob("rewards", "Topic to train from: rewards, or feedback (teacher log-probs)",
                        choices=("rewards", "feedback"))
     reward_version: str = knob("", "Train only on this reward version ('' = any)")
-    task: str = knob("reverse", "Task whose tiny model and warm-up start a new policy")
+    model: str = knob("tiny", "The policy's version 0, as given: a Hugging Face folder (config, safetensors, "
+                              "tokenizer) or a hub id where a hub is reachable; tiny: the demo's built-in model")
+    dtype: str = knob("auto", "Parameter dtype of the trained model: auto (the checkpoint's own), bf16, fp16, fp32",
+                      choices=("auto", "bf16", "fp16", "fp32"))
+    chat_template: str = knob("", "A Jinja chat template file, set on the model's tokenizer and saved with every "
+                                  "version (for a model folder that has none)")
+    task: str = knob("reverse", "Built-in task of the supervised warm-up (--warmup-steps)")
     window_groups: int = knob(32, "Windowed FIFO size W in groups")
     head_timeout_s: float = knob(120.0, "Evict (and record) an incomplete head group older than this")
     advantage: str = knob("grpo", "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp")
@@ -61,8 +68,9 @@ class TrainerSettings:
     clip_eps: float = knob(0.2, "PPO clip range")
     is_cap: float = knob(5.0, "Truncation of the behaviour importance weight")
     kl_coef: float = knob(0.0, "KL-to-reference coefficient (0 disables the reference model)")
-    warmup_steps: int = knob(300, "Supervised warm-up steps of a new policy (0 = none); steps, not seconds, "
-                                   "so a busy machine gets the same starting policy")
+    warmup_steps: int = knob(0, "Supervised warm-up steps on --task before version 0 (0: none, version 0 is the model "
+                                 "as given; the demo asks 300 for the random tiny model); steps, not seconds, so a "
+                                 "busy machine gets the same starting policy")
     warmup_fraction: float = knob(0.005, "Fraction of training pairs used by the warm-up")
     max_steps: int = knob(0, "Stop after this many updates (0 = run until stopped)")
     threads: int = knob(1, "Torch threads for this process")
@@ -138,12 +146,11 @@ class TrainerService:
     # -- resume / create -------------------------------------------------------------
 
     def _load_or_create(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
         announced = last_policy_version(self.kafka.client_config(), self.kafka.run, self.loop.policy)
         if announced is not None and self.store.path(self.loop.policy, announced.version).exists():
             folder = local_path(announced.weights_uri)
-            self.tokenizer = AutoTokenizer.from_pretrained(folder)
-            self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+            self.tokenizer = load_tokenizer(folder, flag="resume from")
+            self.model = load_model(folder, self.settings.dtype, flag="resume from")
             self.version = announced.version
             self.engine = self._engine()
             ahead = folder / CONSUMED_AHEAD
@@ -154,11 +161,9 @@ class TrainerService:
                 self.engine.load_state_dict(torch.load(opt_state, weights_only=True))
             log.info("trainer resumed %s at v%d", self.loop.policy, self.version)
         else:
-            from rlstream.models.tiny import build_model, build_tokenizer
-            from rlstream.trainer.warmup import supervised_warmup
-            self.tokenizer = build_tokenizer()
-            self.model = build_model(self.tokenizer, seed=self.settings.seed)
+            self.model, self.tokenizer = self._initial_policy()
             if self.settings.warmup_steps > 0:
+                from rlstream.trainer.warmup import supervised_warmup
                 info = supervised_warmup(self.model, self.tokenizer, self.settings.task,
                                          fraction=self.settings.warmup_fraction,
                                          steps=self.settings.warmup_steps, seconds=None, seed=self.settings.seed)
@@ -168,9 +173,23 @@ class TrainerService:
             self._publish(0, {"warmup_steps": float(self.settings.warmup_steps)}, offsets=None, samples=0)
         self.ref_model = None
         if self.settings.kl_coef > 0:
-            from transformers import AutoModelForCausalLM
-            self.ref_model = AutoModelForCausalLM.from_pretrained(
-                local_path(self.store.uri(self.loop.policy, 0)), dtype=torch.float32).eval()
+            self.ref_model = load_model(local_path(self.store.uri(self.loop.policy, 0)), self.settings.dtype).eval()
+
+    def _initial_policy(self):
+        """Version 0's model and tokenizer: ``--model`` as given, or the tiny model built from its seed."""
+        s = self.settings
+        if s.model == TINY:
+            from rlstream.models.tiny import build_model, build_tokenizer
+            tokenizer = build_tokenizer()
+            if s.chat_template:
+                tokenizer.chat_template = read_chat_template(s.chat_template)
+            return build_model(tokenizer, seed=s.seed).to(torch_dtype(s.dtype)), tokenizer
+        folder = check_folder(s.model)
+        tokenizer = load_tokenizer(folder, s.chat_template)
+        model = load_model(folder, s.dtype)
+        log.info("version 0 is %s as given (%.1f M parameters, %s)", s.model,
+                 sum(p.numel() for p in model.parameters()) / 1e6, next(model.parameters()).dtype)
+        return model, tokenizer
 
     def _engine(self):
         engine = make_engine(self.model, self.settings.lr, self.update_cfg.max_grad_norm, self.settings.deepspeed_stage)
@@ -227,7 +246,7 @@ class TrainerService:
     def _step(self, groups) -> None:
         started = time.monotonic()
         batch = build_batch([[it.payload for it in g.items] for g in groups], self.settings.advantage,
-                            self.tokenizer.pad_token_id)
+                            self.tokenizer.pad_token_id)  # load_tokenizer gave a pad-less tokenizer eos as pad
         stats = policy_update(self.engine, batch, self.update_cfg, self.ref_model)
         stats.update({"step_seconds": time.monotonic() - started, "stale": float(self.counter.stale),
                       "accepted": float(self.counter.accepted), "stale_ratio": self.counter.stale_ratio,

@@ -140,6 +140,20 @@ def test_chat_messages_become_the_prompt_and_travel_in_metadata(tmp_path):
     assert items[3].error.startswith("row 3: messages must be a non-empty list of {role, content}, got NoneType")
 
 
+def test_chat_makes_a_plain_prompt_a_user_message_after_the_system_prompt():
+    ds = datasets.Dataset.from_list([{"question": "2+2?", "answer": "4"}])
+    [plain] = source(ds, Columns(prompt="question")).items()
+    assert plain.task.prompt == "2+2?" and "messages" not in plain.task.metadata
+    [chat] = source(ds, Columns(prompt="question"), chat=True, system_prompt="Be brief.").items()
+    assert json.loads(chat.task.metadata["messages"]) == [{"role": "system", "content": "Be brief."},
+                                                          {"role": "user", "content": "2+2?"}]
+    # A conversation that leads with its own system message keeps it.
+    own = [{"role": "system", "content": "Mine."}, {"role": "user", "content": "hi"}]
+    [kept] = source(datasets.Dataset.from_list([{"chat": own, "answer": "a"}]), Columns(messages="chat"),
+                    system_prompt="Be brief.").items()
+    assert json.loads(kept.task.metadata["messages"]) == own
+
+
 def test_an_id_column_names_the_tasks_once_per_epoch():
     ds = datasets.Dataset.from_list([{"prompt": "p", "answer": "a", "uid": "q-17"}])
     items = list(source(ds, Columns(id="uid"), epochs=2).items())

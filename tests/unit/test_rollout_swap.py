@@ -90,7 +90,7 @@ def pv(version: int) -> PolicyVersion:
 
 
 def stage_with(backend: FakeBackend, swap: str = "step") -> tuple[RolloutStage, FakeWatcher]:
-    stage = RolloutStage(RolloutSettings(swap=swap, retry_load_s=60))
+    stage = RolloutStage(RolloutSettings(swap=swap, retry_load_s=60, max_context=64))
     stage.watcher = FakeWatcher(pv(0))
     stage.backend, stage.tokenizer, stage.version = backend, FakeTokenizer(), 0
     return stage, stage.watcher
