@@ -19,12 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from rlstream.config import LoopSettings, add_arguments, knob, load
+from rlstream import recipes
+from rlstream.config import LoopSettings, add_arguments, env_name, knob, load
 from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
 from rlstream.kafka.tail import Seen, TopicTail
 from rlstream.kafka.topics import create_topics
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, ScoredTrajectory
+
+#: Recipes: a model and a dataset that an example's script builds under HOME/recipes/<name> (run from a clone of
+#: the repository, where examples/ is), with the demo settings that run them.
+RECIPES = recipes.NAMES
 
 #: Stop order: the source first, then each stage after the one that feeds it; the archive last.
 STOP_ORDER = ["prompts", "rollout", "env", "reward", "trainer", "archive"]
@@ -34,19 +39,30 @@ STOP_ORDER = ["prompts", "rollout", "env", "reward", "trainer", "archive"]
 class DemoSettings:
     """Knobs of the local demo (defaults: reverse 3 letters with a tiny Qwen2, vLLM when installed); the run, η,
     group sizes, home and archive are the loop's settings (without --run, a fresh demo-<time> run, so a fresh
-    model)."""
+    model). With --model and --dataset it runs your model on your data; --recipe names a prepared pair."""
 
     ROLE: ClassVar[str] = "DEMO"
 
-    task: str = knob("reverse", "Task to learn: reverse or arithmetic")
+    recipe: str = knob("", "A prepared model and dataset, built on first use: " + ", ".join(RECIPES) +
+                           " (its settings are defaults: flags given here win)", choices=("", *RECIPES))
+    task: str = knob("reverse", "Built-in task to learn (without --dataset): reverse or arithmetic")
+    model: str = knob("tiny", "The policy to train: a Hugging Face folder (version 0 as given) or tiny")
+    dataset: str = knob("", "Training prompts from a dataset file or save_to_disk folder (instead of --task)")
+    eval_dataset: str = knob("", "Held-out prompts from a dataset, evaluated every --heldout-every versions")
+    prompt_column: str = knob("prompt", "Dataset column of the prompt")
+    answer_column: str = knob("answer", "Dataset column of the reference answer")
+    chat: bool = knob(False, "Apply the model's chat template to the prompts")
+    reward: str = knob("", "Reward function (see rlstream run reward --help; '' = the reward stage's default)")
+    max_tokens: int = knob(0, "Most new tokens per response (0: the task's own; a dataset's default is 256)")
     minutes: float = knob(15.0, "Give up after this long")
     target: float = knob(0.8, "Stop once held-out reward reaches this")
     backend: str = knob("auto", "Rollout engine: auto (vLLM if installed), transformers, vllm",
                         choices=("auto", "transformers", "vllm"))
     lr: float = knob(1e-4, "Learning rate")
-    warmup_steps: int = knob(300, "Supervised warm-up steps before RL (part of the demo, see README)")
+    warmup_steps: int = knob(300, "Supervised warm-up steps of the tiny model before RL (a --model is used as "
+                                  "given)")
     heldout_every: int = knob(2, "Evaluate the held-out set every N policy versions")
-    heldout_count: int = knob(128, "Held-out tasks per evaluation")
+    heldout_count: int = knob(128, "Held-out tasks per evaluation (with --eval-dataset: its rows)")
 
 
 @dataclass
@@ -85,15 +101,17 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
                     RLSTREAM_ETA=str(loop.eta), RLSTREAM_GROUP_SIZE=str(loop.group_size),
                     RLSTREAM_GROUPS_PER_STEP=str(loop.groups_per_step), RLSTREAM_ARCHIVE=loop.archive)
     weights = str(run_dir / "weights")
+    user_model = s.model != "tiny"
     plan = {
-        "trainer": ["run", "trainer", "--weights", weights, "--task", s.task, "--lr", str(s.lr),
-                    "--warmup-steps", str(s.warmup_steps), "--threads", "1", "--instance", "0"],
+        "trainer": ["run", "trainer", "--weights", weights, "--model", s.model, "--task", s.task, "--lr", str(s.lr),
+                    "--warmup-steps", str(0 if user_model else s.warmup_steps), "--threads", "1", "--instance", "0"],
         "rollout": ["run", "rollout", "--backend", s.backend, "--threads", "1", "--instance", "0",
                     "--batch-size", "64"],
         "env": ["run", "env", "--instance", "0"],
-        "reward": ["run", "reward", "--instance", "0"],
+        "reward": ["run", "reward", "--instance", "0", *(["--reward", s.reward] if s.reward else [])],
         "archive": ["run", "archive"],
-        "prompts": ["prompts", "--task", s.task, "--paced", "--count", "0", "--heldout-every", str(s.heldout_every), "--heldout-count", str(s.heldout_count)],
+        "prompts": ["prompts", *_prompt_source(s), "--paced", "--heldout-every", str(s.heldout_every),
+                    *(["--max-tokens", str(s.max_tokens)] if s.max_tokens else [])],
     }
     sup = Supervisor()
     for name, argv in plan.items():
@@ -137,7 +155,7 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
         # The source first, then each stage after the one feeding it: every stage finishes what it was given.
         sup.stop_all(STOP_ORDER, timeout=30)
     elapsed = time.monotonic() - started
-    png = _plot(progress, run_dir / "reward_curve.png", s.task)
+    png = _plot(progress, run_dir / "reward_curve.png", s.recipe or (Path(s.dataset).stem if s.dataset else s.task))
     print()
     print(f"reward curve: {png}")
     print("explore the run in the archive, e.g.:")
@@ -151,6 +169,16 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
     end_r = best[1] if best else float("nan")
     print(f"reward {start_r:.2f} -> {end_r:.2f} over {max(progress.version, 0)} policy versions in {elapsed:.0f} s")
     return 0 if best is not None and best[1] >= s.target else 1
+
+
+def _prompt_source(s: DemoSettings) -> list[str]:
+    """The prompt source's flags: a dataset's (its rows once per epoch, as many epochs as the run takes), or the
+    built-in task's."""
+    if not s.dataset:
+        return ["--task", s.task, "--count", "0", "--heldout-count", str(s.heldout_count)]
+    return ["--dataset", s.dataset, "--epochs", "1000", "--shuffle-seed", "0", "--prompt-column", s.prompt_column,
+            "--answer-column", s.answer_column, *(["--eval-dataset", s.eval_dataset] if s.eval_dataset else []),
+            *(["--chat"] if s.chat else [])]
 
 
 def _take(arrived: queue.SimpleQueue, timeout: float, most: int = 500) -> list[Seen]:
@@ -225,7 +253,18 @@ def cmd_demo(args: argparse.Namespace) -> None:
     loop = load(LoopSettings, args)
     if args.run is None and "RLSTREAM_RUN" not in os.environ:
         loop = dataclasses.replace(loop, run=time.strftime("demo-%Y%m%d-%H%M%S"))  # a fresh run: a fresh model
-    sys.exit(run_demo(load(DemoSettings, args), loop))
+    s = load(DemoSettings, args)
+    if s.recipe:
+        # The recipe's values stand in for flags and variables not given.
+        given = {f.name for f in dataclasses.fields(DemoSettings) if getattr(args, f.name, None) is not None
+                 or env_name(DemoSettings, f.name) in os.environ}
+        demo, shared = recipes.prepare(s.recipe, loop.home_path)
+        s = load(DemoSettings, args, **{k: v for k, v in demo.items() if k not in given})
+        loop = dataclasses.replace(loop, **{k: v for k, v in shared.items() if getattr(args, k, None) is None})
+    if s.eval_dataset:
+        from rlstream.sources.dataset import load as load_dataset
+        s = dataclasses.replace(s, heldout_count=len(load_dataset(s.eval_dataset, "--eval-dataset")))
+    sys.exit(run_demo(s, loop))
 
 
 def add_command(sub) -> None:
