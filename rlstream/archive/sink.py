@@ -332,7 +332,7 @@ class ArchiveSink:
                  session_timeout_ms: int) -> None:
         """Consume, batch and flush until stopped (or idle for ``idle_exit_s``)."""
         group = f"{kafka.run}.archive"
-        topics = [topic_name(kafka.run, t) for t in TOPICS]
+        topics = [topic_name(kafka.run, t) for t, spec in TOPICS.items() if spec.archived]
         self._pending, self._pending_bytes, self._inflight = [], 0, None
         # One batch inserts in this thread while the next is consumed and wrapped (chDB releases the GIL).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive-insert")

@@ -48,11 +48,15 @@ class Incoming:
 
 
 def produce_waiting(producer: Producer, topic: str, value: bytes | None, key: Any = None,
-                    headers: list | None = None) -> None:
-    """Produce, waiting for deliveries while librdkafka's local queue is full (its BufferError is backpressure)."""
+                    headers: list | None = None, on_delivery: Any = None) -> None:
+    """Produce, waiting for deliveries while librdkafka's local queue is full (its BufferError is backpressure).
+
+    ``on_delivery(err, msg)``: called from a later poll or flush with the record's partition and offset (a
+    transactional producer learns them before the commit, so one record can name another's place)."""
+    extra = {"on_delivery": on_delivery} if on_delivery is not None else {}
     while True:
         try:
-            producer.produce(topic, value=value, key=key, headers=headers)
+            producer.produce(topic, value=value, key=key, headers=headers, **extra)
             return
         except BufferError:
             producer.poll(0.05)
@@ -93,10 +97,12 @@ def encode(logical: str, record: Record) -> bytes:
 
 
 def produce(producer: Any, run: str, logical: str, key: Any, record: Record, policy_version: int,
-            traceparent: str | None = None, reward_version: str | None = None) -> None:
-    """Produce a typed record with the loop's headers, through a plain Producer or a TransactionalProducer."""
+            traceparent: str | None = None, reward_version: str | None = None, on_delivery: Any = None) -> None:
+    """Produce a typed record with the loop's headers, through a plain Producer or a TransactionalProducer
+    (``on_delivery``: see ``produce_waiting``)."""
     headers = hdr.build(policy_version, traceparent or hdr.new_traceparent(), reward_version)
-    producer.produce(topic_name(run, logical), value=encode(logical, record), key=key, headers=headers)
+    extra = {"on_delivery": on_delivery} if on_delivery is not None else {}
+    producer.produce(topic_name(run, logical), value=encode(logical, record), key=key, headers=headers, **extra)
 
 
 class TypedProducer:
@@ -106,9 +112,10 @@ class TypedProducer:
         self.run = kafka.run
         self.producer = Producer({**kafka.client_config(), "linger.ms": 20, "enable.idempotence": True, **overrides})
 
-    def produce(self, topic: str, value: bytes | None, key: Any = None, headers: list | None = None) -> None:
+    def produce(self, topic: str, value: bytes | None, key: Any = None, headers: list | None = None,
+                on_delivery: Any = None) -> None:
         """Produce raw bytes."""
-        produce_waiting(self.producer, topic, value, key, headers)
+        produce_waiting(self.producer, topic, value, key, headers, on_delivery)
 
     def send(self, logical: str, key: Any, record: Record, policy_version: int, traceparent: str | None = None,
              reward_version: str | None = None) -> None:

@@ -6,6 +6,8 @@ Every reader that is not a stage goes through here: the policy watcher and the t
 - ``TopicTail``: a background thread that follows the topics, keeps what it read (``keep``) and/or hands each
   record to ``on_record``, and says when every partition is at its end (``caught_up``, ``settle``).
 - ``read_to_end``: every committed record of one topic, up to each partition's end as of the call.
+- ``read_from``: the committed records of one partition from an offset, as they come, up to its end as of the
+  call; the caller stops when it has what it wanted (the weights log reads one version's chunks so).
 
 The reader is assigned every partition (no group membership, nothing committed), from the beginning or from
 given offsets, with ``isolation.level=read_committed``. For such a reader the end of a partition is its last
@@ -20,7 +22,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -53,8 +55,9 @@ class _Reader:
     """One consumer assigned every partition of some topics of a run; ``poll`` decodes what it fetched."""
 
     def __init__(self, client_config: dict, run: str, topics: list[str], name: str,
-                 offsets: dict[tuple[str, int], int] | None, ends: bool = False):
-        """``ends``: note each partition's high watermark now, for ``read_past_ends``."""
+                 offsets: dict[tuple[str, int], int] | None, ends: bool = False, only: bool = False):
+        """``ends``: note each partition's high watermark now, for ``read_past_ends``; ``only``: assign only the
+        partitions ``offsets`` names."""
         self.name = name
         self._logical = {topic_name(run, t): t for t in topics}
         self._codec = default_codec()
@@ -70,6 +73,8 @@ class _Reader:
         try:
             for physical, logical in self._logical.items():
                 for p in self._consumer.list_topics(physical, timeout=30).topics[physical].partitions:
+                    if only and (logical, p) not in (offsets or {}):
+                        continue
                     start = (offsets or {}).get((logical, p), OFFSET_BEGINNING)
                     parts.append(TopicPartition(physical, p, start))
                     self.eof[(logical, p)] = False
@@ -228,3 +233,21 @@ def read_to_end(client_config: dict, run: str, topic: str, *, expect: int = 0, t
     finally:
         reader.close()
     return out
+
+
+def read_from(client_config: dict, run: str, topic: str, partition: int, offset: int, *, timeout: float = 60.0,
+              name: str = "read-from") -> Iterator[Seen]:
+    """The committed records of ``topic[partition]`` from ``offset`` on, as they are read, up to the partition's end
+    as of the call; the caller may stop early. A first record past ``offset`` means the log no longer starts
+    there (retention deleted it; the consumer falls back to the earliest offset). TimeoutError when the end is not
+    reached within ``timeout`` seconds."""
+    reader = _Reader(client_config, run, [topic], name, {(topic, partition): offset}, ends=True, only=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while not reader.read_past_ends():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{run}.{topic}[{partition}]: not read from offset {offset} to its end in "
+                                   f"{timeout:.0f}s")
+            yield from reader.poll(0.2)
+    finally:
+        reader.close()

@@ -15,6 +15,9 @@ class TopicSpec:
     record: str
     partitions: int
     config: dict
+    #: The archive copies its records into ClickHouse (not weights: they stay in Kafka or the store, and
+    #: policy_versions names where).
+    archived: bool = True
 
 
 _FOREVER = {"retention.ms": "-1"}
@@ -32,6 +35,10 @@ TOPICS: dict[str, TopicSpec] = {t.name: t for t in (
     # Compacted: the newest version of each policy is always readable.
     TopicSpec("policy-versions", "PolicyVersion", 1, {"cleanup.policy": "compact", "retention.ms": "-1"}),
     TopicSpec("dead-letters", "DeadLetter", 4, _FOREVER),
+    # Keyed by policy, so one policy's chunks are one ordered log (rlstream.policy.weight_log). Kept until the
+    # trainer deletes the prefix before the anchor its oldest needed version builds on (never by age: time
+    # retention could delete an anchor and keep the deltas that need it).
+    TopicSpec("weights", "WeightChunk", 1, _FOREVER, archived=False),
 )}
 
 

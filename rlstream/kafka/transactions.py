@@ -146,9 +146,10 @@ class TransactionalProducer:
         metrics.TRANSACTIONS.labels(self.who, "committed").inc()
         return True
 
-    def produce(self, topic: str, value: bytes | None, key: Any = None, headers: list | None = None) -> None:
-        """Produce into the open transaction."""
-        produce_waiting(self.producer, topic, value, key, headers)
+    def produce(self, topic: str, value: bytes | None, key: Any = None, headers: list | None = None,
+                on_delivery: Any = None) -> None:
+        """Produce into the open transaction (``on_delivery``: see ``records.produce_waiting``)."""
+        produce_waiting(self.producer, topic, value, key, headers, on_delivery)
 
     def dead_letter(self, stage: str, msg: Message, reason: str, error: str,
                     max_bytes: int = MAX_MESSAGE_BYTES) -> None:

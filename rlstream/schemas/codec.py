@@ -25,7 +25,8 @@ MARKER = b"\xc3\x01"
 HEADER_LEN = 10
 
 #: The records that travel on topics (their nested types are not top level).
-RECORDS = ("Task", "Episode", "Trajectory", "ScoredTrajectory", "TeacherFeedback", "PolicyVersion", "DeadLetter")
+RECORDS = ("Task", "Episode", "Trajectory", "ScoredTrajectory", "TeacherFeedback", "PolicyVersion", "DeadLetter",
+           "WeightChunk")
 
 
 #: Packed token-array kinds -> array typecodes (int32, uint8, float32 on every platform we run on).

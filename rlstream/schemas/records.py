@@ -204,6 +204,21 @@ class PolicyVersion(Record):
     metrics: dict[str, float] = field(default_factory=dict)
     trainer_id: str = ""
     tokenizer_hash: str = ""
+    content_hash: str = ""
+
+
+@dataclass(slots=True)
+class WeightChunk(Record):
+    policy: str
+    version: int
+    kind: str
+    chunk: int
+    chunks: int
+    payload: bytes
+    content_hash: str
+    base_version: int = -1
+    files: list[str] = field(default_factory=list)
+    created_at: int = 0
 
 
 @dataclass(slots=True)
@@ -224,11 +239,11 @@ class DeadLetter(Record):
 #: Record name -> typed class, for every record that travels on a topic.
 RECORD_TYPES: dict[str, type[Record]] = {
     cls.__name__: cls
-    for cls in (Task, Episode, Trajectory, ScoredTrajectory, TeacherFeedback, PolicyVersion, DeadLetter)
+    for cls in (Task, Episode, Trajectory, ScoredTrajectory, TeacherFeedback, PolicyVersion, DeadLetter, WeightChunk)
 }
 #: Every typed class, nested ones included (the mirror test walks these).
 ALL_TYPES: dict[str, type[Record]] = {
     cls.__name__: cls
     for cls in (SamplingParams, Task, ToolCall, ToolResult, Failure, Turn, Episode, Trajectory, Reward,
-                ScoredTrajectory, TeacherFeedback, PolicyVersion, DeadLetter)
+                ScoredTrajectory, TeacherFeedback, PolicyVersion, DeadLetter, WeightChunk)
 }

@@ -1,0 +1,209 @@
+"""A policy version's content, its hash, and the anchor and delta payloads that carry it between hosts.
+
+Pure logic, no Kafka (``rlstream.policy.weight_log`` moves the payloads):
+
+- ``Content``: what a version is: every tensor of its safetensors shards (with the shard each lives in) and
+  every other file of its folder (config, generation config, tokenizer, chat template). Files only the trainer
+  needs (``PRIVATE``: optimizer state, its resume notes, the store's marker) are not part of a version.
+- ``content_hash``: sha256 over the tensors in name order (name, dtype, shape, raw bytes), then the other files
+  in name order (name, length, bytes). Shard layout and safetensors header bytes are not hashed, so a folder
+  rebuilt from a delta hashes equal to the trainer's ``save_pretrained`` folder when, and only when, every
+  tensor is bit-equal. Writer and reader both call ``folder_hash``; ``PolicyVersion.content_hash`` carries it.
+- ``encode`` / ``apply``: a version as a payload, itself a safetensors blob. An anchor holds every tensor and
+  file. A delta against the previous version holds only what changed: a changed tensor in full, or, when
+  smaller, the flat indices (int32, int64 past 2^31 elements) and new values of the changed elements; a tensor
+  whose shape or dtype changed goes in full. Elements are compared as integers of their width, so the rebuilt
+  tensor is bit-equal (NaN payloads and -0.0 included). The blob's metadata holds a JSON manifest of every
+  tensor (shard, and full | sparse | same) and file (data | same); what the manifest does not list is gone.
+- ``split``: a payload as chunks of at most ``chunk_bytes``; a tensor larger than a chunk spans several.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import load_file, save_file
+from safetensors.torch import save as st_save
+
+#: Files of a store folder that are the trainer's own, not the policy's (never hashed, never shipped).
+PRIVATE = frozenset({"optimizer.pt", "consumed_ahead.json", "COMPLETE"})
+
+ANCHOR, DELTA = "anchor", "delta"
+_META = "rlstream"
+#: Integer views of each element width: comparing and assigning through them is bit-exact.
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass
+class Content:
+    """One version: tensors by name, the shard file each is saved in, and the other files by relative path."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    shards: dict[str, str] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
+
+    def names(self) -> list[str]:
+        """Every file of the folder this content writes."""
+        return sorted(set(self.shards.values()) | set(self.files))
+
+
+def read_folder(folder: Path) -> Content:
+    """The content of a checkpoint folder (its safetensors shards and other files, private ones left out)."""
+    folder = Path(folder)
+    content = Content()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel in PRIVATE:
+            continue
+        if path.suffix == ".safetensors":
+            for name, tensor in load_file(str(path)).items():
+                if name in content.tensors:
+                    raise ValueError(f"{folder}: tensor {name!r} is in two shards")
+                content.tensors[name], content.shards[name] = tensor, rel
+        else:
+            content.files[rel] = path.read_bytes()
+    return content
+
+
+def write_folder(content: Content, folder: Path) -> None:
+    """Write a content as a checkpoint folder: the same shards (so an index file stays right) and files."""
+    folder = Path(folder)
+    by_shard: dict[str, dict[str, torch.Tensor]] = {}
+    for name, shard in content.shards.items():
+        by_shard.setdefault(shard, {})[name] = content.tensors[name]
+    for shard, tensors in by_shard.items():
+        (folder / shard).parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+    for rel, data in content.files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+
+
+def content_hash(content: Content) -> str:
+    """The version's hash (see the module docstring for what it covers)."""
+    h = hashlib.sha256()
+    for name in sorted(content.tensors):
+        t = content.tensors[name].detach().cpu().contiguous()
+        h.update(f"tensor:{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
+        h.update(_raw(t))
+    for rel in sorted(content.files):
+        data = content.files[rel]
+        h.update(f"file:{rel}:{len(data)}\n".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def folder_hash(folder: Path) -> str:
+    """``content_hash`` of a checkpoint folder."""
+    return content_hash(read_folder(folder))
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _int_view(t: torch.Tensor) -> torch.Tensor:
+    """The flat tensor as integers of its element width (bool and complex too: only the bits matter)."""
+    return t.reshape(-1).view(_INT_VIEW[t.element_size()])
+
+
+def _changed(new: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor | None:
+    """Flat indices of the elements that differ bitwise; None when the tensors cannot be compared elementwise."""
+    if old is None or old.shape != new.shape or old.dtype != new.dtype or new.element_size() not in _INT_VIEW:
+        return None
+    return torch.nonzero(_int_view(new) != _int_view(old)).reshape(-1)
+
+
+def encode(content: Content, base: Content | None) -> bytes:
+    """The payload of ``content``: an anchor when ``base`` is None, else a delta against ``base``."""
+    blob: dict[str, torch.Tensor] = {}
+    tensors: dict[str, list[str]] = {}
+    for name, t in content.tensors.items():
+        t = t.contiguous()
+        idx = _changed(t, base.tensors.get(name) if base is not None else None)
+        if idx is None:
+            enc = "full"
+        elif idx.numel() == 0:
+            enc = "same"
+        else:
+            index_dtype = torch.int32 if t.numel() < 2 ** 31 else torch.int64
+            sparse_bytes = idx.numel() * (index_dtype.itemsize + t.element_size())
+            enc = "sparse" if sparse_bytes < t.numel() * t.element_size() else "full"
+        if enc == "full":
+            blob[f"t/{name}"] = t
+        elif enc == "sparse":
+            blob[f"i/{name}"] = idx.to(index_dtype)
+            blob[f"v/{name}"] = t.reshape(-1)[idx]
+        tensors[name] = [content.shards[name], enc]
+    files: dict[str, str] = {}
+    for rel, data in content.files.items():
+        if base is not None and base.files.get(rel) == data:
+            files[rel] = "same"
+        else:
+            files[rel] = "data"
+            blob[f"f/{rel}"] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
+                torch.empty(0, dtype=torch.uint8)
+    manifest = {"kind": ANCHOR if base is None else DELTA, "tensors": tensors, "files": files}
+    return st_save(blob, metadata={_META: json.dumps(manifest)})
+
+
+def payload_kind(payload: bytes) -> str:
+    """anchor or delta, from a payload's manifest."""
+    return _manifest(payload)["kind"]
+
+
+def _manifest(payload: bytes) -> dict:
+    """The manifest in a payload's safetensors header (read without loading the tensors)."""
+    try:
+        size = int.from_bytes(payload[:8], "little")
+        header = json.loads(payload[8:8 + size])
+        return json.loads(header["__metadata__"][_META])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"not a weights payload: {exc}") from None
+
+
+def apply(payload: bytes, base: Content | None) -> Content:
+    """The content a payload encodes; a delta needs the ``base`` it was made against (ValueError if absent, or if
+    the payload does not fit it)."""
+    manifest = _manifest(payload)
+    try:
+        blob = st_load(payload)
+    except Exception as exc:  # safetensors raises its own error types for a damaged blob
+        raise ValueError(f"weights payload does not decode: {exc}") from None
+    if manifest["kind"] == DELTA and base is None:
+        raise ValueError("a delta needs its base version")
+    out = Content()
+    for name, (shard, enc) in manifest["tensors"].items():
+        if enc == "full":
+            t = blob[f"t/{name}"]
+        elif name not in base.tensors:
+            raise ValueError(f"delta names tensor {name!r} as changed in place, but its base has no such tensor")
+        elif enc == "same":
+            t = base.tensors[name]
+        else:
+            old = base.tensors[name]
+            idx, values = blob[f"i/{name}"].long(), blob[f"v/{name}"]
+            if values.dtype != old.dtype or (idx.numel() and int(idx.max()) >= old.numel()):
+                raise ValueError(f"delta of tensor {name!r} does not fit its base")
+            t = old.clone()
+            _int_view(t)[idx] = _int_view(values)
+        out.tensors[name], out.shards[name] = t, shard
+    for rel, enc in manifest["files"].items():
+        if enc == "data":
+            out.files[rel] = blob[f"f/{rel}"].numpy().tobytes()
+        elif base is None or rel not in base.files:
+            raise ValueError(f"delta keeps file {rel!r}, but its base has no such file")
+        else:
+            out.files[rel] = base.files[rel]
+    return out
+
+
+def split(payload: bytes, chunk_bytes: int) -> list[bytes]:
+    """The payload as chunks of at most ``chunk_bytes`` (at least one, even for an empty payload)."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    return [payload[i:i + chunk_bytes] for i in range(0, len(payload), chunk_bytes)] or [b""]
