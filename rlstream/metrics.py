@@ -40,6 +40,10 @@ EVICTED_SAMPLES = Counter("rlstream_evicted_samples_total", "Samples of incomple
 STALE_RATIO = Gauge("rlstream_stale_ratio", "stale / (stale + accepted) since this process started", ["stage"])
 STEP_SECONDS = Histogram("rlstream_rl_step_seconds", "RL step wall-clock: update, checkpoint and announce",
                          ["stage"], buckets=_LATENCY_BUCKETS)
+WEIGHTS_REFUSED = Counter("rlstream_weights_refused_total",
+                          "Policy versions a worker refused to load (hash_mismatch, invalid, unreadable)", ["reason"])
+WEIGHTS_BYTES = Counter("rlstream_weights_log_bytes_total", "Payload bytes the trainer put on the weights topic",
+                        ["kind"])
 PUBLISH_SECONDS = Histogram("rlstream_policy_publish_seconds",
                             "Trainer side of a publish: checkpoint write plus the announcing transaction",
                             buckets=_LATENCY_BUCKETS)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 #: Large enough for a long multi-turn trajectory with per-token log-probs.
@@ -83,6 +84,16 @@ def create_topics(admin_config: dict, run: str, replication: int = 1, partitions
     names = [t.topic for t in new]
     _wait_for_leaders(admin, names, timeout)
     return names
+
+
+def delete_before(admin_config: dict, run: str, logical: str, partition: int, offset: int,
+                  timeout: float = 30.0) -> int:
+    """Delete the records of ``<run>.<logical>[partition]`` before ``offset`` (a retention policy the writer knows
+    better than time or size: the weights log); return the partition's new start offset."""
+    admin = AdminClient(admin_config)
+    tp = TopicPartition(topic_name(run, logical), partition, offset)
+    [future] = admin.delete_records([tp], request_timeout=timeout, operation_timeout=timeout).values()
+    return future.result(timeout=timeout).low_watermark
 
 
 def _wait_for_leaders(admin: AdminClient, names: list[str], timeout: float) -> None:

@@ -1,37 +1,89 @@
-"""The weight store: one safetensors folder per policy version, written before it is announced.
+"""The weight store: one checkpoint folder per policy version, written before it is announced; and where a worker
+gets an announced version's folder (``PolicyWeights``).
 
-A URI names it: ``file:///abs/dir`` or a plain path (the default), laid out as
-``<root>/<policy>/v<version>/``. Each folder is a complete transformers
-checkpoint (config, tokenizer, model.safetensors), so any engine loads it.
+A URI names the store: ``file:///abs/dir`` or a plain path (the default), or any fsspec URL for an object store
+shared between hosts (``s3://bucket/run``, ``gs://...``, ``memory://`` in tests), laid out as
+``<root>/<policy>/v<version>/``. Each folder is a complete transformers checkpoint (config, tokenizer,
+model.safetensors), so any engine loads it. A version is complete when its ``COMPLETE`` marker exists: a local
+folder appears whole by a rename; in an object store the marker is uploaded last and deleted first.
+
+Retention (``prune``): versions from ``version - η - 1`` on (what a rollout η behind may still load), plus
+every Nth version (``--keep-every``) for audit and reproducibility, plus version 0.
+
+Weights that travel through Kafka instead (``kafka:weights?...`` URIs) are ``rlstream.policy.weight_log``'s.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
 import shutil
+import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
+
+from rlstream import metrics
+from rlstream.policy.deltas import folder_hash
+from rlstream.policy.weight_log import WeightLogReader, is_log_uri
+from rlstream.schemas.records import PolicyVersion
+
+log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
 
 
+def _is_local(uri: str) -> bool:
+    return urlparse(uri).scheme in ("", "file")
+
+
 class WeightStore:
-    """A local-folder weight store (S3-compatible buckets would slot in behind the same methods)."""
+    """Versions of policies under one root, local or in an fsspec filesystem."""
 
     def __init__(self, uri: str):
-        parsed = urlparse(uri)
-        if parsed.scheme not in ("", "file"):
-            raise ValueError(f"weight store {uri!r}: only file:// or a local path is supported here")
-        self.root = Path(parsed.path if parsed.scheme == "file" else uri).resolve()
+        self.local = _is_local(uri)
+        if self.local:
+            parsed = urlparse(uri)
+            self.root = Path(parsed.path if parsed.scheme == "file" else uri).resolve()
+            self.root_uri = self.root.as_uri()
+        else:
+            from fsspec.core import url_to_fs
+            try:
+                self.fs, self._base = url_to_fs(uri)
+            except (ImportError, ValueError) as exc:  # an unknown scheme, or its filesystem package missing
+                raise ValueError(f"weight store {uri!r}: {exc}") from None
+            self.root_uri = uri.rstrip("/")
 
     def uri(self, policy: str, version: int) -> str:
-        return (self.root / policy / f"v{version}").as_uri()
+        if self.local:
+            return (self.root / policy / f"v{version}").as_uri()
+        return f"{self.root_uri}/{policy}/v{version}"
 
     def path(self, policy: str, version: int) -> Path:
+        """The local folder of a version (a local store only)."""
+        if not self.local:
+            raise ValueError(f"{self.root_uri} is not a local store; fetch() a version to a local folder")
         return self.root / policy / f"v{version}"
 
+    def _remote(self, policy: str, version: int | None = None) -> str:
+        return f"{self._base.rstrip('/')}/{policy}" + (f"/v{version}" if version is not None else "")
+
     def put(self, policy: str, version: int, write) -> str:
-        """Write a version through ``write(folder)`` atomically; return its URI."""
+        """Write a version through ``write(folder)`` (a local folder) atomically; return its URI."""
+        if not self.local:
+            staging = Path(tempfile.mkdtemp(prefix=f"rlstream-{policy}-v{version}-"))
+            try:
+                write(staging)
+                remote = self._remote(policy, version)
+                if self.fs.exists(remote):
+                    self._remove(remote)
+                for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+                    self.fs.put_file(str(path), f"{remote}/{path.relative_to(staging).as_posix()}")
+                # Readers take a version as complete by its marker: it goes last.
+                self.fs.pipe_file(f"{remote}/{COMPLETE}", str(version).encode())
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+            return self.uri(policy, version)
         final = self.path(policy, version)
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -45,6 +97,13 @@ class WeightStore:
 
     def versions(self, policy: str) -> list[int]:
         """Complete versions in the store, oldest first."""
+        if not self.local:
+            folder = self._remote(policy)
+            if not self.fs.exists(folder):
+                return []
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(folder, detail=False)]
+            return sorted(int(n[1:]) for n in names if re.fullmatch(r"v\d+", n)
+                          and self.fs.exists(f"{folder}/{n}/{COMPLETE}"))
         folder = self.root / policy
         if not folder.is_dir():
             return []
@@ -54,14 +113,94 @@ class WeightStore:
                 found.append(int(p.name[1:]))
         return sorted(found)
 
-    def prune(self, policy: str, keep_from: int, keep: set[int] = frozenset()) -> list[int]:
-        """Delete versions older than ``keep_from`` (what η can no longer need), except ``keep``."""
+    def prune(self, policy: str, keep_from: int, keep: set[int] = frozenset(), keep_every: int = 0) -> list[int]:
+        """Delete versions older than ``keep_from`` (what η can no longer need), except ``keep`` and, when
+        ``keep_every`` > 0, every version that is a multiple of it (audit)."""
         removed = []
         for v in self.versions(policy):
-            if v < keep_from and v not in keep:
-                shutil.rmtree(self.path(policy, v), ignore_errors=True)
+            if v < keep_from and v not in keep and not (keep_every > 0 and v % keep_every == 0):
+                if self.local:
+                    shutil.rmtree(self.path(policy, v), ignore_errors=True)
+                else:
+                    self._remove(self._remote(policy, v))
                 removed.append(v)
         return removed
+
+    def _remove(self, remote: str) -> None:
+        """Delete a remote version, its marker first: a reader never takes a half-deleted version as complete."""
+        if self.fs.exists(f"{remote}/{COMPLETE}"):
+            self.fs.rm_file(f"{remote}/{COMPLETE}")
+        self.fs.rm(remote, recursive=True)
+
+    def fetch(self, policy: str, version: int, cache_dir: Path) -> Path:
+        """A local folder holding the version: the store's own folder, or a copy under ``cache_dir``."""
+        if self.local:
+            return self.path(policy, version)
+        return fetch_uri(self.uri(policy, version), cache_dir)
+
+
+def fetch_uri(uri: str, cache_dir: Path) -> Path:
+    """The local folder of a store URI: a file:// or plain path as it is; a remote folder copied under
+    ``cache_dir`` (once; OSError when it is not a complete version)."""
+    if _is_local(uri):
+        return local_path(uri)
+    from fsspec.core import url_to_fs
+    fs, remote = url_to_fs(uri)
+    remote = remote.rstrip("/")
+    parsed = urlparse(uri)
+    final = Path(cache_dir) / "store" / (parsed.scheme + "_" + (parsed.netloc + parsed.path).strip("/").replace("/", "_"))
+    if (final / COMPLETE).exists():
+        return final
+    if not fs.exists(f"{remote}/{COMPLETE}"):
+        raise FileNotFoundError(f"{uri}: not a complete version in the store (pruned, or not written yet)")
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for path in fs.find(remote):
+        rel = path[len(remote):].lstrip("/")
+        if rel == COMPLETE:
+            continue
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(path, str(tmp / rel))
+    (tmp / COMPLETE).write_text("copied")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+class PolicyWeights:
+    """Where a worker (rollout, teacher) gets an announced version's local folder; its URI decides how.
+
+    A store path is used in place, a remote store is copied under ``cache_dir``, and the weights log is rebuilt
+    under it. Every load is checked against the content hash the PolicyVersion carries (when it carries one):
+    ValueError refuses the version, OSError says it is not readable now; either way the caller keeps what it
+    holds."""
+
+    def __init__(self, cache_dir: Path, client_config: dict | None = None, run: str = ""):
+        self.cache_dir = Path(cache_dir)
+        self._log: WeightLogReader | None = None
+        self._checked: tuple[str, Path] | None = None  # (hash, folder) of the last store folder checked
+        if client_config is not None:
+            self.bind(client_config, run)
+
+    def bind(self, client_config: dict, run: str) -> None:
+        """The broker and run to read the weights log of."""
+        self._log = WeightLogReader(client_config, run, self.cache_dir / "log")
+
+    def folder(self, pv: PolicyVersion) -> Path:
+        if is_log_uri(pv.weights_uri):
+            if self._log is None:
+                raise OSError(f"{pv.weights_uri}: weights on the log, but no broker to read them from")
+            return self._log.fetch(pv)
+        folder = fetch_uri(pv.weights_uri, self.cache_dir)
+        if pv.content_hash and self._checked != (pv.content_hash, folder):
+            if folder_hash(folder) != pv.content_hash:
+                metrics.WEIGHTS_REFUSED.labels("hash_mismatch").inc()
+                log.error("refusing %s v%d: the folder %s does not match the hash its PolicyVersion carries",
+                          pv.policy, pv.version, folder)
+                raise ValueError(f"{pv.policy} v{pv.version} refused: {folder} does not match its content hash")
+            self._checked = (pv.content_hash, folder)
+        return folder
 
 
 def local_path(uri: str) -> Path:

@@ -29,7 +29,7 @@ from rlstream.errors import UserError
 from rlstream.models.loading import ModelError, chat_prompt_ids, chat_turn_ids, context_limit, load_tokenizer
 from rlstream.policy.staleness import rollout_should_pause
 from rlstream.policy.watcher import PolicyWatcher
-from rlstream.policy.weights import local_path
+from rlstream.policy.weights import PolicyWeights
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn
@@ -87,6 +87,9 @@ class RolloutStage(Stage):
         self._failed: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last failed load
         self._stop = threading.Event()
         self._swapper: threading.Thread | None = None
+        # Each version's local folder, checked against its hash: from the store, or rebuilt from the weights log
+        # under this worker's own home (it may share no path with the trainer).
+        self.weights = PolicyWeights(loop.home_path / "weights-cache")
 
     # -- policy following ----------------------------------------------------------------
 
@@ -94,13 +97,10 @@ class RolloutStage(Stage):
         if self.watcher is not None:
             return
         kafka = ctx.kafka
+        self.weights.bind(kafka.client_config(), kafka.run)
         self.watcher = PolicyWatcher(kafka.client_config(), kafka.run, self.loop.policy)
         log.info("rollout waiting for the first %s policy version", self.loop.policy)
-        if not self.watcher.wait_for(0, self.settings.wait_policy_s):
-            raise UserError(f"no {self.loop.policy} policy announced within {self.settings.wait_policy_s}s; "
-                            "is the trainer running for this run?")
-        pv = self.watcher.latest
-        folder = local_path(pv.weights_uri)
+        pv, folder = self._first_version()
         self.max_context = self.settings.max_context or context_limit(folder)
         self.backend = make_backend(self.settings.backend, folder, threads=self.settings.threads,
                                     url=self.settings.engine_url, model=self.settings.engine_model, version=pv.version,
@@ -112,6 +112,21 @@ class RolloutStage(Stage):
         if self.settings.swap == "step":
             self._swapper = threading.Thread(target=self._follow, name="rollout-swap", daemon=True)
             self._swapper.start()
+
+    def _first_version(self):
+        """The newest announced version that loads, and its folder; a refused or unreadable one is skipped for the
+        next announcement (no weights, no tokens)."""
+        deadline = time.monotonic() + self.settings.wait_policy_s
+        version = 0
+        while self.watcher.wait_for(version, max(0.0, deadline - time.monotonic())):
+            pv = self.watcher.latest
+            try:
+                return pv, self.weights.folder(pv)
+            except (OSError, ValueError) as exc:
+                log.warning("could not load v%d: %s", pv.version, exc)
+                version = pv.version + 1
+        raise UserError(f"no loadable {self.loop.policy} policy announced within {self.settings.wait_policy_s}s; "
+                        "is the trainer running for this run?")
 
     def _swap_to_latest(self) -> bool:
         """Load the newest announced version if it is newer than the engine's; True if it loaded one.
@@ -126,9 +141,10 @@ class RolloutStage(Stage):
         if latest.version == failed_version and time.monotonic() - failed_at < self.settings.retry_load_s:
             return False  # not on every engine step: a load that failed is retried now and then
         try:
-            self.backend.load_weights(local_path(latest.weights_uri), latest.version)
+            self.backend.load_weights(self.weights.folder(latest), latest.version)
         except (OSError, ValueError) as exc:
-            # Weights not readable (pruned, partial copy): keep the old ones and let η decide.
+            # Weights not readable (pruned, not in the log) or refused (hash mismatch): keep the old ones, and the
+            # tokens keep their version; η decides.
             self._failed = (latest.version, time.monotonic())
             log.warning("could not load v%d: %s", latest.version, exc)
             return False
@@ -150,6 +166,7 @@ class RolloutStage(Stage):
         while not self._stop.is_set():
             if not self.watcher.wait_for(self.version + 1, 0.5):
                 continue
+            self._prefetch(self.watcher.latest)
             if not self._engine_lock.acquire(timeout=0.05):
                 continue  # a generation holds the engine and takes the new weights between its steps
             try:
@@ -162,6 +179,17 @@ class RolloutStage(Stage):
             if not loaded and self.watcher.version > self.version:
                 # Unloadable for now: wait for a newer announcement or the retry interval, not spin.
                 self.watcher.wait_for(self.watcher.version + 1, self.settings.retry_load_s)
+
+    def _prefetch(self, pv) -> None:
+        """Fetch (and check) a version's folder before taking the engine: a generation in progress does not wait
+        for the weights log between its steps. Failures are left to the load, which logs and retries them."""
+        failed_version, failed_at = self._failed
+        if pv.version == failed_version and time.monotonic() - failed_at < self.settings.retry_load_s:
+            return
+        try:
+            self.weights.folder(pv)
+        except (OSError, ValueError):
+            pass
 
     def before_poll(self, ctx: StageContext) -> None:
         self._ensure_started(ctx)

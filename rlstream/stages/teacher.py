@@ -16,7 +16,7 @@ from rlstream.config import LoopSettings, knob
 from rlstream.errors import UserError
 from rlstream.models.loading import check_folder, load_model
 from rlstream.policy.watcher import PolicyWatcher
-from rlstream.policy.weights import local_path, tokenizer_hash
+from rlstream.policy.weights import PolicyWeights, tokenizer_hash
 from rlstream.runtime.stage import Incoming, Output, Stage, StageContext
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import ScoredTrajectory, TeacherFeedback
@@ -75,8 +75,8 @@ class TeacherStage(Stage):
             raise UserError(f"no {self.loop.policy} policy announced within {self.settings.wait_policy_s}s; "
                             "is the trainer running for this run?")
         student = self.watcher.latest
-        folder = check_folder(self.settings.teacher, "--teacher") if self.settings.teacher else \
-            local_path(student.weights_uri)
+        weights = PolicyWeights(self.loop.home_path / "weights-cache", ctx.kafka.client_config(), ctx.kafka.run)
+        folder = check_folder(self.settings.teacher, "--teacher") if self.settings.teacher else weights.folder(student)
         check_tokenizers(folder, student.tokenizer_hash)
         self.version = self.settings.teacher_version or (folder.name if self.settings.teacher else
                                                          f"{student.policy}-v{student.version}")

@@ -4,6 +4,10 @@ A training step is a transaction: the checkpoint is written to the weight store
 first, then the PolicyVersion record and the offsets of the samples used are
 committed together. A crash in between redoes the step; no version is announced
 whose samples were not consumed, and a restart resumes from the last announced one.
+
+With ``--weights-transport kafka`` the version's weights also go on the run's weights topic, inside that same
+transaction (``rlstream.policy.weight_log``), and the PolicyVersion names them there; either way it carries the
+content hash every worker checks its load against.
 """
 from __future__ import annotations
 
@@ -23,12 +27,14 @@ from rlstream.config import KafkaSettings, LoopSettings, knob
 from rlstream.kafka import records
 from rlstream.kafka.group import GroupMember
 from rlstream.kafka.records import Rejected
-from rlstream.kafka.topics import topic_name
+from rlstream.kafka.topics import delete_before, topic_name
 from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.loading import TINY, check_folder, load_model, load_tokenizer, read_chat_template, torch_dtype
 from rlstream.policy.staleness import StalenessCounter, StalenessFilter
 from rlstream.policy.watcher import last_policy_version
-from rlstream.policy.weights import WeightStore, local_path, tokenizer_hash
+from rlstream.policy.deltas import content_hash, read_folder
+from rlstream.policy.weight_log import WeightLogWriter
+from rlstream.policy.weights import WeightStore, tokenizer_hash
 from rlstream.rewards import JUDGE_FAILURES
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
@@ -49,7 +55,18 @@ class TrainerSettings:
 
     ROLE: ClassVar[str] = "TRAINER"
 
-    weights: str = knob(".rlstream/weights", "Weight store URI (file:// or a local path)")
+    weights: str = knob(".rlstream/weights", "Weight store URI: a local path or file://, or an fsspec URL shared "
+                                             "with other hosts (s3://, gs://)")
+    weights_transport: str = knob("store", "How workers get each version: store (the URI of its folder in "
+                                           "--weights) or kafka (anchors and deltas on the run's weights topic, "
+                                           "for workers that share no path with the trainer)",
+                                  choices=("store", "kafka"))
+    weights_anchor_every: int = knob(10, "--weights-transport kafka: a full anchor every K versions (version 0 and "
+                                         "a restarted trainer's first are anchors too), deltas in between")
+    weights_chunk_mb: float = knob(8.0, "--weights-transport kafka: payload per weights record, in MiB (below the "
+                                        "topics' 16 MiB message limit)")
+    keep_every: int = knob(0, "Keep every Nth version in the store for audit and reproducibility, beyond the "
+                              "versions η needs (0: none)")
     source: str = knob("rewards", "Topic to train from: rewards, or feedback (teacher log-probs)",
                        choices=("rewards", "feedback"))
     reward_version: str = knob("", "Train only on this reward version ('' = any)")
@@ -85,6 +102,8 @@ class TrainerService:
         self.loop = loop
         if loop.groups_per_step > settings.window_groups:
             raise ValueError("--groups-per-step cannot exceed --window-groups: a batch comes from inside the window")
+        if not 0 < settings.weights_chunk_mb <= 15:
+            raise ValueError("--weights-chunk-mb must be in (0, 15]: a weights record must fit the 16 MiB message limit")
         self.settings = settings
         self.store = WeightStore(settings.weights)
         self.filter = StalenessFilter(loop.eta)
@@ -96,6 +115,7 @@ class TrainerService:
         self._letters: list = []  # (message, reason, error) to dead-letter in the next transaction
         # Positions the resumed checkpoint had already trained (or evicted) beyond the committed offsets.
         self._done_ahead: set[tuple[str, int, int]] = set()
+        self._log_start = 0  # the weights log's start offset after the last truncation
         self.update_cfg = UpdateConfig(loss=settings.loss, clip_eps=settings.clip_eps, is_cap=settings.is_cap,
                                        kl_coef=settings.kl_coef)
 
@@ -117,6 +137,9 @@ class TrainerService:
         self.txn.start()
         self.window = WindowedFIFO(self.settings.window_groups, self.settings.head_timeout_s)
         self._lag = metrics.LagProbe("trainer", kafka.run)
+        self.weight_log = WeightLogWriter(kafka.run, self.loop.policy, self.settings.weights_anchor_every,
+                                          int(self.settings.weights_chunk_mb * 1024 * 1024)) \
+            if self.settings.weights_transport == "kafka" else None
         self._load_or_create()
         # One trainer per policy: the policy is its stable identity, so a restart rejoins without a rebalance.
         self._member = GroupMember(kafka, self.group_id, [topic_name(kafka.run, self.settings.source)],
@@ -147,8 +170,10 @@ class TrainerService:
 
     def _load_or_create(self) -> None:
         announced = last_policy_version(self.kafka.client_config(), self.kafka.run, self.loop.policy)
-        if announced is not None and self.store.path(self.loop.policy, announced.version).exists():
-            folder = local_path(announced.weights_uri)
+        # Resumed from the trainer's own store (with the optimizer state and the skip list), whatever transport
+        # announced the version; a trainer without that store starts anew (the weights log holds neither).
+        if announced is not None and announced.version in self.store.versions(self.loop.policy):
+            folder = self.store.fetch(self.loop.policy, announced.version, self.loop.home_path / "weights-cache")
             self.tokenizer = load_tokenizer(folder, flag="resume from")
             self.model = load_model(folder, self.settings.dtype, flag="resume from")
             self.version = announced.version
@@ -173,7 +198,8 @@ class TrainerService:
             self._publish(0, {"warmup_steps": float(self.settings.warmup_steps)}, offsets=None, samples=0)
         self.ref_model = None
         if self.settings.kl_coef > 0:
-            self.ref_model = load_model(local_path(self.store.uri(self.loop.policy, 0)), self.settings.dtype).eval()
+            self.ref_model = load_model(self.store.fetch(self.loop.policy, 0, self.loop.home_path / "weights-cache"),
+                                        self.settings.dtype).eval()
 
     def _initial_policy(self):
         """Version 0's model and tokenizer: ``--model`` as given, or the tiny model built from its seed."""
@@ -262,10 +288,14 @@ class TrainerService:
     def _publish(self, version: int, stats: dict[str, float], offsets, samples: int) -> None:
         policy = self.loop.policy
         publish_started = time.monotonic()
+        written = {}
 
         def write(folder: Path) -> None:
             self.model.save_pretrained(folder, safe_serialization=True)
             self.tokenizer.save_pretrained(folder)
+            # What workers load, hashed as they will hash it (the store may be remote: read while it is here).
+            written["content"] = read_folder(folder)
+            written["tokenizer_hash"] = tokenizer_hash(folder)
             torch.save(self.engine.state_dict(), folder / "optimizer.pt")
             # The window trains complete groups out of log order, so the committed offsets stop at the oldest
             # held sample; what was trained past it is listed here for a restart to skip.
@@ -273,12 +303,17 @@ class TrainerService:
 
         # The checkpoint exists before the record that announces it.
         uri = self.store.put(policy, version, write)
+        digest = content_hash(written["content"])
         published = hdr.now_ms()
         record = PolicyVersion(policy=policy, version=version, weights_uri=uri, created_at=published,
                                published_at=published, step=version, parent_version=self.version,
                                samples_trained=samples, metrics=stats, trainer_id=self.group_id,
-                               tokenizer_hash=tokenizer_hash(local_path(uri)))
+                               tokenizer_hash=written["tokenizer_hash"], content_hash=digest)
+
         def body():
+            if self.weight_log is not None:
+                # The weights go in the announcing transaction: visible with their PolicyVersion or not at all.
+                record.weights_uri = self.weight_log.produce(self.txn, written["content"], digest, version)
             records.produce(self.txn, self.kafka.run, "policy-versions", policy, record, version)
             for m, reason, error in self._pop_letters():
                 self.txn.dead_letter("trainer", m, reason, error)
@@ -293,10 +328,24 @@ class TrainerService:
         metrics.PUBLISH_SECONDS.observe(time.monotonic() - publish_started)
         metrics.POLICY_VERSION.labels("trainer").set(version)
         # Versions older than η + 1 behind can no longer be needed by a rollout worker.
-        self.store.prune(policy, keep_from=version - self.loop.eta - 1, keep={0})
+        keep_from = version - self.loop.eta - 1
+        self.store.prune(policy, keep_from=keep_from, keep={0}, keep_every=self.settings.keep_every)
+        if self.weight_log is not None:
+            self.weight_log.committed()
+            self._truncate_log(keep_from)
         log.info("published %s v%d %s", policy, version,
                  " ".join(f"{k}={v:.3g}" for k, v in stats.items() if k in ("reward_mean", "loss", "stale_ratio",
                                                                            "step_seconds")))
+
+    def _truncate_log(self, keep_from: int) -> None:
+        """Delete the weights log before the anchor that the oldest version η needs builds on (weight_log)."""
+        point = self.weight_log.truncation_point(keep_from)
+        if point is None or point[1] <= self._log_start:
+            return
+        try:
+            self._log_start = delete_before(self.kafka.client_config(), self.kafka.run, "weights", *point)
+        except Exception as exc:  # retention is housekeeping: the next publish tries again
+            log.warning("could not delete the weights log before offset %d: %s", point[1], exc)
 
     def _pop_letters(self):
         letters, self._letters = self._letters, []

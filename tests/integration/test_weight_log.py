@@ -1,0 +1,131 @@
+"""Weights through Kafka alone: a trainer process (``--weights-transport kafka``) and rollout workers with their own
+homes, which share no path with it, against the real broker. Versions load from the weights topic, bit-equal to
+what the trainer wrote; a delta whose base a worker lacks is rebuilt from its anchor; a version whose weights do
+not match its hash is refused while the worker generates on with (and stamps) the version it holds."""
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+
+import pytest
+
+from rlstream.config import KafkaSettings, LoopSettings
+from rlstream.kafka import records
+from rlstream.kafka.transactions import TransactionalProducer
+from rlstream.policy.deltas import Content, content_hash, read_folder
+from rlstream.policy.weight_log import WeightLogWriter, parse_uri
+from rlstream.runtime.runner import StageRunner
+from rlstream.runtime.settings import RuntimeSettings
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.records import PolicyVersion, Reward, ScoredTrajectory
+from rlstream.stages.rollout import RolloutSettings, RolloutStage
+from tests.helpers.kafka import make_task, make_trajectory, produce, read_all, wait_for
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+
+def scored_group(gid: int, version: int):
+    items = []
+    for i, r in enumerate((1.0, 0.0)):
+        traj = make_trajectory(gid * 100 + i, group=gid, response="cba" if r else "abc", n_tokens=4)
+        traj.task.group_size = 2
+        traj.task.prompt_token_ids = [1, 5, 6, 7, 40]
+        items.append((f"task-{gid}".encode(), ScoredTrajectory(traj, Reward(total=r, reward_version="v1")),
+                      hdr.build(version, hdr.new_traceparent(), "v1")))
+    return items
+
+
+def held_hash(stage: RolloutStage, like: Content) -> str:
+    """The content hash of the weights the worker's engine holds now (the tensors a folder like ``like`` has)."""
+    with stage._engine_lock:  # no swap while we read
+        state = stage.backend.model.state_dict()
+        return content_hash(Content({n: state[n].clone() for n in like.tensors}, {}, like.files))
+
+
+def start_worker(bootstrap, run, home):
+    loop = LoopSettings(run=run, home=str(home), group_size=2, eta=8)
+    stage = RolloutStage(RolloutSettings(backend="transformers", swap="step", wait_policy_s=120, retry_load_s=0.5),
+                         loop)
+    runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run), RuntimeSettings(batch_size=4))
+    thread = threading.Thread(target=runner.run, name=f"rollout-{home.name}", daemon=True)
+    thread.start()
+    return stage, runner, thread
+
+
+@pytest.mark.timeout(300)
+def test_workers_without_a_shared_path_load_versions_from_the_log_and_refuse_a_bad_hash(
+        bootstrap, run_name, tmp_path, start_stage, caplog):
+    caplog.set_level(logging.INFO, logger="rlstream.policy.weight_log")
+    trainer_home = tmp_path / "trainer-host"
+    trainer = start_stage("trainer", bootstrap, run_name, "--home", str(trainer_home),
+                          "--weights", str(trainer_home / "weights"), "--weights-transport", "kafka",
+                          "--weights-anchor-every", "2", "--warmup-steps", "0", "--max-steps", "3",
+                          "--window-groups", "2", "--groups-per-step", "1", "--group-size", "2", "--lr", "1e-2",
+                          "--eta", "8")
+    a, runner_a, thread_a = start_worker(bootstrap, run_name, tmp_path / "host-a")
+    workers = [(runner_a, thread_a)]
+    try:
+        truth: dict[int, Content] = {}
+        for v in range(4):
+            wait_for(lambda: a.version >= v, 120, f"worker A to load v{v}\n{trainer.log_tail(2000)}")
+            # The trainer host's own checkpoint is the ground truth (the test reads it; the worker cannot).
+            truth[v] = read_folder(trainer_home / "weights" / "policy" / f"v{v}")
+            assert held_hash(a, truth[v]) == content_hash(truth[v]), f"worker A's v{v} is not what was trained"
+            if v < 3:
+                produce(bootstrap, run_name, "rewards", scored_group(v + 1, v))
+        assert trainer.wait(60) == 0, trainer.log_tail(3000)
+        versions = [s.record for s in read_all(bootstrap, run_name, "policy-versions", expect=4)]
+        assert [pv.version for pv in versions] == [0, 1, 2, 3]
+        for pv in versions:
+            ref = parse_uri(pv.weights_uri)  # every version was announced on the log, with its hash
+            assert ref.version == pv.version and ref.anchor == pv.version - pv.version % 2
+            assert pv.content_hash == content_hash(truth[pv.version])
+        assert len({pv.content_hash for pv in versions}) == 4, "a step did not change the weights"
+        chunks = [s.record for s in read_all(bootstrap, run_name, "weights")]
+        assert [(c.version, c.kind) for c in chunks if c.chunk == 0] == [(0, "anchor"), (1, "delta"), (2, "anchor"),
+                                                                         (3, "delta")]
+        sizes = {c.version: sum(len(x.payload) for x in chunks if x.version == c.version) for c in chunks}
+        assert sizes[1] < sizes[0] and sizes[3] < sizes[2]
+        assert "rebuilding from anchor" not in caplog.text, "A followed every delta from the version it held"
+
+        # The trainer's host goes away: nothing of it can be read any more, only the broker remains.
+        shutil.move(trainer_home, tmp_path / "gone")
+        b, runner_b, thread_b = start_worker(bootstrap, run_name, tmp_path / "host-b")
+        workers.append((runner_b, thread_b))
+        wait_for(lambda: b.version == 3, 120, "worker B to load v3")
+        assert held_hash(b, truth[3]) == content_hash(truth[3])
+        assert "v3 is a delta whose base v2 is not held here (nothing held yet): rebuilding from anchor v2" \
+            in caplog.text
+        assert all(str(tmp_path / "host-b") in str(p) for p in (tmp_path / "host-b").rglob("*.safetensors"))
+
+        # A v4 whose weights do not match the hash its PolicyVersion carries: both workers refuse it.
+        forged = Content(dict(truth[3].tensors), dict(truth[3].shards), dict(truth[3].files))
+        name = sorted(forged.tensors)[0]
+        forged.tensors[name] = forged.tensors[name].clone()
+        forged.tensors[name].view(-1)[0] += 1
+        kafka = KafkaSettings(bootstrap=bootstrap, run=run_name)
+        txn = TransactionalProducer(kafka, f"{run_name}.forger", who="test")
+        txn.start()
+        writer = WeightLogWriter(run_name, "policy")
+
+        def body():
+            uri = writer.produce(txn, forged, content_hash(forged), 4)
+            pv = PolicyVersion("policy", 4, uri, created_at=hdr.now_ms(), published_at=hdr.now_ms(),
+                               content_hash=content_hash(truth[3]))
+            records.produce(txn, run_name, "policy-versions", b"policy", pv, 4)
+        assert txn.transact(body)
+        for stage in (a, b):
+            wait_for(lambda: stage._failed[0] == 4, 60, "the forged v4 to be refused")
+            assert stage.version == 3 and held_hash(stage, truth[3]) == content_hash(truth[3])
+        assert "refusing policy v4" in caplog.text
+        # And generation goes on, stamped with the version the engines hold.
+        produce(bootstrap, run_name, "prompts", [(b"task-9", make_task(9), None)])
+        actions = read_all(bootstrap, run_name, "actions", expect=2, timeout=60)
+        assert [hdr.policy_version(s.headers) for s in actions] == [3, 3]
+        assert {t.policy_version for s in actions for t in s.record.turns} == {3}
+        assert a.version == b.version == 3
+    finally:
+        for runner, thread in workers:
+            runner.request_stop()
+            thread.join(60)
