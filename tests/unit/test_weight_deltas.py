@@ -142,3 +142,14 @@ def test_a_rebuilt_folder_hashes_like_the_written_one_with_its_shards(tmp_path):
     assert folder_hash(tmp_path / "a") == content_hash(c)
     again = read_folder(tmp_path / "a")
     assert again.shards == c.shards and "optimizer.pt" not in again.files
+
+
+def test_a_log_uri_round_trips_and_a_garbled_one_is_a_clear_error():
+    from rlstream.policy.weight_log import LogRef, parse_uri
+    ref = LogRef("my policy", 12, 0, 340, 10, 200)
+    assert parse_uri(ref.uri()) == ref
+    for bad in ("file:///w/v1", "kafka:weights?policy=p&version=3", "kafka:weights?policy=p&version=x&partition=0"
+                "&offset=1&anchor=0&anchor_offset=0", "kafka:weights?policy=p&version=3&partition=0&offset=9"
+                "&anchor=5&anchor_offset=1"):
+        with pytest.raises(ValueError):
+            parse_uri(bad)
