@@ -112,6 +112,7 @@ class WeightLogWriter:
         self._base: tuple[int, Content] | None = None  # the last committed version, what the next delta is against
         self._anchors: list[tuple[int, int, int]] = []  # committed anchors: (version, partition, first offset)
         self._pending = None
+        self.last_payload_bytes = 0  # of the last version produced (benchmarks)
 
     def produce(self, txn, content: Content, digest: str, version: int, flush_timeout_s: float = 300.0) -> str:
         """Produce version ``version`` (its content, ``deltas.read_folder`` of the written checkpoint, and its
@@ -150,6 +151,7 @@ class WeightLogWriter:
             last = self._anchors[-1]
             ref = LogRef(self.policy, version, partition, offset, last[0], last[2])
         self._pending = (version, content, (version, partition, offset) if anchor else None)
+        self.last_payload_bytes = len(payload)
         metrics.WEIGHTS_BYTES.labels(ANCHOR if anchor else DELTA).inc(len(payload))
         return ref.uri()
 
