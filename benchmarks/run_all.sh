@@ -23,6 +23,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run, keep stdout+stderr in $OUT/NAME.l
 
 rlstream up >/dev/null
 step bus_hop 120 python -m benchmarks.bus_hop --records 5000
+step trainer_tokens 300 python -m benchmarks.trainer_tokens --steps 10 --json "$OUT/trainer_tokens.json"
 step reward_scaling 150 python -m benchmarks.reward_scaling --per-consumer 400 --json "$OUT/reward_scaling.json"
 step weight_publish 200 python -m benchmarks.weight_publish --seconds 50 --json "$OUT/weight_publish.json"
 step memory 200 python -m benchmarks.memory --minutes 1.5 --json "$OUT/memory.json"

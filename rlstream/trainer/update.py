@@ -67,12 +67,29 @@ class UpdateConfig:
     max_grad_norm: float = 1.0
 
 
+def _next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
+    """Position t's target, token t + 1; the last position's (it predicts past the row) is a stand-in, dropped.
+
+    Log-probs are taken over every position and the last column dropped from the small ``[B, L]`` result, not
+    from the ``[B, L, V]`` logits: a slice of the logits is copied whole to be flattened, and its backward writes a
+    zero-filled ``[B, L, V]`` gradient. Per-row log-softmax, so the kept values are the same to the bit.
+    """
+    return input_ids.roll(-1, dims=1)
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits at ``temperature``; at 1 no division (x / 1 is x to the bit, and it cost a pass each way)."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def policy_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> dict[str, float]:
     """One gradient step on a TorchEngine or DeepSpeedEngine; returns scalar stats for PolicyVersion.metrics."""
     engine.model.train()
-    logits = engine.forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    logits = engine.forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    targets = _next_tokens(batch.input_ids)
     # Behaviour log-probs were sampled at this temperature, so the ratio must be taken at it too.
-    logp = token_logprobs(logits.float() / batch.temperature, batch.input_ids[:, 1:])
+    logp = token_logprobs(_tempered(logits, batch.temperature), targets)[:, :-1]
     stats: dict[str, float] = {}
     if cfg.loss == "opd":
         if batch.teacher_logprobs is None:
@@ -86,11 +103,11 @@ def policy_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> di
     stats.update({k: float(v) for k, v in s.items()})
     if cfg.kl_coef > 0 and ref_model is not None:
         with torch.no_grad():
-            ref_logits = ref_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-            ref_logp = token_logprobs(ref_logits.float() / batch.temperature, batch.input_ids[:, 1:])
+            ref_logits = ref_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            ref_logp = token_logprobs(_tempered(ref_logits, batch.temperature), targets)[:, :-1]
         kl = kl_penalty(logp, ref_logp, batch.loss_mask)
         loss = loss + cfg.kl_coef * kl
-        stats["kl_ref"] = float(kl)
+        stats["kl_ref"] = float(kl.detach())
     stats["grad_norm"] = engine.step(loss)
     engine.model.eval()
     stats["loss"] = float(loss.detach())
