@@ -51,7 +51,7 @@ class RolloutSettings:
     engine_url: tuple[str, ...] = knob((), "Base URL of an inference server (server backends); repeat the flag, or "
                                            "comma-separate, for several")
     engine_urls_file: str = knob("", "File listing inference server URLs, one per line (# comments)")
-    engine_model: str = knob("", "Model name to send to the servers (default: the policy folder's path)")
+    engine_model: str = knob("", "Model name to send to the servers (default: the name each server lists first)")
     engine_version: int = knob(-1, "Backend openai: the policy version its tokens are stamped with (the operator "
                                    "pins it; -1: the first announced version)")
     allow_unversioned: bool = knob(False, "Let the openai backend (no weight push, pinned version) feed training")

@@ -71,7 +71,7 @@ def start_fleet(kind: str, folder: Path, urls: list[str], model: str, version: i
     """Check every server, push the first version to those that take weights, and start health checks."""
     if not urls:
         raise UserError(f"--backend {kind} needs at least one --engine-url (or --engine-urls-file)")
-    apis = [APIS[kind](url, model or str(folder), timeout_s=options.request_timeout_s,
+    apis = [APIS[kind](url, model, timeout_s=options.request_timeout_s,
                        push_timeout_s=push_timeout_s, api_key=api_key) for url in urls]
     for api in apis:
         _check_server(api, folder, tokenizer)
@@ -93,6 +93,8 @@ def _check_server(api, folder: Path, tokenizer) -> None:
     except ServerError as exc:
         raise UserError(f"inference server {api.url} is unreachable or failing ({exc}); check --engine-url "
                         "and that the server is up") from None
+    if not api.model:  # --engine-model not given: the name the server serves its model under
+        api.model = api.model_id()
     if tokenizer is None:
         return
     policy_name = getattr(tokenizer, "name_or_path", "") or str(folder)

@@ -20,6 +20,7 @@ folder; a remote one needs a shared path (or the store mounted at the same path)
 """
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import urllib.error
@@ -62,9 +63,12 @@ def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0, he
             raw = resp.read()
     except urllib.error.HTTPError as exc:
         raise ServerError(url, exc.code, exc.read().decode(errors="replace")[:500]) from None
-    except (urllib.error.URLError, OSError) as exc:  # refused, reset, DNS, timeout
-        raise ServerError(url, 0, str(getattr(exc, "reason", exc))) from None
-    return json.loads(raw) if raw.strip() else None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, reset, cut short, timeout
+        raise ServerError(url, 0, str(getattr(exc, "reason", exc)) or type(exc).__name__) from None
+    try:
+        return json.loads(raw) if raw.strip() else None
+    except ValueError:  # a reply cut off mid-body by a dying server
+        raise ServerError(url, 0, f"unreadable reply: {raw[:200]!r}") from None
 
 
 class ServerAPI:
@@ -117,6 +121,11 @@ class ServerAPI:
         """The model the server says it serves (raises ServerError when unreachable)."""
         models = self._call("GET", "/v1/models", timeout=10).get("data") or [{}]
         return str(models[0].get("root") or models[0].get("id") or "?")
+
+    def model_id(self) -> str:
+        """The name requests must carry to reach the served model."""
+        models = self._call("GET", "/v1/models", timeout=10).get("data") or [{}]
+        return str(models[0].get("id") or "")
 
     def tokenize(self, text: str) -> list[int] | None:
         """The server's token ids for ``text`` without special tokens; None when it offers no tokenizer route."""
@@ -237,6 +246,9 @@ class SGLangAPI(ServerAPI):
             raise PushRejected(f"{self.url} did not load v{version} from {folder}: {exc.message[:300]}") from None
         if not reply.get("success"):
             raise PushRejected(f"{self.url} did not load v{version} from {folder}: {reply.get('message')!r}")
+
+    def model_id(self) -> str:
+        return ""  # the native API serves one model and takes no name
 
     def served_model(self) -> str:
         info = self._call("GET", "/get_model_info", timeout=10)
