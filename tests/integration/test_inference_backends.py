@@ -12,6 +12,7 @@ import urllib.request
 import pytest
 import torch
 
+from rlstream.models.loading import load_tokenizer
 from rlstream.models.tiny import build_model, build_tokenizer, save_pretrained
 from rlstream.schemas.records import SamplingParams
 from rlstream.stages.inference import TransformersBackend, VLLMBackend, make_backend
@@ -94,7 +95,8 @@ def test_openai_compatible_server_backend(models):
                 assert time.monotonic() < deadline, "vLLM server did not start"
                 time.sleep(2)
         # Serving only: nothing is pushed, every token carries the pinned version, and a new version changes nothing.
-        backend = make_backend("openai", v0, urls=[f"http://127.0.0.1:{port}"], version=7, tokenizer=tok)
+        backend = make_backend("openai", v0, urls=[f"http://127.0.0.1:{port}"], version=7,
+                               tokenizer=load_tokenizer(v0, flag="policy folder"))
         backend.load_weights(v0, 9)
         assert backend.version == 7 and not backend.follows_policy
         prompts = [tok("abc>")["input_ids"], tok("xy>")["input_ids"]]
