@@ -47,7 +47,14 @@ def _flags(cls: type):
     return [f for f in dataclasses.fields(cls) if f.metadata.get("flag", True)]
 
 
+def _is_list(kind: Any) -> bool:
+    """A repeatable knob: ``tuple[str, ...]`` (the flag given several times, the variable comma-separated)."""
+    return typing.get_origin(kind) is tuple
+
+
 def _parse(kind: Any, raw: str, name: str) -> Any:
+    if _is_list(kind):
+        return tuple(item.strip() for item in raw.split(",") if item.strip())
     if kind is bool:
         lowered = raw.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
@@ -82,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         kind = _kind(hints[f.name])
         if kind is bool:
             group.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
+        elif _is_list(kind):
+            group.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(), action="append",
+                               help=help_text + " (repeatable)")
         else:
             group.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(),
                                type=lambda raw, k=kind, n=flag: _parse_arg(k, raw, n),
@@ -104,7 +114,10 @@ def from_sources(cls: type[T], args: argparse.Namespace | dict | None = None, **
         if f.name in overrides:
             values[f.name] = overrides[f.name]
         elif given.get(f.name) is not None:
-            values[f.name] = given[f.name]
+            value = given[f.name]
+            # A repeated flag arrives as a list; each occurrence may itself list several, comma-separated.
+            values[f.name] = (_parse(_kind(hints[f.name]), ",".join(value), f.name)
+                              if isinstance(value, list) and _is_list(_kind(hints[f.name])) else value)
         elif f.metadata.get("env", env_name(cls, f.name)) in os.environ:
             name = f.metadata.get("env", env_name(cls, f.name))
             raw = os.environ[name]

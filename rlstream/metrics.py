@@ -27,6 +27,13 @@ POLICY_VERSION = Gauge("rlstream_policy_version", "Newest policy version this pr
 PUBLISH_LATENCY = Histogram("rlstream_policy_publish_latency_seconds",
                             "From weights in the store to this process generating with them", buckets=_LATENCY_BUCKETS)
 GENERATED_TOKENS = Counter("rlstream_generated_tokens_total", "Tokens sampled by the inference engine", ["backend"])
+# -- inference servers (rollout's fleet) ---------------------------------------------------------------------------
+SERVER_UP = Gauge("rlstream_inference_server_up", "1 while a server takes new work (healthy, on the current version)",
+                  ["server"])
+SERVER_VERSION = Gauge("rlstream_inference_server_version", "Policy version a server confirmed it holds", ["server"])
+PUSH_FAILURES = Counter("rlstream_inference_push_failures_total", "Weight pushes a server did not confirm", ["server"])
+REQUEST_RETRIES = Counter("rlstream_inference_retries_total", "Requests re-sent to another server after one failed",
+                          ["server"])
 
 # -- the loop's figures (DESIGN "Observability"): goodput, staleness, RL step and publish times ------------------
 VALID_TRAJECTORIES = Counter("rlstream_valid_trajectories_total",

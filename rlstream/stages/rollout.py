@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -33,7 +34,7 @@ from rlstream.policy.weights import PolicyWeights
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn
-from rlstream.stages.inference import Generation, make_backend
+from rlstream.stages.inference import KINDS, FleetOptions, Generation, make_backend, server_urls
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,27 @@ class RolloutSettings:
 
     ROLE: ClassVar[str] = "ROLLOUT"
 
-    backend: str = knob("auto", "Inference engine: auto (vLLM if installed, else transformers), transformers, "
-                                "vllm, openai", choices=("auto", "transformers", "vllm", "openai"))
-    engine_url: str = knob("", "Base URL of an OpenAI-compatible server (backend openai)")
-    engine_model: str = knob("", "Model name to send to the OpenAI-compatible server")
+    backend: str = knob("auto", "Inference engine: auto (vLLM if installed, else transformers), transformers, vllm (in "
+                                "this process); vllm-server, sglang (servers rlstream pushes each version to), openai "
+                                "(any OpenAI-compatible endpoint; serving only, version pinned)", choices=KINDS)
+    engine_url: tuple[str, ...] = knob((), "Base URL of an inference server (server backends); repeat the flag, or "
+                                           "comma-separate, for several")
+    engine_urls_file: str = knob("", "File listing inference server URLs, one per line (# comments)")
+    engine_model: str = knob("", "Model name to send to the servers (default: the name each server lists first)")
+    engine_version: int = knob(-1, "Backend openai: the policy version its tokens are stamped with (the operator "
+                                   "pins it; -1: the first announced version)")
+    allow_unversioned: bool = knob(False, "Let the openai backend (no weight push, pinned version) feed training")
+    request_timeout_s: float = knob(300.0, "Server backends: most seconds a request may take, waiting included")
+    request_retries: int = knob(3, "Server backends: times a request is re-sent to another server after a "
+                                   "server-side failure")
+    push_timeout_s: float = knob(600.0, "Server backends: most seconds a server may take to load a version")
+    retry_push_s: float = knob(10.0, "Server backends: a server that failed to load the current version is pushed it "
+                                     "again after this long")
+    health_interval_s: float = knob(2.0, "Server backends: seconds between health checks of each server")
+    max_concurrency: int = knob(0, "Server backends: most requests in flight per server (0: unlimited)")
+    requests_per_min: float = knob(0.0, "Server backends: most requests per minute per server (0: unlimited)")
+    tokens_per_min: float = knob(0.0, "Server backends: most prompt + completion tokens per minute per server "
+                                      "(0: unlimited)")
     threads: int = knob(1, "Torch / engine threads for this process (small machines: give each stage a budget)")
     dtype: str = knob("auto", "Engine dtype: auto (the checkpoint's own), bf16, fp16, fp32",
                       choices=("auto", "bf16", "fp16", "fp32"))
@@ -102,16 +120,34 @@ class RolloutStage(Stage):
         log.info("rollout waiting for the first %s policy version", self.loop.policy)
         pv, folder = self._first_version()
         self.max_context = self.settings.max_context or context_limit(folder)
-        self.backend = make_backend(self.settings.backend, folder, threads=self.settings.threads,
-                                    url=self.settings.engine_url, model=self.settings.engine_model, version=pv.version,
-                                    dtype=self.settings.dtype, max_context=self.max_context)
+        self.backend = self._make_backend(folder, pv.version)
         self.tokenizer = getattr(self.backend, "tokenizer", None) or load_tokenizer(folder, flag="policy folder")
-        self.version = pv.version
+        self.version = self.backend.version
         metrics.POLICY_VERSION.labels(self.name).set(self.version)
         log.info("rollout generating with %s v%d on %s", pv.policy, pv.version, self.backend.name)
         if self.settings.swap == "step":
             self._swapper = threading.Thread(target=self._follow, name="rollout-swap", daemon=True)
             self._swapper.start()
+
+    def _make_backend(self, folder, version: int):
+        """The engine, holding ``version`` (the weights in ``folder``); server backends are checked and pushed it."""
+        s = self.settings
+        if s.backend == "openai":
+            if not s.allow_unversioned:
+                raise UserError("--backend openai cannot load the trainer's weights, so its tokens would carry a "
+                                "version no server confirmed; give --allow-unversioned to train on it anyway "
+                                "(tokens carry --engine-version), or use --backend vllm-server / sglang")
+            version = s.engine_version if s.engine_version >= 0 else version
+        tokenizer = load_tokenizer(folder, flag="policy folder") if s.backend in ("vllm-server", "sglang",
+                                                                                 "openai") else None
+        options = FleetOptions(request_timeout_s=s.request_timeout_s, retries=s.request_retries,
+                               health_interval_s=s.health_interval_s, retry_push_s=s.retry_push_s,
+                               concurrency=s.max_concurrency, requests_per_min=s.requests_per_min,
+                               tokens_per_min=s.tokens_per_min)
+        return make_backend(s.backend, folder, threads=s.threads, urls=server_urls(s.engine_url, s.engine_urls_file),
+                            model=s.engine_model, version=version, dtype=s.dtype, max_context=self.max_context,
+                            fleet=options, tokenizer=tokenizer, push_timeout_s=s.push_timeout_s,
+                            api_key=os.environ.get("RLSTREAM_ROLLOUT_API_KEY", ""))
 
     def _first_version(self):
         """The newest announced version that loads, and its folder; a refused or unreadable one is skipped for the
@@ -134,6 +170,8 @@ class RolloutStage(Stage):
         The caller holds the engine lock. Called between batches, by the swapper thread while the engine
         is idle, and by the backend between engine steps of a generation in progress.
         """
+        if not getattr(self.backend, "follows_policy", True):
+            return False  # a pinned endpoint: its weights are not ours to change
         latest = self.watcher.latest
         if latest is None or latest.version <= self.version:
             return False
@@ -148,7 +186,8 @@ class RolloutStage(Stage):
             self._failed = (latest.version, time.monotonic())
             log.warning("could not load v%d: %s", latest.version, exc)
             return False
-        self.version = latest.version
+        # The backend's own word: a fleet moves only once a server confirmed the version.
+        self.version = self.backend.version
         metrics.POLICY_VERSION.labels(self.name).set(self.version)
         metrics.PUBLISH_LATENCY.observe(max(0, now_ms() - latest.published_at) / 1000)
         return True
@@ -200,7 +239,9 @@ class RolloutStage(Stage):
             finally:
                 self._engine_lock.release()
         # AReaL's rule: do not start new episodes that will only be thrown away as stale.
-        if rollout_should_pause(self.watcher.version, self.version, self.loop.eta):
+        # A pinned endpoint never catches up; pausing for it would stop the stage for good.
+        following = getattr(self.backend, "follows_policy", True)
+        if following and rollout_should_pause(self.watcher.version, self.version, self.loop.eta):
             ctx.pause("prompts")
         elif ctx.is_paused("prompts"):
             ctx.resume("prompts")
@@ -236,7 +277,8 @@ class RolloutStage(Stage):
                     self._swap_to_latest()  # announced since before_poll: start on it rather than one batch late
                 started, started_version = now_ms(), self.version
                 gens = self.backend.generate([ep.task.prompt_token_ids + ep.token_ids for _, ep in group], params,
-                                             between_steps=self._between_steps if step else None)
+                                             between_steps=self._between_steps if step else None,
+                                             keys=[ep.episode_id for _, ep in group])
                 finished = now_ms()
             metrics.GENERATED_TOKENS.labels(self.backend.name).inc(sum(len(g.token_ids) for g in gens))
             for (idx, ep), gen in zip(group, gens):

@@ -60,7 +60,7 @@ class FakeBackend(InferenceBackend):
             raise OSError(f"v{version} is gone")
         self.version = version
 
-    def generate(self, prompts, params, between_steps=None):
+    def generate(self, prompts, params, between_steps=None, keys=None):
         gens = [Generation([], [], "length") for _ in prompts]
         for step in range(self.steps):
             for g in gens:

@@ -62,3 +62,14 @@ def llama_folder(path: Path, *, tokenizer: PreTrainedTokenizerFast | None = None
     if save_tokenizer:
         tok.save_pretrained(path)
     return Path(path)
+
+
+def reference_logprobs(folder: Path, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The log-prob of each of ``tokens`` after ``prompt`` under the model in ``folder``, as the trainer computes it
+    (transformers, fp32, the whole sequence at once)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    seq = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(seq).logits[0, :-1].float(), -1).gather(-1, seq[0, 1:, None])[:, 0]
+    return lp[len(prompt) - 1:].tolist()

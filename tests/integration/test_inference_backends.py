@@ -1,4 +1,5 @@
-"""Inference backends on a real tiny model: transformers, vLLM in process, and vLLM's OpenAI-compatible server."""
+"""Inference backends on a real tiny model: transformers, vLLM in process, and a generic OpenAI-compatible endpoint
+(vLLM's server, as the serving-only ``openai`` backend with a pinned version)."""
 from __future__ import annotations
 
 import os
@@ -11,9 +12,10 @@ import urllib.request
 import pytest
 import torch
 
+from rlstream.models.loading import load_tokenizer
 from rlstream.models.tiny import build_model, build_tokenizer, save_pretrained
 from rlstream.schemas.records import SamplingParams
-from rlstream.stages.inference import OpenAIBackend, TransformersBackend, VLLMBackend
+from rlstream.stages.inference import TransformersBackend, VLLMBackend, make_backend
 
 pytestmark = pytest.mark.slow
 
@@ -92,13 +94,18 @@ def test_openai_compatible_server_backend(models):
                 assert server.poll() is None, "vLLM server exited"
                 assert time.monotonic() < deadline, "vLLM server did not start"
                 time.sleep(2)
-        backend = OpenAIBackend(f"http://127.0.0.1:{port}", str(v0))
-        backend.load_weights(v0, 7)
+        # Serving only: nothing is pushed, every token carries the pinned version, and a new version changes nothing.
+        backend = make_backend("openai", v0, urls=[f"http://127.0.0.1:{port}"], version=7,
+                               tokenizer=load_tokenizer(v0, flag="policy folder"))
+        backend.load_weights(v0, 9)
+        assert backend.version == 7 and not backend.follows_policy
         prompts = [tok("abc>")["input_ids"], tok("xy>")["input_ids"]]
         gens = backend.generate(prompts, SamplingParams(temperature=1.0, max_tokens=4))
         for p, g in zip(prompts, gens):
             assert len(g.token_ids) == len(g.logprobs) >= 1
             assert g.logprobs == pytest.approx(reference_logprobs(v0, p, g.token_ids), abs=1e-3)
+            assert g.versions == [7] * len(g.token_ids)
+        backend.close()
     finally:
         os.killpg(server.pid, 9)
         server.wait(30)

@@ -73,3 +73,16 @@ def test_a_bad_value_is_a_usage_error_naming_the_variable(monkeypatch):
     monkeypatch.setenv("RLSTREAM_TRAINER_LR", "fast")
     with pytest.raises(UsageError, match="RLSTREAM_TRAINER_LR"):
         config.load(TrainerSettings)
+
+
+def test_a_repeatable_knob_takes_the_flag_several_times_or_a_comma_separated_variable(monkeypatch):
+    import argparse
+
+    from rlstream.config import add_arguments, from_sources
+    from rlstream.stages.rollout import RolloutSettings
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, RolloutSettings)
+    args = parser.parse_args(["--engine-url", "http://a:8000", "--engine-url", "http://b:8000,http://c:8000"])
+    assert from_sources(RolloutSettings, args).engine_url == ("http://a:8000", "http://b:8000", "http://c:8000")
+    monkeypatch.setenv("RLSTREAM_ROLLOUT_ENGINE_URL", "http://d:1, http://e:2")
+    assert from_sources(RolloutSettings).engine_url == ("http://d:1", "http://e:2")

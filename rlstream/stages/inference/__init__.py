@@ -1,0 +1,19 @@
+"""Inference backends behind one interface: token ids in, sampled token ids, their log-probs and each token's
+policy version out.
+
+- ``base``: the interface (``InferenceBackend``, ``Generation``).
+- ``local``: engines in the rollout process (transformers, vLLM).
+- ``servers``: one HTTP inference server (vLLM's OpenAI-compatible server, SGLang, a generic OpenAI endpoint): the
+  request and response mapping, weight pushes, health and tokenizer checks.
+- ``fleet``: many servers as one backend: pushes confirmed per server, least-loaded routing with episode affinity,
+  health checks, failover.
+- ``limits``: per-server rate limits for hosted endpoints.
+- ``factory``: ``make_backend`` by name.
+"""
+from rlstream.stages.inference.base import BetweenSteps, Generation, InferenceBackend
+from rlstream.stages.inference.factory import KINDS, make_backend, server_urls
+from rlstream.stages.inference.fleet import FleetOptions, NoServerAvailable, ServerFleet
+from rlstream.stages.inference.local import TransformersBackend, VLLMBackend
+
+__all__ = ["BetweenSteps", "FleetOptions", "Generation", "InferenceBackend", "KINDS", "NoServerAvailable",
+           "ServerFleet", "TransformersBackend", "VLLMBackend", "make_backend", "server_urls"]

@@ -1,0 +1,113 @@
+"""Building a backend by name: an engine in this process, or a fleet of servers checked before first use."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from rlstream.errors import UserError
+from rlstream.stages.inference.base import InferenceBackend
+from rlstream.stages.inference.fleet import FleetOptions, ServerFleet
+from rlstream.stages.inference.servers import APIS, TOKENIZER_PROBE, ServerError
+
+log = logging.getLogger(__name__)
+
+LOCAL = ("auto", "transformers", "vllm")
+SERVERS = tuple(APIS)
+KINDS = LOCAL + SERVERS
+
+
+def server_urls(urls: tuple[str, ...] | list[str] = (), urls_file: str = "") -> list[str]:
+    """The servers named by repeated --engine-url (each may hold several, comma-separated) and by a file listing one
+    URL per line (blank lines and ``#`` comments skipped); duplicates once, in order."""
+    found = [u.strip() for item in urls for u in item.split(",") if u.strip()]
+    if urls_file:
+        try:
+            lines = Path(urls_file).read_text().splitlines()
+        except OSError as exc:
+            raise UserError(f"--engine-urls-file {urls_file}: {exc.strerror or exc}") from None
+        found += [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
+    for url in found:
+        if not url.startswith(("http://", "https://")):
+            raise UserError(f"inference server URL {url!r} must start with http:// or https://")
+    return list(dict.fromkeys(found))
+
+
+def make_backend(kind: str, folder: Path, threads: int = 1, urls: tuple[str, ...] | list[str] = (), model: str = "",
+                 version: int = -1, dtype: str = "auto", max_context: int = 0, fleet: FleetOptions | None = None,
+                 tokenizer=None, api_key: str = "", push_timeout_s: float = 600.0) -> InferenceBackend:
+    """Build a backend by name, holding policy ``version`` (the weights in ``folder``) in ``dtype`` with a context of
+    ``max_context`` tokens (0: the model's own); ``auto`` is vLLM when importable, else transformers.
+
+    A server kind (``vllm-server``, ``sglang``, ``openai``) gets a fleet of ``urls``: each must answer, and its
+    tokenizer must be the policy's (``tokenizer``, checked on a probe text where the server can tokenize); servers
+    that take weights are pushed ``folder`` as ``version`` and must confirm it. ``openai`` keeps ``version`` pinned.
+    """
+    if kind in SERVERS:
+        return start_fleet(kind, folder, list(urls), model, version, fleet or FleetOptions(), tokenizer, api_key,
+                           push_timeout_s)
+    backend = _make_local(kind, folder, threads, dtype, max_context)
+    backend.version = version
+    return backend
+
+
+def _make_local(kind: str, folder: Path, threads: int, dtype: str, max_context: int) -> InferenceBackend:
+    from rlstream.stages.inference.local import TransformersBackend, VLLMBackend
+    if kind == "auto":
+        try:
+            import vllm  # noqa: F401
+            kind = "vllm"
+        except Exception as exc:  # absent, or a broken install: fall back, and say so
+            log.info("vLLM unavailable (%s); using the transformers backend", exc)
+            kind = "transformers"
+    if kind == "transformers":
+        return TransformersBackend(folder, threads=threads, dtype=dtype)
+    if kind == "vllm":
+        return VLLMBackend(folder, threads=threads, max_model_len=max_context, dtype=dtype)
+    raise ValueError(f"unknown backend {kind!r}; use one of {', '.join(KINDS)}")
+
+
+def start_fleet(kind: str, folder: Path, urls: list[str], model: str, version: int, options: FleetOptions,
+                tokenizer=None, api_key: str = "", push_timeout_s: float = 600.0) -> ServerFleet:
+    """Check every server, push the first version to those that take weights, and start health checks."""
+    if not urls:
+        raise UserError(f"--backend {kind} needs at least one --engine-url (or --engine-urls-file)")
+    apis = [APIS[kind](url, model, timeout_s=options.request_timeout_s,
+                       push_timeout_s=push_timeout_s, api_key=api_key) for url in urls]
+    for api in apis:
+        _check_server(api, folder, tokenizer)
+    fleet = ServerFleet(apis, options, pinned_version=version)
+    if fleet.follows_policy:
+        try:
+            fleet.load_weights(folder, version)
+        except OSError as exc:
+            fleet.close()
+            raise UserError(f"no inference server loaded the first policy version v{version}: {exc}") from None
+    fleet.start_health_checks()
+    return fleet
+
+
+def _check_server(api, folder: Path, tokenizer) -> None:
+    """An unreachable server, or one whose tokenizer is not the policy's, is refused by name."""
+    try:
+        served = api.served_model()
+    except ServerError as exc:
+        raise UserError(f"inference server {api.url} is unreachable or failing ({exc}); check --engine-url "
+                        "and that the server is up") from None
+    if not api.model:  # --engine-model not given: the name the server serves its model under
+        api.model = api.model_id()
+    if tokenizer is None:
+        return
+    policy_name = getattr(tokenizer, "name_or_path", "") or str(folder)
+    try:
+        theirs = api.tokenize(TOKENIZER_PROBE)
+    except ServerError as exc:
+        raise UserError(f"inference server {api.url} failed to tokenize a probe text: {exc}") from None
+    if theirs is None:
+        log.warning("%s has no /tokenize route: cannot check that %s uses the policy's tokenizer (%s)",
+                    api.url, served, policy_name)
+        return
+    ours = list(tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"])
+    if theirs != ours:
+        raise UserError(f"inference server {api.url} serves {served}, whose tokenizer does not match the policy's "
+                        f"tokenizer {policy_name} (the probe text tokenizes to {theirs[:8]}... there, "
+                        f"{ours[:8]}... here); serve the policy's model, or point --engine-url elsewhere")

@@ -1,0 +1,284 @@
+"""Many inference servers behind one backend: weight pushes with confirmation, routing, health and failover.
+
+Versions. The fleet has a *target* version (the newest one rlstream asked for that at least one server loaded).
+A push tells each server to load a version and waits for its reply; only a server that confirmed the target takes
+new work. A server is never pushed to while it has requests in flight, and gets none while it loads, so every
+request runs on one set of weights: the version the server had confirmed when the request was dispatched, which
+is the version stamped on all its tokens. A server that fails to load keeps its old version and is quarantined
+(a log line and ``rlstream_inference_push_failures_total``); the health thread pushes the target to it again every
+``retry_push_s`` until it confirms. Where the server names the version of each reply (SGLang), that is checked
+against the recorded one, and a mismatch is never stamped.
+
+Routing. Each request goes to an eligible server (healthy, on the target, within its rate limits): the server its
+key (the episode) went to before if that one is eligible, since it holds the episode's prefix in cache, else the
+least loaded (fewest requests in flight). Failover: a request that fails on a server for a server-side reason
+(no connection, 5xx, 429) marks that server down until a health check passes and is sent to another one; the
+stage's transaction holds the batch until every request has finished once, so nothing is lost or duplicated
+downstream.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlstream import metrics
+from rlstream.schemas.records import SamplingParams
+from rlstream.stages.inference.base import BetweenSteps, Generation, InferenceBackend
+from rlstream.stages.inference.limits import RateLimits
+from rlstream.stages.inference.servers import PushRejected, ServerAPI, ServerError
+
+log = logging.getLogger(__name__)
+
+#: Most episode -> server entries kept for prefix affinity; the oldest are forgotten first.
+AFFINITY_ENTRIES = 100_000
+
+
+class NoServerAvailable(RuntimeError):
+    """No server could take a request before its deadline."""
+
+
+@dataclass
+class Server:
+    """One server's state, guarded by the fleet's lock."""
+
+    api: ServerAPI
+    limits: RateLimits
+    version: int = -1  # the version it confirmed it holds (-1: unknown, takes no work)
+    up: bool = True
+    loading: bool = False
+    failed_push: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of its last failed push
+    why: str = ""  # why it takes no work, for the operator
+
+    @property
+    def url(self) -> str:
+        return self.api.url
+
+    @property
+    def inflight(self) -> int:
+        return self.limits.inflight
+
+
+@dataclass
+class FleetOptions:
+    """How a fleet behaves; the rollout stage fills it from its knobs."""
+
+    request_timeout_s: float = 300.0
+    retries: int = 3
+    health_interval_s: float = 2.0
+    retry_push_s: float = 10.0
+    concurrency: int = 0
+    requests_per_min: float = 0.0
+    tokens_per_min: float = 0.0
+    workers: int = 256
+    clock: object = field(default=time.monotonic)
+
+
+class ServerFleet(InferenceBackend):
+    """Inference on one or more servers of one kind (see the module docstring)."""
+
+    def __init__(self, apis: list[ServerAPI], options: FleetOptions = FleetOptions(), pinned_version: int = -1):
+        if not apis:
+            raise ValueError("an inference fleet needs at least one server URL (--engine-url or --engine-urls-file)")
+        self.options = options
+        self.name = apis[0].kind
+        self.follows_policy = apis[0].pushes
+        self.servers = [Server(api, RateLimits(options.concurrency, options.requests_per_min,
+                                               options.tokens_per_min, options.clock)) for api in apis]
+        self.version = pinned_version
+        self.folder: Path | None = None
+        if not self.follows_policy:  # the operator's pinned version is all the fleet can say about its weights
+            for s in self.servers:
+                s.version = pinned_version
+        self._cond = threading.Condition()
+        self._affinity: dict[str, Server] = {}
+        self._pool = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="fleet")
+        self._stop = threading.Event()
+        self._health: threading.Thread | None = None
+        self._publish()
+
+    def start_health_checks(self) -> None:
+        self._health = threading.Thread(target=self._check_health, name="fleet-health", daemon=True)
+        self._health.start()
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def load_weights(self, folder: Path, version: int) -> None:
+        """Push ``version`` to every server and wait for each to confirm or refuse. The fleet moves to it if at least
+        one server confirmed; the others are quarantined until they catch up. OSError if none did (the fleet, and
+        every server, keep the old version)."""
+        if not self.follows_policy:
+            return  # serving only: the pinned version stays
+        results = list(self._pool.map(lambda s: self._push(s, folder, version), self.servers))
+        confirmed = [s for s, ok in zip(self.servers, results) if ok]
+        if not confirmed:
+            raise OSError(f"no server confirmed v{version}: " + "; ".join(s.why for s in self.servers))
+        with self._cond:
+            self.version, self.folder = version, Path(folder)
+            self._cond.notify_all()
+        self._publish()
+
+    def _push(self, server: Server, folder: Path, version: int) -> bool:
+        """One server loads ``version``: after its in-flight requests finish, with no new ones meanwhile."""
+        with self._cond:
+            if not server.up:
+                server.why = f"{server.url} is down"
+                return False
+            # One push at a time per server (the health thread may be catching it up), and none under a request.
+            self._cond.wait_for(lambda: not server.loading)
+            server.loading = True
+            self._cond.wait_for(lambda: server.inflight == 0)
+        try:
+            server.api.push(folder, version)
+            ok, why = True, ""
+        except (PushRejected, ServerError, OSError, ValueError) as exc:
+            ok, why = False, str(exc)
+        with self._cond:
+            server.loading = False
+            if ok:
+                server.version, server.why = version, ""
+            else:
+                server.failed_push, server.why = (version, self.options.clock()), why
+            self._cond.notify_all()
+        if ok:
+            log.info("%s confirmed v%d", server.url, version)
+        else:
+            metrics.PUSH_FAILURES.labels(server.url).inc()
+            log.warning("%s did not load v%d and stays on v%d, taking no new work until it does: %s",
+                        server.url, version, server.version, why)
+        self._publish()
+        return ok
+
+    # -- health ---------------------------------------------------------------------------------
+
+    def _check_health(self) -> None:
+        while not self._stop.wait(self.options.health_interval_s):
+            for server in self.servers:
+                self.check(server)
+
+    def check(self, server: Server) -> None:
+        """One health check, then a catch-up push if the server is behind the fleet."""
+        healthy = server.api.healthy()
+        with self._cond:
+            if healthy and not server.up:
+                server.up, server.why = True, ""
+                if self.follows_policy:
+                    server.version = -1  # it may have restarted on other weights: it must confirm again
+                log.info("%s is back", server.url)
+            elif not healthy and server.up:
+                server.up, server.why = False, f"{server.url} failed its health check"
+                log.warning("%s failed its health check; no new work for it", server.url)
+            self._cond.notify_all()
+            behind = (self.follows_policy and server.up and self.folder is not None and server.version != self.version
+                      and not server.loading)
+            failed_version, failed_at = server.failed_push
+            if behind and failed_version == self.version and \
+                    self.options.clock() - failed_at < self.options.retry_push_s:
+                behind = False
+            target, folder = self.version, self.folder
+        if behind:
+            self._push(server, folder, target)
+        self._publish()
+
+    def _publish(self) -> None:
+        for s in self.servers:
+            metrics.SERVER_UP.labels(s.url).set(1 if self._eligible(s) else 0)
+            metrics.SERVER_VERSION.labels(s.url).set(s.version)
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def _eligible(self, s: Server) -> bool:
+        return s.up and not s.loading and s.version == self.version and s.version >= 0 or (
+            not self.follows_policy and s.up)
+
+    def _acquire(self, key: str | None, cost: int, avoid: set[str], deadline: float) -> tuple[Server, int]:
+        """A server for one request and the version it holds now; waits for one until ``deadline``."""
+        with self._cond:
+            while True:
+                candidates = [s for s in self.servers if self._eligible(s) and s.url not in avoid]
+                if not candidates and avoid:  # every other one failed: the one that failed may have recovered
+                    candidates = [s for s in self.servers if self._eligible(s)]
+                preferred = self._affinity.get(key) if key is not None else None
+                order = sorted(candidates, key=lambda s: (s is not preferred, s.inflight))
+                wait = float("inf")
+                for server in order:
+                    wait_s = server.limits.try_acquire(cost)
+                    if wait_s == 0:
+                        if key is not None:
+                            self._affinity.pop(key, None)
+                            self._affinity[key] = server
+                            if len(self._affinity) > AFFINITY_ENTRIES:
+                                self._affinity.pop(next(iter(self._affinity)))
+                        return server, server.version
+                    wait = min(wait, wait_s)
+                left = deadline - self.options.clock()
+                if left <= 0:
+                    raise NoServerAvailable(f"no inference server could take a request for v{self.version} within "
+                                            f"{self.options.request_timeout_s}s: " + "; ".join(
+                                                f"{s.url}: {self._state(s)}" for s in self.servers))
+                self._cond.wait(min(left, wait, 1.0))
+
+    def _state(self, s: Server) -> str:
+        if self._eligible(s):
+            return f"v{s.version}, {s.inflight} in flight"
+        return s.why or ("loading" if s.loading else f"on v{s.version}, not v{self.version}")
+
+    def _release(self, server: Server, cost: int, used: int) -> None:
+        with self._cond:
+            server.limits.release(cost, used)
+            self._cond.notify_all()
+
+    def _down(self, server: Server, why: str) -> None:
+        with self._cond:
+            if server.up:
+                server.up, server.why = False, why
+                log.warning("%s is down (%s); its requests go to the other servers", server.url, why)
+            self._cond.notify_all()
+        self._publish()
+
+    def _one(self, prompt: list[int], params: SamplingParams, key: str | None) -> Generation:
+        """One request, sent again to another server after a server-side failure (up to ``retries`` times)."""
+        cost = len(prompt) + params.max_tokens
+        deadline = self.options.clock() + self.options.request_timeout_s
+        avoid: set[str] = set()
+        for attempt in range(self.options.retries + 1):
+            server, version = self._acquire(key, cost, avoid, deadline)
+            used = cost
+            try:
+                gen, named = server.api.generate(prompt, params)
+                used = len(prompt) + len(gen.token_ids)
+            except ServerError as exc:
+                if not exc.retryable or attempt == self.options.retries:
+                    raise
+                self._down(server, str(exc))
+                metrics.REQUEST_RETRIES.labels(server.url).inc()
+                avoid.add(server.url)
+                continue
+            finally:
+                self._release(server, cost, used)
+            if named is not None and self.follows_policy and named != str(version):
+                # The server says other weights made this reply than the ones it confirmed: never stamp it.
+                with self._cond:
+                    server.version, server.why = -1, f"{server.url} answered with weights {named!r}, not v{version}"
+                log.warning("%s: reply made by weight version %r, expected v%d; re-pushing", server.url, named,
+                            version)
+                avoid.add(server.url)
+                continue
+            gen.versions = [version] * len(gen.token_ids)
+            return gen
+        raise NoServerAvailable(f"request failed on {self.options.retries + 1} servers")
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 between_steps: BetweenSteps | None = None, keys: list[str] | None = None) -> list[Generation]:
+        keys = keys or [None] * len(prompts)
+        futures = [self._pool.submit(self._one, p, params, k) for p, k in zip(prompts, keys)]
+        return [f.result() for f in futures]  # the first failure fails the batch; the stage retries it whole
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._health is not None:
+            self._health.join(10)
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,265 @@
+"""One inference server over HTTP: how a request and its response map to rlstream's Generation, how new weights
+are pushed to it, and how its health and its tokenizer are checked.
+
+- ``vllm-server``: vLLM's OpenAI-compatible server. ``/v1/completions`` with the prompt as token ids,
+  ``logprobs: 0`` (the sampled token's log-prob) and ``return_token_ids``. Weights: ``POST /collective_rpc``
+  ``{"method": "reload_weights", "kwargs": {"weights_path": FOLDER}}`` (it returns once every worker has
+  loaded), then ``POST /reset_prefix_cache`` (no prompt KV of the old weights is reused) and
+  ``POST /update_weight_version`` (the server then names the version it holds, ``GET /weight_info``).
+  These are vLLM's dev-mode routes: start the server with ``VLLM_SERVER_DEV_MODE=1``.
+- ``sglang``: SGLang's native ``/generate`` with ``input_ids`` and ``return_logprob``; tokens and log-probs come
+  from ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` per token). Weights:
+  ``POST /update_weights_from_disk`` ``{"model_path": FOLDER, "weight_version": "N"}`` (``success`` and
+  ``message`` in the reply); each response's ``meta_info.weight_version`` is checked against the version recorded
+  at dispatch. Untested against a live server here (no CPU build): the mapping follows SGLang's documented API.
+- ``openai``: any OpenAI-compatible ``/v1/completions`` endpoint that returns token ids and log-probs, for serving
+  only: rlstream cannot push weights to it, so its tokens carry the version the operator pins.
+
+The weights folder is a path *on the server's machine*: a server on this host reads the rollout's materialised
+folder; a remote one needs a shared path (or the store mounted at the same path).
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from rlstream.schemas.records import SamplingParams
+from rlstream.stages.inference.base import Generation
+
+#: Text tokenized by the server and by the policy's tokenizer: equal ids mean the same tokenizer (digits, spaces,
+#: punctuation and non-ASCII catch most vocabulary differences).
+TOKENIZER_PROBE = "rlstream probe: 12 + 30 = 42; déjà vu, 東京! <|im_end|>"
+
+
+class ServerError(OSError):
+    """An HTTP error reply; ``status`` 0 when the server could not be reached at all."""
+
+    def __init__(self, url: str, status: int, message: str):
+        super().__init__(f"{url}: {'HTTP ' + str(status) if status else 'unreachable'}: {message}")
+        self.url, self.status, self.message = url, status, message
+
+    @property
+    def retryable(self) -> bool:
+        """Worth sending again, to this or another server: unreachable, overloaded, or a server-side failure."""
+        return self.status == 0 or self.status == 429 or self.status >= 500
+
+
+class PushRejected(OSError):
+    """A server did not load a version: it stays on the weights it had."""
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0, headers: dict | None = None) -> Any:
+    """One JSON request; ServerError on an HTTP error status or no connection; None for an empty reply."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as exc:
+        raise ServerError(url, exc.code, exc.read().decode(errors="replace")[:500]) from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, reset, cut short, timeout
+        raise ServerError(url, 0, str(getattr(exc, "reason", exc)) or type(exc).__name__) from None
+    try:
+        return json.loads(raw) if raw.strip() else None
+    except ValueError:  # a reply cut off mid-body by a dying server
+        raise ServerError(url, 0, f"unreadable reply: {raw[:200]!r}") from None
+
+
+class ServerAPI:
+    """The requests one kind of server understands; subclasses map them. ``url`` is the server's base URL."""
+
+    kind = "server"
+    #: Whether rlstream can push weights to it (and so confirm the version of its tokens).
+    pushes = True
+
+    def __init__(self, url: str, model: str = "", timeout_s: float = 300.0, push_timeout_s: float = 600.0,
+                 api_key: str = ""):
+        self.url = url.rstrip("/")
+        self.model = model
+        self.timeout_s = timeout_s
+        self.push_timeout_s = push_timeout_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        return http_json(method, self.url + path, body, timeout or self.timeout_s, self.headers)
+
+    # -- generation -------------------------------------------------------------------------
+
+    def request(self, prompt: list[int], params: SamplingParams) -> tuple[str, dict]:
+        """The path and JSON body that sample one continuation of ``prompt``."""
+        raise NotImplementedError
+
+    def parse(self, reply: dict) -> tuple[Generation, str | None]:
+        """The Generation in a reply (versions left empty), and the weight version the server says made it
+        (None when it does not say)."""
+        raise NotImplementedError
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> tuple[Generation, str | None]:
+        path, body = self.request(prompt, params)
+        return self.parse(self._call("POST", path, body))
+
+    # -- weights, health, identity ----------------------------------------------------------
+
+    def push(self, folder: Path, version: int) -> None:
+        """Load ``folder`` as ``version``; returns only once the server has loaded it. PushRejected if it refused."""
+        raise PushRejected(f"{self.url}: a {self.kind} endpoint takes no weights from rlstream")
+
+    def healthy(self) -> bool:
+        try:
+            self._call("GET", "/health", timeout=5)
+            return True
+        except (ServerError, ValueError):
+            return False
+
+    def served_model(self) -> str:
+        """The model the server says it serves (raises ServerError when unreachable)."""
+        models = self._call("GET", "/v1/models", timeout=10).get("data") or [{}]
+        return str(models[0].get("root") or models[0].get("id") or "?")
+
+    def model_id(self) -> str:
+        """The name requests must carry to reach the served model."""
+        models = self._call("GET", "/v1/models", timeout=10).get("data") or [{}]
+        return str(models[0].get("id") or "")
+
+    def tokenize(self, text: str) -> list[int] | None:
+        """The server's token ids for ``text`` without special tokens; None when it offers no tokenizer route."""
+        try:
+            reply = self._call("POST", "/tokenize", {"model": self.model, "prompt": text,
+                                                     "add_special_tokens": False}, timeout=10)
+        except ServerError as exc:
+            if exc.status in (404, 405):
+                return None
+            raise
+        return [int(t) for t in reply["tokens"]]
+
+
+def _finite(x) -> float:
+    # A log-prob of -inf (a token outside top-p) is serialised as null or a huge negative; keep it finite.
+    return float(x) if x is not None and math.isfinite(float(x)) else -1e9
+
+
+class OpenAICompletionsAPI(ServerAPI):
+    """Any OpenAI-compatible /v1/completions endpoint that echoes token ids and log-probs (serving only)."""
+
+    kind = "openai"
+    pushes = False
+
+    def request(self, prompt, params):
+        body = {"model": self.model, "prompt": prompt, "max_tokens": params.max_tokens,
+                "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0,
+                "return_token_ids": True, "return_tokens_as_token_ids": True}
+        if params.top_k and params.top_k > 0:
+            body["top_k"] = params.top_k
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return "/v1/completions", body
+
+    def parse(self, reply):
+        choice = reply["choices"][0]
+        lp = choice.get("logprobs") or {}
+        # Token ids: vLLM's return_token_ids, else "token_id:N" strings (return_tokens_as_token_ids).
+        ids = choice.get("token_ids")
+        if ids is None:
+            ids = [int(t.split(":", 1)[1]) for t in lp.get("tokens", [])]
+        lps = [_finite(x) for x in lp.get("token_logprobs") or []]
+        if len(lps) != len(ids):
+            raise ValueError(f"{self.url} returned {len(ids)} tokens but {len(lps)} log-probs; the endpoint must "
+                             "support logprobs and return token ids")
+        return Generation(list(ids), lps, "stop" if choice.get("finish_reason") == "stop" else "length"), None
+
+    def healthy(self) -> bool:
+        # A hosted endpoint may have no /health; listing models is the cheapest call every one answers.
+        try:
+            self.served_model()
+            return True
+        except (ServerError, ValueError, KeyError, AttributeError):
+            return False
+
+
+class VLLMServerAPI(OpenAICompletionsAPI):
+    """vLLM's OpenAI-compatible server, with weight pushes through its dev-mode routes."""
+
+    kind = "vllm-server"
+    pushes = True
+
+    def push(self, folder, version):
+        try:
+            self._call("POST", "/collective_rpc", {"method": "reload_weights",
+                                                   "kwargs": {"weights_path": str(folder)}},
+                       timeout=self.push_timeout_s)
+            # Prefixes cached under the old weights must not seed new requests.
+            self._call("POST", "/reset_prefix_cache", timeout=60)
+            self._call("POST", "/update_weight_version", {"new_version": str(version)}, timeout=60)
+        except ServerError as exc:
+            hint = (" (start vLLM with VLLM_SERVER_DEV_MODE=1 for its weight routes)" if exc.status == 404 else "")
+            raise PushRejected(f"{self.url} did not load v{version} from {folder}: {exc.message[:300]}{hint}") from None
+
+    def weight_version(self) -> str | None:
+        """The version the server says it holds (dev mode), None if it cannot say."""
+        try:
+            return str(self._call("GET", "/weight_info", timeout=10).get("weight_version"))
+        except (ServerError, ValueError, AttributeError):
+            return None
+
+
+class SGLangAPI(ServerAPI):
+    """SGLang's native API (``/generate``, ``/update_weights_from_disk``, ``/get_model_info``)."""
+
+    kind = "sglang"
+
+    def request(self, prompt, params):
+        sampling = {"max_new_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
+        if params.top_k and params.top_k > 0:
+            sampling["top_k"] = params.top_k
+        if params.seed is not None:
+            sampling["sampling_seed"] = params.seed
+        return "/generate", {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True,
+                             "logprob_start_len": -1}
+
+    def parse(self, reply):
+        if isinstance(reply, list):  # a batch reply; we send one prompt per request
+            reply = reply[0]
+        meta = reply.get("meta_info") or {}
+        pairs = meta.get("output_token_logprobs")
+        if pairs is None:
+            raise ValueError(f"{self.url} returned no meta_info.output_token_logprobs; send return_logprob")
+        ids = [int(p[1]) for p in pairs]
+        if "output_ids" in reply and list(reply["output_ids"]) != ids:
+            raise ValueError(f"{self.url}: output_ids and output_token_logprobs disagree")
+        finish = (meta.get("finish_reason") or {}).get("type")
+        version = meta.get("weight_version")
+        return (Generation(ids, [_finite(p[0]) for p in pairs], "stop" if finish == "stop" else "length"),
+                None if version is None else str(version))
+
+    def push(self, folder, version):
+        try:
+            reply = self._call("POST", "/update_weights_from_disk",
+                               {"model_path": str(folder), "weight_version": str(version)},
+                               timeout=self.push_timeout_s) or {}
+        except ServerError as exc:
+            raise PushRejected(f"{self.url} did not load v{version} from {folder}: {exc.message[:300]}") from None
+        if not reply.get("success"):
+            raise PushRejected(f"{self.url} did not load v{version} from {folder}: {reply.get('message')!r}")
+
+    def model_id(self) -> str:
+        return ""  # the native API serves one model and takes no name
+
+    def served_model(self) -> str:
+        info = self._call("GET", "/get_model_info", timeout=10)
+        return str(info.get("model_path") or info.get("tokenizer_path") or "?")
+
+    def weight_version(self) -> str | None:
+        try:
+            version = self._call("GET", "/get_model_info", timeout=10).get("weight_version")
+        except (ServerError, ValueError, AttributeError):
+            return None
+        return None if version is None else str(version)
+
+
+APIS = {"vllm-server": VLLMServerAPI, "sglang": SGLangAPI, "openai": OpenAICompletionsAPI}

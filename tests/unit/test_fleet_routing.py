@@ -1,0 +1,104 @@
+"""The fleet's bookkeeping (routing, affinity, quarantine, failover), on stand-in servers: what is tested is the
+fleet, never a server (real vLLM servers: tests/integration/test_inference_fleet.py)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rlstream.schemas.records import SamplingParams
+from rlstream.stages.inference.base import Generation
+from rlstream.stages.inference.fleet import FleetOptions, NoServerAvailable, ServerFleet
+from rlstream.stages.inference.servers import PushRejected, ServerAPI, ServerError
+
+
+class Standin(ServerAPI):
+    """Answers one token whose id says which server made it; ``gate`` holds replies until set."""
+
+    kind = "vllm-server"
+
+    def __init__(self, name, refuse=(), dead=False):
+        super().__init__(f"http://{name}")
+        self.name, self.refuse, self.dead, self.loaded = name, set(refuse), dead, []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def generate(self, prompt, params):
+        self.gate.wait(5)
+        if self.dead:
+            raise ServerError(self.url, 0, "connection refused")
+        return Generation([ord(self.name)], [-1.0], "length"), None
+
+    def push(self, folder, version):
+        if version in self.refuse:
+            raise PushRejected(f"{self.url} refused v{version}")
+        self.loaded.append(version)
+
+    def healthy(self):
+        return not self.dead
+
+
+def fleet_of(*servers, **options) -> ServerFleet:
+    fleet = ServerFleet(list(servers), FleetOptions(request_timeout_s=2, workers=8, **options))
+    fleet.load_weights("/w/v0", 0)
+    return fleet
+
+
+def made_by(gens) -> list[str]:
+    return [chr(g.token_ids[0]) for g in gens]
+
+
+def test_least_loaded_spreads_new_episodes_and_affinity_keeps_an_episode_on_its_server():
+    a, b = Standin("a"), Standin("b")
+    fleet = fleet_of(a, b)
+    a.gate.clear()  # a's requests stay in flight: the next ones go to b, the least loaded
+    first = threading.Thread(target=fleet.generate, args=([[1]], SamplingParams(max_tokens=1)), kwargs={"keys": ["e1"]})
+    first.start()
+    while fleet.servers[0].inflight == 0:
+        pass
+    assert made_by(fleet.generate([[1], [1]], SamplingParams(max_tokens=1), keys=["e2", "e3"])) == ["b", "b"]
+    a.gate.set()
+    first.join(5)
+    # e1's next turn goes back to a (its prefix is cached there), though both are idle now.
+    assert made_by(fleet.generate([[1, 2]], SamplingParams(max_tokens=1), keys=["e1"])) == ["a"]
+    fleet.close()
+
+
+def test_a_server_that_refuses_a_push_is_quarantined_until_it_confirms():
+    a, b = Standin("a"), Standin("b", refuse={1})
+    fleet = fleet_of(a, b, retry_push_s=0)
+    fleet.load_weights("/w/v1", 1)
+    assert fleet.version == 1 and fleet.servers[1].version == 0 and "refused v1" in fleet.servers[1].why
+    gens = fleet.generate([[1]] * 6, SamplingParams(max_tokens=1))
+    assert made_by(gens) == ["a"] * 6 and all(g.versions == [1] for g in gens)
+    b.refuse.clear()
+    fleet.check(fleet.servers[1])  # the health pass pushes the current version again
+    assert b.loaded == [0, 1] and fleet.servers[1].version == 1
+    fleet.close()
+
+
+def test_no_server_confirming_keeps_the_old_version():
+    fleet = fleet_of(Standin("a", refuse={1}), Standin("b", refuse={1}))
+    with pytest.raises(OSError, match="no server confirmed v1"):
+        fleet.load_weights("/w/v1", 1)
+    assert fleet.version == 0 and made_by(fleet.generate([[1]], SamplingParams(max_tokens=1))) in (["a"], ["b"])
+    fleet.close()
+
+
+def test_a_failed_request_goes_to_another_server_and_a_recovered_server_must_confirm_again():
+    a, b = Standin("a", dead=True), Standin("b")
+    fleet = fleet_of(a, b)
+    gens = fleet.generate([[1]] * 4, SamplingParams(max_tokens=1), keys=["e1", "e2", "e3", "e4"])
+    assert made_by(gens) == ["b"] * 4 and not fleet.servers[0].up
+    a.dead = False
+    fleet.check(fleet.servers[0])  # back up: re-pushed the current version before any work
+    assert fleet.servers[0].up and a.loaded == [0, 0] and fleet.servers[0].version == 0
+    fleet.close()
+
+
+def test_when_every_server_is_down_the_request_fails_naming_them():
+    fleet = fleet_of(Standin("a"))
+    fleet.servers[0].api.dead = True
+    with pytest.raises((NoServerAvailable, ServerError), match="http://a"):
+        fleet.generate([[1]], SamplingParams(max_tokens=1))
+    fleet.close()
