@@ -42,8 +42,7 @@ def partial_credit(trajectory):
     return {"chars": sum(a == b for a, b in zip(answer, response)) / len(answer)}
 
 
-def digit_share(trajectory):
-    """The share of the response's characters that are digits: varies between a random model's samples, so a
-    group's advantages are not all zero and an update moves the weights."""
-    response = trajectory.response
-    return {"digits": sum(c.isdigit() for c in response) / max(1, len(response))}
+def token_checksum(trajectory):
+    """A score in [0, 1) from the sampled token ids: two different samples almost never tie, so a group's
+    advantages are not all zero and every update moves the weights."""
+    return {"checksum": (sum(i * t for i, t in enumerate(trajectory.token_ids, 1)) % 997) / 997}

@@ -71,7 +71,7 @@ def test_a_save_pretrained_folder_goes_round_the_loop(bootstrap, run_name, tmp_p
                           "--max-steps", "3", "--window-groups", "4", "--groups-per-step", "2", "--group-size", "2",
                           "--lr", "1e-2")
     start_stage("env", bootstrap, run_name, "--sandbox", "subprocess")
-    start_stage("reward", bootstrap, run_name, "--reward", "tests.reward_fns:digit_share")
+    start_stage("reward", bootstrap, run_name, "--reward", "tests.reward_fns:token_checksum")
     stage = RolloutStage(RolloutSettings(backend="transformers", swap="step"), loop)
     runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run_name), RuntimeSettings(batch_size=8))
     thread = threading.Thread(target=runner.run, name="rollout", daemon=True)
