@@ -3,18 +3,18 @@
 An env object holds state the Kafka records do not (files, a game), so it is kept between an episode's turns,
 by episode id, up to ``max_live`` episodes (the least recently stepped is closed first). Every turn of an
 episode reaches the same env worker while the group does not rebalance (records are keyed by task id), but
-a worker can restart, lose the partition, or evict the env. Then the env is **rebuilt by replay**: a fresh
-object and workspace, ``reset``, and every earlier action of the episode stepped again (their results
-discarded: the episode already holds what the model saw), before the new action. So a plugin must be
+a worker (or a remote env server) can restart, lose the partition, or evict the env. Then the env is **rebuilt
+by replay**: a fresh object and workspace, ``reset``, and every earlier action of the episode stepped again
+(their results discarded: the episode already holds what the model saw), before the new action. So a plugin must be
 deterministic given the task and the actions; one that cannot be replayed fails the episode as ``env_lost``.
 
 Exactly once: the stage's outputs commit in a Kafka transaction with the input offset, but the env's own
 side effects do not. A record redone after an aborted transaction, on the same worker, finds its env one step
 ahead: the cached result of that step is returned instead of stepping twice.
 
-Every call into a plugin (``reset``, ``step``, ``close``) runs with ``step_timeout_s``; one that does not return
-fails the episode as ``env_timeout`` and its env is abandoned (its thread cannot be killed), raises as
-``env_error`` (or its own ``EnvFailure`` class).
+Every call into a plugin (``reset``, ``step``, ``close``) runs with ``step_timeout_s``: one that does not return
+in time fails the episode as ``env_timeout`` (its thread cannot be killed: it is abandoned with the env); one
+that raises fails it as ``env_error``, or as the class of the ``EnvFailure`` it raised.
 """
 from __future__ import annotations
 
@@ -67,7 +67,10 @@ class LiveEnvs:
                 if live.steps == len(actions) and live.last is not None:
                     return live.last  # this record was handled before and its outputs were not committed
                 if live.steps == len(actions) - 1:
-                    return self._step(ep.episode_id, live, actions[-1])
+                    result = self._step(ep.episode_id, live, actions[-1])
+                    if result.failure is None or result.failure.failure_class != "env_lost":
+                        return result
+                    # A remote server that restarted lost the episode: rebuilt below, like a restart of ours.
             self.finish(ep.episode_id)  # out of step with the episode: rebuild it from its actions
         try:
             live = self.open(factory, ep.episode_id, ep.task, actions[:-1])
