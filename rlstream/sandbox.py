@@ -8,7 +8,8 @@ here): a child Python process with
   namespaces the whole pid namespace (children that ``setsid()`` die too);
 - ``setrlimit`` in ``preexec_fn``: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_CORE
   (not RLIMIT_NPROC: it counts every process of the uid system-wide, and root ignores it);
-- a fresh temp dir as cwd, HOME and TMPDIR, removed afterwards, and a minimal environment;
+- a fresh temp dir as cwd, HOME and TMPDIR, removed afterwards (or the caller's ``workdir``, kept: an
+  episode's workspace), and a minimal environment;
 - no network: ``unshare -rnpfm`` (user, net, pid and mount namespaces) where it works, so
   the child has no interface at all, not even loopback; an audit hook blocks sockets too;
 - files: an audit hook (installed through ``sitecustomize`` in every Python process of the
@@ -21,6 +22,7 @@ namespaces and limits are. For adversarial code use the docker backend.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -74,7 +76,7 @@ class SandboxResult:
 _HOOK = r'''
 def _install(cfg):
     import os, shutil, sys
-    work, hookdir, exe = cfg["work"], cfg["hookdir"], cfg["exe"]
+    work, hookdir, exe, programs = cfg["work"], cfg["hookdir"], cfg["exe"], frozenset(cfg["programs"])
     readable, exact = tuple(cfg["read"]), frozenset(cfg["exact"])
     realpath, fsdecode, sep = os.path.realpath, os.fsdecode, os.sep
     writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -106,6 +108,8 @@ def _install(cfg):
         prog = fsdecode(path if path is not None else (args[0] if args else ""))
         if sep not in prog:
             prog = shutil.which(prog) or prog
+        if realpath(prog) in programs:
+            return  # a program the caller allowed (the shell tool's /bin/sh); it runs without these hooks
         if realpath(prog) != exe:
             deny(f"running {prog}")
         pp = next((fsdecode(v) for k, v in (os.environ if env is None else env).items()
@@ -210,8 +214,7 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-_probe_lock = threading.Lock()
-_probes: dict[str, bool] = {}
+_probe_lock, _probes = threading.Lock(), {}
 
 
 def namespaces_available() -> bool:
@@ -284,13 +287,12 @@ class Sandbox:
         layers = (["namespaces"] if self.network == "unshare" else []) + (["audit"] if self.audit_hooks else [])
         return "+".join(layers) or "none"
 
-    def run_python(self, code: str) -> SandboxResult:
-        """Run ``code`` as a script; never raises for anything the snippet does."""
+    def run_python(self, code: str, workdir: str | None = None, programs: tuple[str, ...] = ()) -> SandboxResult:
+        """Run ``code`` as a script (never raises for what it does); ``programs``: others it may start (a shell)."""
         started = time.monotonic()
         try:
-            if self.backend == "docker":
-                return self._run_docker(code, started)
-            return self._run_subprocess(code, started)
+            run = self._run_docker if self.backend == "docker" else self._run_subprocess
+            return run(code, started, workdir, programs)
         except Exception as exc:  # the sandbox itself broke; say so rather than blame the snippet
             log.exception("sandbox error")
             return SandboxResult(f"sandbox error: {type(exc).__name__}: {exc}", -1,
@@ -310,19 +312,21 @@ class Sandbox:
             plan.append((path, keeps))
         return plan
 
-    def _prepare(self, code: str) -> tuple[str, list[str], dict]:
+    def _prepare(self, code: str, workdir: str | None, programs: tuple[str, ...]) -> tuple[str, list[str], dict]:
         lim = self.limits
         base = os.path.realpath(tempfile.mkdtemp(prefix="rlstream-sbx-"))
         work, hookdir, park = (os.path.join(base, d) for d in ("work", "hook", "park"))
         for d in (work, hookdir, park):
             os.mkdir(d, 0o700)
+        work = os.path.realpath(workdir) if workdir else work
         hook_cfg = {"work": work, "hookdir": hookdir, "exe": os.path.realpath(self._exe), "memory_exit": MEMORY_EXIT,
+                    "programs": [_real(shutil.which(p) or p) for p in programs],
                     "read": [*self._readable, hookdir],
                     "exact": ["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/etc/localtime"]}
         if self.audit_hooks:
             with open(os.path.join(hookdir, "sitecustomize.py"), "w") as f:
                 f.write(f"_CONFIG = {hook_cfg!r}\n{_HOOK}")
-        with open(os.path.join(work, "main.py"), "w") as f:
+        with open(os.path.join(hookdir, "main.py"), "w") as f:  # not in work: a workspace holds only the episode's
             f.write(code)
         # Nothing of ours is inherited: no secrets, no proxies, no RLSTREAM_* settings.
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
@@ -332,7 +336,7 @@ class Sandbox:
                # glibc reserves 64 MiB of address space per thread arena, which RLIMIT_AS counts.
                "MALLOC_ARENA_MAX": "2"}
         cpu = max(1, int(round(lim.cpu_s)))
-        cfg = {"argv": [self._exe, "-B", "main.py"], "cwd": work, "env": env, "park": park,
+        cfg = {"argv": [self._exe, "-B", os.path.join(hookdir, "main.py")], "cwd": work, "env": env, "park": park,
                "hide": self._hide_plan(base) if self.network == "unshare" else [],
                "limits": [["RLIMIT_CPU", cpu, cpu + 1],  # SIGXCPU first, SIGKILL a second later
                           ["RLIMIT_AS", lim.memory_mb << 20, lim.memory_mb << 20],
@@ -341,9 +345,9 @@ class Sandbox:
         prefix = list(_UNSHARE) if self.network == "unshare" else []
         return base, prefix, cfg
 
-    def _run_subprocess(self, code: str, started: float) -> SandboxResult:
+    def _run_subprocess(self, code: str, started: float, workdir=None, programs=()) -> SandboxResult:
         lim = self.limits
-        base, prefix, cfg = self._prepare(code)
+        base, prefix, cfg = self._prepare(code, workdir, programs)
         status_r, status_w = os.pipe()
         try:
             proc = subprocess.Popen([*prefix, self._exe, "-I", "-c", _INIT, json.dumps(cfg), str(status_w)],
@@ -402,7 +406,7 @@ class Sandbox:
 
     # -- docker backend -------------------------------------------------------------
 
-    def _run_docker(self, code: str, started: float) -> SandboxResult:
+    def _run_docker(self, code: str, started: float, workdir=None, programs=()) -> SandboxResult:
         import docker  # optional dependency, only imported where an engine answered
         lim = self.limits
         cpu = max(1, int(round(lim.cpu_s)))
@@ -411,7 +415,8 @@ class Sandbox:
         container = docker.from_env().containers.run(
             self.docker_image, ["python", "-c", boot, code], detach=True, network_disabled=True,
             mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m", nano_cpus=10**9, pids_limit=64,
-            read_only=True, tmpfs={"/tmp": f"size={lim.file_size_mb}m"}, working_dir="/tmp",
+            read_only=True, tmpfs={"/tmp": f"size={lim.file_size_mb}m"}, working_dir="/work" if workdir else "/tmp",
+            volumes={os.path.realpath(workdir): {"bind": "/work", "mode": "rw"}} if workdir else None,
             environment={"HOME": "/tmp", "PYTHONUNBUFFERED": "1"}, user="65534:65534", cap_drop=["ALL"],
             security_opt=["no-new-privileges"], ulimits=[docker.types.Ulimit(name="cpu", soft=cpu, hard=cpu + 1)])
         try:
@@ -456,10 +461,8 @@ def _classify(exit_code: int, cpu_s: float, cpu_limit: float) -> str | None:
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _read_reports(fd: int) -> dict:

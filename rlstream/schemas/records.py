@@ -144,6 +144,17 @@ class Episode(Record):
     trace_id: str = ""
 
 
+def episode_key(episode: Episode) -> str:
+    """The Kafka key of every record of an episode on prompts, actions and observations: its task's id.
+
+    The prompt source keys a Task by its id, and the topics are co-partitioned, so turn 1 (generated from the
+    prompts record) and every later turn (observations) of each of the task's G episodes land on the same
+    partition, which the rollout group's range assignor gives to one worker: the one whose engine holds the
+    episode's prefix. (A key per episode would scatter turn 2 onwards away from turn 1.)
+    """
+    return episode.task.task_id
+
+
 @dataclass(slots=True)
 class Trajectory(Record):
     trajectory_id: str

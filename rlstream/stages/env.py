@@ -1,175 +1,38 @@
 """The env stage: model actions in; the next observation, or the finished trajectory, out.
 
-An ``Environment`` is stateless between records: the Episode carries the whole
-conversation, so any env worker can take any turn. Built-ins, by ``task.env_name``:
+Which env answers an episode: a plugin given by ``--env [NAME=]module:factory`` or a remote env server given by
+``--env-url [NAME=]URL`` (with ``NAME=``: tasks whose ``env_name`` is NAME; without: every other task), else
+the built-in of ``task.env_name``: ``tools`` (shell and file tools in a per-episode workspace) or the stateless
+``single``, ``calculator`` and ``python`` (``rlstream.envs.builtin``). Plugin and remote envs keep state per
+episode (``rlstream.envs.live``); built-ins see the whole episode each turn.
 
-- ``single``: one action and done (the reward stage judges it);
-- ``calculator``: an action containing ``calc(<arithmetic>)`` is evaluated in the sandbox
-  and answered with ``=<result>\\n``; an action without a call ends the episode;
-- ``python``: the action's fenced code block runs in the sandbox; its output is the observation.
-
-Tool timeouts, limits and crashes end the episode as a failed Trajectory with a failure class.
+Every record of an episode is keyed by its task id (``episode_key``), so its turns come back to the same
+rollout worker. Tool timeouts, env hangs, crashes and unreachable servers end the episode as a failed
+Trajectory with a failure class on that turn; the stage never stops for them.
 """
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 from rlstream import metrics
 from rlstream.config import knob
+from rlstream.envs import tools
+from rlstream.envs.api import Env, StepResult, load_factory
+from rlstream.envs.builtin import (ENVIRONMENTS, Calculator, Environment, PythonExec, SingleTurn,  # noqa: F401
+                                   action_turns, register_environment, tool_calls, turn_budget_used)
+from rlstream.envs.live import LiveEnvs
+from rlstream.envs.remote import RemoteEnvs
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
-from rlstream.sandbox import Sandbox, SandboxLimits, SandboxResult
+from rlstream.sandbox import Sandbox, SandboxLimits
 from rlstream.schemas.headers import now_ms
-from rlstream.schemas.records import Episode, Failure, Task, ToolCall, ToolResult, Trajectory, Turn
+from rlstream.schemas.records import Episode, Failure, Task, Trajectory, Turn, episode_key
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class StepResult:
-    """What one env step decided: go on with ``observation``, or ``done`` (possibly with a failure)."""
-
-    done: bool
-    observation: str | None = None
-    tool_call: ToolCall | None = None
-    tool_result: ToolResult | None = None
-    failure: Failure | None = None
-    truncated: bool = False  # ended by task.max_turns, not by the model
-
-
-class Environment:
-    """An environment: ``reset`` checks a task at an episode's first action, ``step`` answers an action."""
-
-    name = "base"
-    version = "1"
-
-    def reset(self, task: Task) -> dict:
-        """Initial state of an episode of ``task`` (raise InvalidRecord for a task this env cannot run)."""
-        return {}
-
-    def step(self, episode: Episode) -> StepResult:
-        """React to the episode's last turn, an action."""
-        raise NotImplementedError
-
-
-def action_turns(episode: Episode | Trajectory) -> list[Turn]:
-    return [t for t in episode.turns if t.role == "action"]
-
-
-def tool_calls(record: Episode | Trajectory, name: str | None = None) -> list[ToolCall]:
-    """The tool calls made in an episode or trajectory (for rewards that demand tool use)."""
-    return [t.tool_call for t in record.turns if t.tool_call is not None and (name is None or t.tool_call.name == name)]
-
-
-def _last_turn(episode: Episode) -> bool:
-    """Whether the episode has used its task's turn budget."""
-    return len(action_turns(episode)) >= max(1, episode.task.max_turns)
-
-
-def _tool_failure(result: SandboxResult, what: str) -> Failure:
-    detail = result.output.strip().splitlines()[-1:] if result.output.strip() else []
-    return Failure(result.failure_class or "crash",
-                   f"{what} ended with {result.failure_class} after {result.duration_ms:.0f} ms"
-                   + (f": {detail[0][:300]}" if detail else ""), "env")
-
-
-class SingleTurn(Environment):
-    """One action, then done: the reward stage judges the response."""
-
-    name = "single"
-
-    def step(self, episode: Episode) -> StepResult:
-        return StepResult(done=True)
-
-
-class Calculator(Environment):
-    """Multi-turn tool use: ``calc(<expr>)`` in an action is evaluated in the sandbox."""
-
-    name = "calculator"
-    _CALL = re.compile(r"calc\(")
-    _ALLOWED = re.compile(r"[0-9+\-*/%().\s]*")
-    MAX_EXPRESSION = 200
-
-    def __init__(self, sandbox: Sandbox):
-        self.sandbox = sandbox
-
-    @classmethod
-    def find_call(cls, text: str) -> str | None:
-        """The argument of the first ``calc(...)`` in ``text`` (parentheses balanced), '' if unclosed, else None."""
-        m = cls._CALL.search(text)
-        if m is None:
-            return None
-        depth = 1
-        for i in range(m.end(), len(text)):
-            depth += {"(": 1, ")": -1}.get(text[i], 0)
-            if depth == 0:
-                return text[m.end():i]
-        return ""
-
-    def step(self, episode: Episode) -> StepResult:
-        expr = self.find_call(episode.turns[-1].text)
-        if expr is None:
-            return StepResult(done=True)  # a final answer: the reward stage judges it
-        call = ToolCall("calc", expr)
-        if _last_turn(episode):
-            return StepResult(done=True, tool_call=call, truncated=True)
-        if not expr.strip() or not self._ALLOWED.fullmatch(expr) or len(expr) > self.MAX_EXPRESSION:
-            # The model's mistake, answered like any tool error: it is the model's to learn from.
-            msg = "error: calc takes numbers and + - * / // % ** ( )"
-            return StepResult(done=False, observation=f"={msg}\n", tool_call=call,
-                              tool_result=ToolResult(msg, exit_code=2))
-        # The expression goes in as a string literal, never as code.
-        code = (f"try:\n    r = eval(compile({expr!r}, 'calc', 'eval'), {{'__builtins__': {{}}}})\n"
-                "except Exception as e:\n    print('error:', type(e).__name__ + (f': {e}' if str(e) else ''))\n"
-                "else:\n    print(r)\n")
-        result = self.sandbox.run_python(code)
-        tool_result = result.to_tool_result()
-        if result.failure_class is not None:
-            return StepResult(done=True, tool_call=call, tool_result=tool_result,
-                              failure=_tool_failure(result, f"calc({expr[:50]})"))
-        return StepResult(done=False, observation=f"={result.output.strip()}\n", tool_call=call,
-                          tool_result=tool_result)
-
-
-class PythonExec(Environment):
-    """The action's fenced code block runs in the sandbox; an action without one ends the episode."""
-
-    name = "python"
-    _BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-
-    def __init__(self, sandbox: Sandbox):
-        self.sandbox = sandbox
-
-    def step(self, episode: Episode) -> StepResult:
-        m = self._BLOCK.search(episode.turns[-1].text)
-        if m is None:
-            return StepResult(done=True)
-        call = ToolCall("python", m.group(1))
-        if _last_turn(episode):
-            return StepResult(done=True, tool_call=call, truncated=True)
-        result = self.sandbox.run_python(m.group(1))
-        tool_result = result.to_tool_result()
-        if result.failure_class is not None:
-            return StepResult(done=True, tool_call=call, tool_result=tool_result,
-                              failure=_tool_failure(result, "python"))
-        text = result.output if result.output.endswith("\n") or not result.output else result.output + "\n"
-        text = (text or "(no output)\n") + ("[output truncated]\n" if result.truncated else "")
-        return StepResult(done=False, observation=text, tool_call=call, tool_result=tool_result)
-
-
-#: env_name -> factory taking the stage's sandbox. Register more with ``register_environment``.
-ENVIRONMENTS: dict[str, Callable[[Sandbox], Environment]] = {
-    "single": lambda sandbox: SingleTurn(),
-    "calculator": Calculator,
-    "python": PythonExec,
-}
-
-
-def register_environment(name: str, factory: Callable[[Sandbox], Environment]) -> None:
-    """Make ``factory(sandbox)`` the environment of tasks whose env_name is ``name``."""
-    ENVIRONMENTS[name] = factory
+#: Built-in per-episode envs (plugin interface) by env_name.
+PLUGINS: dict[str, Callable[..., Env]] = {"tools": tools.make}
 
 
 @dataclass(frozen=True)
@@ -178,6 +41,19 @@ class EnvSettings:
 
     ROLE: ClassVar[str] = "ENV"
 
+    env: tuple[str, ...] = knob((), "Env plugin: [NAME=]module:factory, a factory make(task, workspace) -> Env "
+                                    "(rlstream.envs.api); with NAME= for tasks whose env_name is NAME, without for "
+                                    "every other task; repeat for several")
+    env_url: tuple[str, ...] = knob((), "Remote env server (rlstream env-server, or any server of its HTTP "
+                                        "protocol): [NAME=]URL, as --env; repeat for several")
+    env_timeout_s: float = knob(30.0, "Remote env: most seconds one call (reset, step, close) may take")
+    env_retries: int = knob(3, "Remote env: times a call that found no server is tried again (backoff "
+                               "0.5 s doubling) before the episode fails as env_unreachable")
+    step_timeout_s: float = knob(30.0, "Plugin and remote envs: most seconds one reset/step/close may take before "
+                                       "the episode fails as env_timeout; keep it below --handler-timeout-s")
+    max_live_envs: int = knob(1024, "Plugin and remote envs: most episodes whose env this process keeps; the "
+                                    "least recently stepped is closed, and rebuilt by replay if it comes back")
+    workspace_root: str = knob("", "Folder for per-episode workspaces (default: the system temp dir)")
     tool_timeout_s: float = knob(5.0, "Wall-clock limit of one tool call; keep it below --handler-timeout-s")
     tool_memory_mb: int = knob(512, "Address-space limit of one tool call (MiB)")
     tool_cpu_s: float = knob(5.0, "CPU-time limit of one tool call (s)")
@@ -185,6 +61,20 @@ class EnvSettings:
     sandbox: str = knob("auto", "Tool sandbox: docker where an engine answers, else subprocess",
                         choices=("auto", "subprocess", "docker"))
     docker_image: str = knob("python:3.11-slim", "Image of the docker sandbox")
+
+
+def _named(values: tuple[str, ...], flag: str, load: Callable) -> tuple[dict, object]:
+    """``{name: loaded}`` of the NAME=VALUE entries and the one bare entry's value (or None)."""
+    named, default = {}, None
+    for raw in values:
+        name, sep, value = raw.partition("=")
+        if sep and name.isidentifier() and "://" not in name:
+            named[name] = load(value)
+        elif default is None:
+            default = load(raw)
+        else:
+            raise ValueError(f"{flag}: two entries without NAME= ({raw!r}); name all but one")
+    return named, default
 
 
 def _check_episode(ep: Episode) -> None:
@@ -208,21 +98,43 @@ class EnvStage(Stage):
     inputs = ("actions",)
 
     def __init__(self, settings: EnvSettings = EnvSettings()):
-        for field in ("tool_timeout_s", "tool_memory_mb", "tool_cpu_s", "max_output_bytes"):
+        for field in ("tool_timeout_s", "tool_memory_mb", "tool_cpu_s", "max_output_bytes", "env_timeout_s",
+                      "step_timeout_s", "max_live_envs"):
             if getattr(settings, field) <= 0:
                 raise ValueError(f"--{field.replace('_', '-')} must be positive")
+        if settings.env_retries < 0:
+            raise ValueError("--env-retries must be 0 or more")
         self.settings = settings
         limits = SandboxLimits(timeout_s=settings.tool_timeout_s, memory_mb=settings.tool_memory_mb,
                                cpu_s=settings.tool_cpu_s, max_output_bytes=settings.max_output_bytes)
         self.sandbox = Sandbox(limits, backend=settings.sandbox, docker_image=settings.docker_image)
         self._envs: dict[str, Environment] = {}
+        self.plugins, self.default_plugin = _named(settings.env, "--env", load_factory)
+        remote = lambda url: RemoteEnvs(url, timeout_s=settings.env_timeout_s,  # noqa: E731
+                                        retries=settings.env_retries)
+        urls, default_url = _named(settings.env_url, "--env-url", remote)
+        if self.default_plugin is not None and default_url is not None:
+            raise ValueError("--env and --env-url both without NAME=: which one serves other tasks?")
+        self.plugins.update(urls)
+        self.default_plugin = self.default_plugin or default_url
+        self.live = LiveEnvs(self.sandbox, settings.max_live_envs, settings.step_timeout_s,
+                             settings.workspace_root or None)
         log.info("env sandbox: %s (%s)", self.sandbox.backend, self.sandbox.isolation)
+
+    def plugin(self, name: str) -> Callable[..., Env] | None:
+        """The per-episode env factory serving tasks of env_name ``name``, or None for a stateless built-in."""
+        if name in self.plugins:
+            return self.plugins[name]
+        if self.default_plugin is not None:
+            return self.default_plugin
+        return PLUGINS.get(name)
 
     def environment(self, name: str) -> Environment:
         env = self._envs.get(name)
         if env is None:
             if name not in ENVIRONMENTS:
-                raise InvalidRecord(f"unknown env {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}")
+                known = sorted({*ENVIRONMENTS, *PLUGINS, *self.plugins})
+                raise InvalidRecord(f"unknown env {name!r}; known: {', '.join(known)}")
             env = self._envs[name] = ENVIRONMENTS[name](self.sandbox)  # racing threads build equal ones
         return env
 
@@ -230,46 +142,56 @@ class EnvStage(Stage):
         ep: Episode = item.record
         if ep.failure is not None or ep.done:
             # Rollout gave up on it (e.g. prompt too long): the trajectory still gets recorded.
+            self.live.finish(ep.episode_id)
             return [self._finish(ep, "failed" if ep.failure else "ok", item)]
         _check_episode(ep)
-        env = self.environment(ep.task.env_name)
-        self._note_version(ep.task, env)
-        if len(action_turns(ep)) == 1:
-            env.reset(ep.task)
         started = now_ms()
-        try:
-            result = env.step(ep)
-        except InvalidRecord:
-            raise
-        except Exception as exc:  # an env bug must not lose the episode
-            log.exception("env %s failed on %s", env.name, ep.episode_id)
-            result = StepResult(done=True, failure=Failure("env_error", f"{type(exc).__name__}: {exc}", "env"))
+        factory = self.plugin(ep.task.env_name)
+        if factory is not None:
+            result = self.live.step(factory, ep)
+            version = getattr(factory, "version", "1")
+        else:
+            env = self.environment(ep.task.env_name)
+            result, version = self._step_builtin(env, ep), env.version
+        self._note_version(ep.task, version)
+        finished = now_ms()
         last = ep.turns[-1]
         # The call and its result live on the action that made the call.
         last.tool_call = result.tool_call or last.tool_call
         last.tool_result = result.tool_result or last.tool_result
+        if result.failure is None and not result.done and not result.observation:
+            result.failure = Failure("env_error", f"env {ep.task.env_name} went on without an observation", "env")
         if result.failure is not None:
             ep.failure = result.failure
             return [self._finish(ep, "failed", item)]
-        if not result.done and not result.observation:
-            ep.failure = Failure("env_error", f"env {env.name} went on without an observation", "env")
-            return [self._finish(ep, "failed", item)]
-        if result.done or _last_turn(ep):
+        if result.done or turn_budget_used(ep):
             cut = result.truncated or not result.done or last.finish_reason == "length"
             return [self._finish(ep, "truncated" if cut else "ok", item)]
         n = len(ep.token_ids)
         # Rollout tokenizes the text and fills the span: the env never sees a tokenizer.
-        ep.turns.append(Turn("observation", result.observation, n, n, started_at=started, finished_at=now_ms()))
-        return [Output("observations", ep.episode_id, ep)]
+        ep.turns.append(Turn("observation", result.observation, n, n, started_at=started, finished_at=finished))
+        return [Output("observations", episode_key(ep), ep)]
 
-    def _note_version(self, task: Task, env: Environment) -> None:
+    def _step_builtin(self, env: Environment, ep: Episode) -> StepResult:
+        if len(action_turns(ep)) == 1:
+            env.reset(ep.task)
+        try:
+            return env.step(ep)
+        except InvalidRecord:
+            raise
+        except Exception as exc:  # an env bug must not lose the episode
+            log.exception("env %s failed on %s", env.name, ep.episode_id)
+            return StepResult(done=True, failure=Failure("env_error", f"{type(exc).__name__}: {exc}", "env"))
+
+    def _note_version(self, task: Task, version: str) -> None:
         """Record the env version that actually ran (and what the task asked for, when different)."""
-        if task.env_version != env.version:
+        if task.env_version != version:
             if task.env_version:
                 task.metadata["requested_env_version"] = task.env_version
-            task.env_version = env.version
+            task.env_version = version
 
     def _finish(self, ep: Episode, status: str, item: Incoming) -> Output:
+        self.live.finish(ep.episode_id)  # the workspace goes with the episode
         versions = [t.policy_version for t in action_turns(ep) if t.policy_version >= 0] or [item.policy_version]
         if ep.failure is not None:
             metrics.FAILURES.labels(self.name, ep.failure.failure_class).inc()
@@ -280,3 +202,8 @@ class EnvStage(Stage):
                           turns=ep.turns, status=status, failure=ep.failure,
                           stage_times={**ep.stage_times, "env.end": now_ms()}, trace_id=ep.trace_id)
         return Output("trajectories", ep.group_id, traj, policy_version=min(versions))
+
+    def close(self) -> None:
+        self.live.close_all()
+        for factory in {*self.plugins.values(), self.default_plugin} - {None}:
+            getattr(factory, "close", lambda: None)()

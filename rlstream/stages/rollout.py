@@ -33,7 +33,7 @@ from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import PolicyWeights
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
 from rlstream.schemas.headers import now_ms
-from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn
+from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn, episode_key
 from rlstream.stages.inference import KINDS, FleetOptions, Generation, make_backend, server_urls
 
 log = logging.getLogger(__name__)
@@ -348,7 +348,7 @@ class RolloutStage(Stage):
 
     def _output(self, ep: Episode) -> Output:
         versions = [t.policy_version for t in ep.turns if t.role == "action"]
-        return Output("actions", ep.episode_id, ep, policy_version=min(versions) if versions else self.version)
+        return Output("actions", episode_key(ep), ep, policy_version=min(versions) if versions else self.version)
 
     def close(self) -> None:
         self._stop.set()

@@ -75,7 +75,7 @@ def test_env_stage_end_to_end(bootstrap, run_name, tmp_path, start_stage):
     obs = {o.record.episode_id: o for o in observations}
     for i, ep in enumerate(tool_calls):
         o = obs[ep.episode_id]
-        assert o.key == ep.episode_id.encode()
+        assert o.key == ep.task.task_id.encode()  # every record of an episode: its task id
         last = o.record.turns[-1]
         assert last.role == "observation" and last.text == f"={i + 40 + i}\n"
         assert last.token_start == last.token_end == len(o.record.token_ids)

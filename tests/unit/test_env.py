@@ -73,7 +73,7 @@ def test_find_call(text, expr):
 def test_calculator_tool_call_becomes_an_observation(stage):
     ep = make_episode("calculator", ("calc(12+34)",), max_turns=4)
     [out] = stage.handle(incoming(ep))
-    assert out.topic == "observations" and out.key == "g1:0" and out.policy_version is None
+    assert out.topic == "observations" and out.key == "t1" and out.policy_version is None  # the task id: episode_key
     obs = out.record.turns[-1]
     assert obs.role == "observation" and obs.text == "=46\n"
     assert obs.token_start == obs.token_end == len(out.record.token_ids) == 2, "rollout tokenizes and fills the span"

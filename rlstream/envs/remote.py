@@ -1,0 +1,118 @@
+"""Remote environments over HTTP: the env stage's client (``--env-url``) and the protocol both sides speak.
+
+An env server runs the plugin interface (``rlstream.envs.api``) behind three JSON POST routes, so an
+environment can live in its own container or host and be written in any language:
+
+- ``POST /reset`` ``{"episode_id": str, "task": Task as a dict}`` -> ``{}``: make the episode's env (a new one
+  replaces any of that id) and reset it;
+- ``POST /step`` ``{"episode_id": str, "action": str}`` -> a StepResult as a dict (``step_result_to_dict``);
+- ``POST /close`` ``{"episode_id": str}`` -> ``{}``: the episode ended; drop its env (unknown ids are fine);
+- ``GET /health`` -> ``{"ok": true}``.
+
+An error is a non-2xx status with ``{"error": str, "failure_class": str}``: 404 with ``env_lost`` for a step of
+an episode the server does not hold (it restarted), 4xx for a request it cannot read, 5xx ``env_error`` when
+the env raised. Failure classes on the client: a call that reaches no server (connection refused, DNS, reset
+before an answer) is tried again ``retries`` times with backoff, then ``env_unreachable``; no answer within
+``timeout_s`` is ``env_timeout`` (never retried: the step may have happened); an error answer is its class.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+from rlstream.envs.api import Env, EnvFailure, StepResult
+from rlstream.schemas.records import Failure, Task, ToolCall, ToolResult
+
+
+def step_result_to_dict(result: StepResult) -> dict:
+    return {"done": result.done, "observation": result.observation, "truncated": result.truncated,
+            **{k: None if getattr(result, k) is None else getattr(result, k).to_dict()
+               for k in ("tool_call", "tool_result", "failure")}}
+
+
+def step_result_from_dict(data: dict) -> StepResult:
+    """A StepResult from its dict; ValueError when it is not one."""
+    try:
+        return StepResult(done=bool(data["done"]), observation=data.get("observation"),
+                          truncated=bool(data.get("truncated", False)),
+                          tool_call=ToolCall.from_dict(data["tool_call"]) if data.get("tool_call") else None,
+                          tool_result=ToolResult.from_dict(data["tool_result"]) if data.get("tool_result") else None,
+                          failure=Failure.from_dict(data["failure"]) if data.get("failure") else None)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a step result: {exc!r}") from None
+
+
+class RemoteEnvs:
+    """The env factory of one env server: ``RemoteEnvs(url)(task, workspace)`` is that episode's RemoteEnv."""
+
+    version = "remote"
+
+    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.5):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--env-url {url!r}: expected http://host:port")
+        self.url, self.timeout_s, self.retries, self.backoff_s = url.rstrip("/"), timeout_s, retries, backoff_s
+
+    def __call__(self, task: Task, workspace) -> "RemoteEnv":
+        return RemoteEnv(self, task, workspace.episode_id)
+
+    def post(self, route: str, body: dict, retries: int | None = None) -> dict:
+        """POST ``body`` to ``route``; the JSON answer, or EnvFailure with the call's class."""
+        data = json.dumps(body).encode()
+        wait, retries = self.backoff_s, self.retries if retries is None else retries
+        for attempt in range(retries + 1):
+            request = urllib.request.Request(self.url + route, data=data, method="POST",
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    return json.loads(response.read() or b"{}")
+            except urllib.error.HTTPError as exc:
+                raise _answered(route, exc) from None
+            except (TimeoutError, socket.timeout) as exc:
+                raise EnvFailure("env_timeout", f"{self.url}{route}: no answer within {self.timeout_s:g}s") from exc
+            except (urllib.error.URLError, ConnectionError) as exc:
+                reason = getattr(exc, "reason", exc)
+                if isinstance(reason, (TimeoutError, socket.timeout)):
+                    raise EnvFailure("env_timeout", f"{self.url}{route}: no answer within {self.timeout_s:g}s") \
+                        from exc
+                if attempt == retries:
+                    raise EnvFailure("env_unreachable", f"{self.url}{route}: {reason} (tried {attempt + 1} "
+                                                        "times)") from exc
+            except ValueError as exc:
+                raise EnvFailure("env_error", f"{self.url}{route}: the answer is not JSON: {exc}") from exc
+            time.sleep(wait)
+            wait *= 2
+        raise AssertionError("unreachable")
+
+
+def _answered(route: str, exc: urllib.error.HTTPError) -> EnvFailure:
+    """The failure an error answer carries (its own class, else env_error)."""
+    try:
+        body = json.loads(exc.read() or b"{}")
+    except ValueError:
+        body = {}
+    return EnvFailure(body.get("failure_class") or "env_error",
+                      f"{route}: HTTP {exc.code}: {body.get('error') or exc.reason}")
+
+
+class RemoteEnv(Env):
+    """One episode's env on a server."""
+
+    def __init__(self, server: RemoteEnvs, task: Task, episode_id: str):
+        self.server, self.task, self.episode_id = server, task, episode_id
+
+    def reset(self) -> None:
+        self.server.post("/reset", {"episode_id": self.episode_id, "task": self.task.to_dict()})
+
+    def step(self, action: str) -> StepResult:
+        answer = self.server.post("/step", {"episode_id": self.episode_id, "action": action})
+        try:
+            return step_result_from_dict(answer)
+        except ValueError as exc:
+            raise EnvFailure("env_error", f"/step: {exc}") from None
+
+    def close(self) -> None:
+        # Not retried: a server that is gone holds nothing to close.
+        self.server.post("/close", {"episode_id": self.episode_id}, retries=0)

@@ -1,0 +1,124 @@
+"""``rlstream env-server`` as its own process against the env stage's ``--env-url`` client: the same results as the
+plugin in process for the same seeded actions; a server that is down, killed or restarted mid-episode."""
+from __future__ import annotations
+
+import json
+import random
+import socket
+import urllib.request
+
+import pytest
+
+from rlstream.infra.supervisor import StageProc
+from rlstream.runtime.stage import Incoming
+from rlstream.stages.env import EnvSettings, EnvStage
+from tests.agent_envs import MALFORMED, call
+from tests.helpers import ROOT
+from tests.helpers.kafka import wait_for
+from tests.unit.test_agent_envs import episode
+
+pytestmark = [pytest.mark.slow]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return json.loads(r.read())["ok"]
+    except OSError:
+        return False
+
+
+def start_server(tmp_path, port: int, n: int = 0) -> StageProc:
+    proc = StageProc("env-server", ["env-server", "--env", "rlstream.envs.tools:make", "--port", str(port),
+                                    "--sandbox", "subprocess", "--workspace-root", str(tmp_path)],
+                     {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}, tmp_path / f"server-{n}.log",
+                     cwd=ROOT).start()
+    wait_for(lambda: healthy(f"http://127.0.0.1:{port}") or not proc.alive(), 60, "the env server to answer")
+    assert proc.alive(), proc.log_tail()
+    return proc
+
+
+def seeded_text(seed: int) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice("abcdefghij \n") for _ in range(rng.randint(5, 40)))
+
+
+def seeded_actions(seed: int) -> list[str]:
+    text, name = seeded_text(seed), f"f{seed}.txt"
+    return [call("write_file", path=name, content=text), call("shell", command=f"wc -c {name}; rev {name}"),
+            call("python", code=f"print(open({name!r}).read()[::-1].upper()); print(sum(range({seed})))"),
+            MALFORMED, call("read_file", path=name), call("read_file", path="../escape"), "done"]
+
+
+def play(stage: EnvStage, actions: list[str], seed: int) -> list[tuple]:
+    """Drive one episode through ``stage`` as rollout would; what each step answered (durations left out)."""
+    seen, given = [], []
+    for action in actions:
+        given.append(action)
+        ep = episode(*given, max_turns=len(actions))
+        ep.episode_id = f"g{seed}:0"
+        for turn, obs in zip([t for t in ep.turns if t.role == "observation"], seen):
+            turn.text = obs[0]
+        [out] = stage.handle(Incoming("actions", 0, 0, b"t1", {}, 0, ep))
+        last = out.record.turns[-1] if out.topic == "observations" else None
+        action_turn = out.record.turns[-2] if last else out.record.turns[-1]
+        result = action_turn.tool_result
+        seen.append((last.text if last else out.record.status, action_turn.tool_call and action_turn.tool_call.to_dict(),
+                     result and (result.output, result.exit_code, result.truncated, result.failure_class)))
+        if out.topic == "trajectories":
+            break
+    return seen
+
+
+def test_the_server_gives_the_plugins_results_for_the_same_seeds(tmp_path):
+    port = free_port()
+    server = start_server(tmp_path, port)
+    local = EnvStage(EnvSettings(sandbox="subprocess", env=("rlstream.envs.tools:make",)))
+    remote = EnvStage(EnvSettings(sandbox="subprocess", env_url=(f"http://127.0.0.1:{port}",)))
+    try:
+        for seed in range(3):
+            actions = seeded_actions(seed)
+            here, there = play(local, actions, seed), play(remote, actions, seed)
+            assert here == there
+            assert len(here) == len(actions) and here[-1][0] == "ok"
+            assert here[3][0].startswith("<tool_error>") and "exit code 2" in here[5][0]
+    finally:
+        local.close()
+        remote.close()
+        assert server.stop(30) == 0, server.log_tail()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("rlstream-ws")] == [], "workspaces removed"
+
+
+def test_a_server_down_killed_or_restarted_mid_episode(tmp_path):
+    port = free_port()
+    stage = EnvStage(EnvSettings(sandbox="subprocess", env_url=(f"http://127.0.0.1:{port}",), env_retries=1))
+    actions = seeded_actions(7)
+    try:
+        # Down from the start: the episode fails with its class after the retries; the stage goes on.
+        [out] = stage.handle(Incoming("actions", 0, 0, b"t1", {}, 0, episode(actions[0])))
+        assert (out.topic, out.record.failure.failure_class) == ("trajectories", "env_unreachable")
+        assert "tried 2 times" in out.record.failure.message
+        server = start_server(tmp_path, port, 1)
+        first = stage.handle(Incoming("actions", 0, 0, b"t1", {}, 0, episode(actions[0])))[0]
+        assert first.topic == "observations"
+        # Restarted between steps: it lost the episode; the stage rebuilds it there by replay and goes on.
+        server.kill()
+        server = start_server(tmp_path, port, 2)
+        ep = episode(*actions[:2])
+        ep.turns[1].text = first.record.turns[-1].text
+        [out] = stage.handle(Incoming("actions", 0, 0, b"t1", {}, 0, ep))
+        assert out.topic == "observations" and stage.live.rebuilt == 1
+        # The file written before the restart is there again (replayed), so the shell counts its bytes.
+        assert out.record.turns[-2].tool_result.output.startswith(f"{len(seeded_text(7))} f7.txt\n")
+        # Killed for good mid-episode: the next step fails as unreachable.
+        server.kill()
+        [out] = stage.handle(Incoming("actions", 0, 0, b"t1", {}, 0, episode(*actions[:3])))
+        assert (out.topic, out.record.failure.failure_class) == ("trajectories", "env_unreachable")
+    finally:
+        stage.close()
