@@ -135,8 +135,8 @@ def launch(nproc: int, target, args: tuple, device: str) -> None:
         while not ctx.join(timeout=0.5, grace_period=0):
             pass
     except mp.ProcessExitedException as exc:  # join has killed the other ranks
-        raise UserError(f"trainer rank {exc.error_index} (pid {exc.pid}) exited with code {exc.exit_code}; the other "
-                        "ranks were stopped. Restart the trainer: it resumes from the last announced version") from None
+        raise UserError(f"trainer rank {exc.error_index} (pid {pids[exc.error_index]}) died ({exc}); the other ranks "
+                        "were stopped. Restart the trainer: it resumes from the last announced version") from None
     except mp.ProcessRaisedException as exc:
         raise UserError(f"trainer rank {exc.error_index} failed; the other ranks were stopped:\n{exc}") from None
     finally:

@@ -120,6 +120,7 @@ class TrainerService:
         check_nproc(settings.nproc, settings.device, settings.threads)
         self.settings = settings
         self.ranks = Ranks()  # this process's rank; set by the launcher on several ranks
+        self.ref_model = None  # the KL reference (_load_ref)
         self.store = WeightStore(settings.weights)
         self.filter = StalenessFilter(loop.eta)
         self.counter = StalenessCounter()
