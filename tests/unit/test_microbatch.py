@@ -105,3 +105,26 @@ def test_device_auto_is_the_cpu_without_cuda_and_a_missing_gpu_is_named():
     from rlstream.errors import UsageError
     with pytest.raises(UsageError, match="0 CUDA device"):
         resolve_device("cuda:1")
+
+
+def _grads(autocast_mode="off", checkpointing=False, budget=24):
+    from rlstream.models.devices import enable_gradient_checkpointing
+    model = build_model(build_tokenizer(), seed=0)
+    if checkpointing:
+        enable_gradient_checkpointing(model)
+    engine = RecordingEngine(model, lr=1e-3, max_grad_norm=1.0, autocast_mode=autocast_mode)
+    accumulated_update(engine, mixed_batch(), UpdateConfig(), max_tokens=budget)
+    return engine.grads
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    for got, want in zip(_grads(checkpointing=True), _grads()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_autocast_runs_on_the_cpu_and_stays_near_float32():
+    bf16, fp32 = _grads(autocast_mode="bf16"), _grads()
+    assert all(g.dtype == torch.float32 for g in bf16)  # parameters and their gradients keep their dtype
+    flat = lambda gs: torch.cat([g.flatten() for g in gs])  # noqa: E731
+    cosine = torch.nn.functional.cosine_similarity(flat(bf16), flat(fp32), dim=0)
+    assert cosine > 0.99 and not torch.equal(flat(bf16), flat(fp32))
