@@ -72,6 +72,9 @@ class RolloutSettings:
     max_context: int = knob(0, "Longest prompt + response the engine takes (0: the model's max_position_embeddings); "
                                "a longer prompt is dead-lettered with its length, a longer episode ends as "
                                "context_exhausted")
+    gpu_memory_utilization: float = knob(0.9, "In-process vLLM on a GPU: the share of the GPU's memory it may take for "
+                                               "weights and KV cache (lower it to share the GPU with a trainer)")
+    device: str = knob("auto", "Transformers backend: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N")
     max_new_tokens: int = knob(0, "Most new tokens per turn: a task asking for more is cut to this "
                                   "(0: as the task asks)")
     wait_policy_s: float = knob(600.0, "How long to wait at start for the first announced policy")
@@ -94,6 +97,8 @@ class RolloutStage(Stage):
 
     def __init__(self, settings: RolloutSettings = RolloutSettings(), loop: LoopSettings = LoopSettings()):
         self.loop = loop
+        if not 0 < settings.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1]: a share of the GPU's memory")
         self.settings = settings
         self.backend = None
         self.version = -1
@@ -147,7 +152,8 @@ class RolloutStage(Stage):
         return make_backend(s.backend, folder, threads=s.threads, urls=server_urls(s.engine_url, s.engine_urls_file),
                             model=s.engine_model, version=version, dtype=s.dtype, max_context=self.max_context,
                             fleet=options, tokenizer=tokenizer, push_timeout_s=s.push_timeout_s,
-                            api_key=os.environ.get("RLSTREAM_ROLLOUT_API_KEY", ""))
+                            api_key=os.environ.get("RLSTREAM_ROLLOUT_API_KEY", ""), device=s.device,
+                            gpu_memory_utilization=s.gpu_memory_utilization)
 
     def _first_version(self):
         """The newest announced version that loads, and its folder; a refused or unreadable one is skipped for the

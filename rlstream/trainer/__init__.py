@@ -1,3 +1,4 @@
-"""The trainer: windowed-FIFO consumption, advantages, losses, the update step and its engine (plain torch or
-DeepSpeed), the optional supervised warm-up, and the service that trains and publishes policy versions.
+"""The trainer: windowed-FIFO consumption, advantages, losses, the update step and its engine (plain torch, DDP or
+DeepSpeed ZeRO), micro-batches with gradient accumulation (``microbatch``), several ranks as one trainer
+(``distributed``), the optional supervised warm-up, and the service that trains and publishes policy versions.
 """

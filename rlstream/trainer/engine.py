@@ -1,53 +1,125 @@
-"""Where the optimizer step runs: plain torch, or DeepSpeed ZeRO (stage 1/2, also on CPU over gloo)."""
+"""Where the optimizer step runs: plain torch, DDP across ranks, or DeepSpeed ZeRO (stage 1/2/3, also on CPU over
+gloo).
+
+Every engine takes a step either whole (``step(loss)``) or accumulated over micro-batches (``accumulating(last)``
+around each micro-batch's forward and backward, ``backward``, then one ``optimizer_step``). Across ranks the
+gradients are averaged (DDP's all-reduce, ZeRO's reduce-scatter), which the caller's loss scale accounts for
+(``trainer/microbatch.py``).
+
+Optimizer state: ``state_dict()`` is this rank's (its shard under ZeRO, where ``sharded``); ``load_state_dict(states)``
+takes every rank's, in rank order, because ZeRO re-partitions from all of them (rank 0's alone where not sharded).
+"""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
+
+from rlstream.models.devices import autocast
 
 
 class TorchEngine:
     """AdamW on one process; gradients clipped to a max norm."""
 
-    def __init__(self, model, lr: float, max_grad_norm: float):
-        self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    #: Whether each rank's optimizer state is its own part (ZeRO) rather than the same on every rank.
+    sharded = False
+
+    def __init__(self, model, lr: float, max_grad_norm: float, device: torch.device = torch.device("cpu"),
+                 autocast_mode: str = "off"):
+        self.device = device
+        self.model = model.to(device)
+        self.autocast_mode = autocast_mode
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.max_grad_norm = max_grad_norm
 
+    def _module(self):
+        """What the forward runs through (a DDP wrapper on several ranks)."""
+        return self.model
+
     def forward(self, **inputs):
-        return self.model(**inputs)
+        with autocast(self.device, self.autocast_mode):
+            return self._module()(**inputs)
 
     def step(self, loss) -> float:
         """Backward and one optimizer step; returns the gradient norm before clipping."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        return self.optimizer_step()
+
+    # -- accumulated over micro-batches ----------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def accumulating(self, last: bool):
+        """Context of one micro-batch's forward and backward; gradients are synchronised on the ``last``."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss) -> None:
+        loss.backward()
+
+    def optimizer_step(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         return float(norm)
 
+    # -- checkpoints -----------------------------------------------------------------------------
+
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+    def load_state_dict(self, states: list[dict]) -> None:
+        # Every rank's plain AdamW state is the same (its gradients were averaged): rank 0's serves any world size.
+        self.optimizer.load_state_dict(states[0])
+
+    def full_state_dict(self):
+        """The whole model's parameters, on rank 0, for the checkpoint; None: ``model`` holds them already."""
+        return None
+
+
+class DDPEngine(TorchEngine):
+    """Data parallel over torch.distributed: full parameters and optimizer on every rank, gradients all-reduced."""
+
+    def __init__(self, model, lr: float, max_grad_norm: float, device: torch.device = torch.device("cpu"),
+                 autocast_mode: str = "off"):
+        from torch.nn.parallel import DistributedDataParallel
+        model = model.to(device)
+        # Construction broadcasts rank 0's parameters: every rank starts from the policy rank 0 loaded.
+        self.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        super().__init__(model, lr, max_grad_norm, device, autocast_mode)
+
+    def _module(self):
+        return self.ddp
+
+    def accumulating(self, last: bool):
+        # All-reduce once per step, in the last micro-batch's backward, not after each one.
+        return contextlib.nullcontext() if last else self.ddp.no_sync()
 
 
 class DeepSpeedEngine:
-    """DeepSpeed ZeRO: optimizer state (stage 1) and gradients (stage 2) sharded across ranks.
+    """DeepSpeed ZeRO: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) sharded across ranks.
 
-    ZeRO 1/2 keep full parameters on every rank, so ``model`` saves as a normal checkpoint.
+    ZeRO 1/2 keep full parameters on every rank, so ``model`` saves as a normal checkpoint; ZeRO-3's are gathered to
+    rank 0 for it (``full_state_dict``).
     """
 
-    def __init__(self, model, lr: float, max_grad_norm: float, stage: int):
-        # A single process is a world of one; launchers (deepspeed, torchrun) set these for more ranks.
+    sharded = True
+
+    def __init__(self, model, lr: float, max_grad_norm: float, stage: int, device: torch.device = torch.device("cpu"),
+                 autocast_mode: str = "off"):
+        # A single process is a world of one; the rank launcher (trainer/distributed.py) sets these for more.
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29511")
-        if not torch.cuda.is_available():
+        if device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
+        self.device = device
+        self.stage = stage
+        self.autocast_mode = autocast_mode
         config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
@@ -55,31 +127,65 @@ class DeepSpeedEngine:
             "zero_optimization": {"stage": stage},
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
         }
-        deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+        deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl")
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         self.model = self.engine.module
 
     def forward(self, **inputs):
-        return self.engine(**inputs)
+        with autocast(self.device, self.autocast_mode):
+            return self.engine(**inputs)
 
     def step(self, loss) -> float:
+        self.engine.set_gradient_accumulation_boundary(True)
         self.engine.backward(loss)
+        return self.optimizer_step()
+
+    def zero_grad(self) -> None:
+        pass  # DeepSpeed zeroes the gradients in its step
+
+    def accumulating(self, last: bool):
+        # Only the boundary micro-batch reduces the gradients; the step after it applies them once.
+        self.engine.set_gradient_accumulation_boundary(last)
+        return contextlib.nullcontext()
+
+    def backward(self, loss) -> None:
+        # The caller scales each micro-batch's loss by its share of the step (microbatch.py), not by a fixed count.
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def optimizer_step(self) -> float:
+        self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
     def state_dict(self) -> dict:
-        # ZeRO shards optimizer state; resuming it takes engine.save_checkpoint, which is per rank.
-        return {}
+        import deepspeed
+        # This rank's partition; ZeRO's loader asks for the version that wrote it.
+        return {**self.engine.optimizer.state_dict(), "ds_version": deepspeed.__version__}
 
-    def load_state_dict(self, state: dict) -> None:
-        pass
+    def load_state_dict(self, states: list[dict]) -> None:
+        # ZeRO merges the saved partitions and takes its own: every rank gets them all.
+        self.engine.optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
+
+    def full_state_dict(self):
+        if self.stage < 3:
+            return None
+        import deepspeed
+        # Collective: every rank takes part, rank 0 keeps the gathered copy.
+        params = list(self.model.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            if int(os.environ.get("RANK", "0")) == 0:
+                return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return None
 
 
-def make_engine(model, lr: float, max_grad_norm: float = 1.0, deepspeed_stage: int = 0):
-    """Torch when deepspeed_stage is 0, else DeepSpeed ZeRO at that stage."""
-    if deepspeed_stage == 0:
-        return TorchEngine(model, lr, max_grad_norm)
-    if deepspeed_stage not in (1, 2):
-        raise ValueError("--deepspeed-stage must be 0 (plain torch), 1 or 2")
-    return DeepSpeedEngine(model, lr, max_grad_norm, deepspeed_stage)
+def make_engine(model, lr: float, max_grad_norm: float = 1.0, deepspeed_stage: int = 0,
+                device: torch.device = torch.device("cpu"), autocast_mode: str = "off", world_size: int = 1):
+    """Torch when deepspeed_stage is 0 (DDP across several ranks), else DeepSpeed ZeRO at that stage."""
+    if deepspeed_stage not in (0, 1, 2, 3):
+        raise ValueError("--deepspeed-stage must be 0 (plain torch, DDP across ranks), 1, 2 or 3")
+    if deepspeed_stage:
+        return DeepSpeedEngine(model, lr, max_grad_norm, deepspeed_stage, device, autocast_mode)
+    if world_size > 1:
+        return DDPEngine(model, lr, max_grad_norm, device, autocast_mode)
+    return TorchEngine(model, lr, max_grad_norm, device, autocast_mode)

@@ -29,6 +29,7 @@ from rlstream.kafka.group import GroupMember
 from rlstream.kafka.records import Rejected
 from rlstream.kafka.topics import delete_before, topic_name
 from rlstream.kafka.transactions import TransactionalProducer
+from rlstream.models.devices import enable_gradient_checkpointing, resolve_device
 from rlstream.models.loading import TINY, check_folder, load_model, load_tokenizer, read_chat_template, torch_dtype
 from rlstream.policy.staleness import StalenessCounter, StalenessFilter
 from rlstream.policy.watcher import last_policy_version
@@ -39,8 +40,10 @@ from rlstream.rewards import JUDGE_FAILURES
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, TeacherFeedback
+from rlstream.trainer.distributed import Ranks, check_nproc, launch
 from rlstream.trainer.engine import make_engine
-from rlstream.trainer.update import UpdateConfig, build_batch, policy_update
+from rlstream.trainer.microbatch import train_step
+from rlstream.trainer.update import UpdateConfig, build_batch
 from rlstream.trainer.window import WindowedFIFO, WindowItem
 
 log = logging.getLogger(__name__)
@@ -91,7 +94,17 @@ class TrainerSettings:
     warmup_fraction: float = knob(0.005, "Fraction of training pairs used by the warm-up")
     max_steps: int = knob(0, "Stop after this many updates (0 = run until stopped)")
     threads: int = knob(1, "Torch threads for this process")
-    deepspeed_stage: int = knob(0, "0: plain torch; 1 or 2: DeepSpeed ZeRO at that stage (CPU runs it over gloo)")
+    deepspeed_stage: int = knob(0, "0: plain torch (DDP across --nproc ranks); 1, 2 or 3: DeepSpeed ZeRO at that "
+                                   "stage (CPU runs it over gloo)", choices=(0, 1, 2, 3))
+    nproc: int = knob(1, "Trainer ranks (torch.distributed: gloo on the CPU, NCCL on GPUs); rank 0 reads, commits "
+                         "and publishes, every rank trains its share of each step")
+    device: str = knob("auto", "Where each rank trains: auto (its CUDA device when CUDA is present, else the CPU), "
+                               "cpu, cuda, or cuda:N (one rank)")
+    autocast: str = knob("off", "Forward under torch.autocast: bf16 or off (parameters keep --dtype)",
+                         choices=("off", "bf16"))
+    gradient_checkpointing: bool = knob(False, "Recompute activations in the backward instead of keeping them")
+    micro_batch_tokens: int = knob(0, "Split each step into micro-batches of at most this many padded tokens, "
+                                      "gradients accumulated into one optimizer step (0: the whole batch at once)")
     seed: int = knob(0, "Seed of the initial model and warm-up")
 
 
@@ -104,7 +117,10 @@ class TrainerService:
             raise ValueError("--groups-per-step cannot exceed --window-groups: a batch comes from inside the window")
         if not 0 < settings.weights_chunk_mb <= 15:
             raise ValueError("--weights-chunk-mb must be in (0, 15]: a weights record must fit the 16 MiB message limit")
+        check_nproc(settings.nproc, settings.device, settings.threads)
         self.settings = settings
+        self.ranks = Ranks()  # this process's rank; set by the launcher on several ranks
+        self.ref_model = None  # the KL reference (_load_ref)
         self.store = WeightStore(settings.weights)
         self.filter = StalenessFilter(loop.eta)
         self.counter = StalenessCounter()
@@ -123,6 +139,9 @@ class TrainerService:
 
     def serve(self, kafka: KafkaSettings, runtime: RuntimeSettings = RuntimeSettings()) -> None:
         """Train until SIGTERM or max_steps; every step ends in a committed transaction."""
+        if self.settings.nproc > 1 and self.ranks.world == 1:  # the launcher: the ranks run serve_rank
+            launch(self.settings.nproc, serve_rank, (self.settings, self.loop, kafka, runtime), self.settings.device)
+            return
         torch.set_num_threads(max(1, self.settings.threads))
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stopping", True))
@@ -174,32 +193,47 @@ class TrainerService:
         # announced the version; a trainer without that store starts anew (the weights log holds neither).
         if announced is not None and announced.version in self.store.versions(self.loop.policy):
             folder = self.store.fetch(self.loop.policy, announced.version, self.loop.home_path / "weights-cache")
-            self.tokenizer = load_tokenizer(folder, flag="resume from")
-            self.model = load_model(folder, self.settings.dtype, flag="resume from")
+            self._build(self.ranks.broadcast(folder))
             self.version = announced.version
-            self.engine = self._engine()
             ahead = folder / CONSUMED_AHEAD
             if ahead.exists():
                 self._done_ahead = {tuple(p) for p in json.loads(ahead.read_text())}
-            opt_state = folder / "optimizer.pt"
-            if opt_state.exists():
-                self.engine.load_state_dict(torch.load(opt_state, weights_only=True))
             log.info("trainer resumed %s at v%d", self.loop.policy, self.version)
         else:
+            self._build(self.ranks.broadcast(None))
+            self._publish(0, {"warmup_steps": float(self.settings.warmup_steps)}, offsets=None, samples=0)
+        ref = None
+        if self.settings.kl_coef > 0:
+            ref = self.store.fetch(self.loop.policy, 0, self.loop.home_path / "weights-cache")
+            self.ranks.command("ref", ref)
+        self._load_ref(ref)
+
+    def _build(self, folder: Path | None) -> None:
+        """This rank's model, tokenizer and engine: the checkpoint in ``folder`` with its optimizer state, or
+        version 0. Every rank runs it (rank 0 names the folder); the engine starts every rank from rank 0's weights,
+        so the warm-up runs on rank 0 alone."""
+        if folder is not None:
+            self.tokenizer = load_tokenizer(folder, flag="resume from")
+            self.model = load_model(folder, self.settings.dtype, flag="resume from")
+        else:
             self.model, self.tokenizer = self._initial_policy()
-            if self.settings.warmup_steps > 0:
+            if self.settings.warmup_steps > 0 and self.ranks.lead:
                 from rlstream.trainer.warmup import supervised_warmup
                 info = supervised_warmup(self.model, self.tokenizer, self.settings.task,
                                          fraction=self.settings.warmup_fraction,
                                          steps=self.settings.warmup_steps, seconds=None, seed=self.settings.seed)
                 log.info("supervised warm-up: %s", info)
-            self.engine = self._engine()
-            self.model.eval()
-            self._publish(0, {"warmup_steps": float(self.settings.warmup_steps)}, offsets=None, samples=0)
-        self.ref_model = None
-        if self.settings.kl_coef > 0:
-            self.ref_model = load_model(self.store.fetch(self.loop.policy, 0, self.loop.home_path / "weights-cache"),
-                                        self.settings.dtype).eval()
+        self.engine = self._engine()
+        states = read_optimizer_states(folder) if folder is not None and self.ranks.lead else None
+        states = self.ranks.broadcast(states)
+        if states:
+            self.engine.load_state_dict(states)
+        self.model.eval()
+
+    def _load_ref(self, folder: Path | None) -> None:
+        """The KL reference (version 0), on this rank's device; None without --kl-coef."""
+        self.ref_model = None if folder is None else \
+            load_model(folder, self.settings.dtype).to(self.engine.device).eval()
 
     def _initial_policy(self):
         """Version 0's model and tokenizer: ``--model`` as given, or the tiny model built from its seed."""
@@ -218,7 +252,12 @@ class TrainerService:
         return model, tokenizer
 
     def _engine(self):
-        engine = make_engine(self.model, self.settings.lr, self.update_cfg.max_grad_norm, self.settings.deepspeed_stage)
+        s = self.settings
+        if s.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
+        engine = make_engine(self.model, s.lr, self.update_cfg.max_grad_norm, s.deepspeed_stage,
+                             device=resolve_device(s.device, self.ranks.rank), autocast_mode=s.autocast,
+                             world_size=self.ranks.world)
         self.model = engine.model
         return engine
 
@@ -273,7 +312,8 @@ class TrainerService:
         started = time.monotonic()
         batch = build_batch([[it.payload for it in g.items] for g in groups], self.settings.advantage,
                             self.tokenizer.pad_token_id)  # load_tokenizer gave a pad-less tokenizer eos as pad
-        stats = policy_update(self.engine, batch, self.update_cfg, self.ref_model)
+        self.ranks.command("step", batch)
+        stats = self._train(batch)
         stats.update({"step_seconds": time.monotonic() - started, "stale": float(self.counter.stale),
                       "accepted": float(self.counter.accepted), "stale_ratio": self.counter.stale_ratio,
                       "evicted": float(self.evicted)})
@@ -285,18 +325,31 @@ class TrainerService:
                       samples=int(batch.input_ids.shape[0]))
         metrics.STEP_SECONDS.labels("trainer").observe(time.monotonic() - started)
 
+    def _train(self, batch) -> dict[str, float]:
+        """This rank's part of one step on ``batch`` (every rank holds all of it)."""
+        return train_step(self.engine, batch, self.update_cfg, self.ref_model, self.settings.micro_batch_tokens,
+                          self.ranks.rank, self.ranks.world)
+
+    def _checkpoint_parts(self):
+        """(the whole model's parameters where the engine shards them, else None; the optimizer state: every rank's
+        where sharded, else rank 0's alone, as every rank's is the same), both on rank 0; every rank takes part."""
+        full = self.engine.full_state_dict()
+        return full, self.ranks.gather(self.engine.state_dict()) if self.engine.sharded else [self.engine.state_dict()]
+
     def _publish(self, version: int, stats: dict[str, float], offsets, samples: int) -> None:
         policy = self.loop.policy
         publish_started = time.monotonic()
         written = {}
+        self.ranks.command("save")
+        full_state, optimizer_states = self._checkpoint_parts()
 
         def write(folder: Path) -> None:
-            self.model.save_pretrained(folder, safe_serialization=True)
+            self.model.save_pretrained(folder, safe_serialization=True, state_dict=full_state)
             self.tokenizer.save_pretrained(folder)
             # What workers load, hashed as they will hash it (the store may be remote: read while it is here).
             written["content"] = read_folder(folder)
             written["tokenizer_hash"] = tokenizer_hash(folder)
-            torch.save(self.engine.state_dict(), folder / "optimizer.pt")
+            write_optimizer_states(folder, optimizer_states, self.engine.sharded)
             # The window trains complete groups out of log order, so the committed offsets stop at the oldest
             # held sample; what was trained past it is listed here for a restart to skip.
             (folder / CONSUMED_AHEAD).write_text(json.dumps(self.window.released_ahead()))
@@ -350,3 +403,35 @@ class TrainerService:
     def _pop_letters(self):
         letters, self._letters = self._letters, []
         return letters
+
+
+def serve_rank(ranks: Ranks, settings: TrainerSettings, loop: LoopSettings, kafka: KafkaSettings,
+               runtime: RuntimeSettings) -> None:
+    """One rank of ``--nproc N``: rank 0 is the trainer, the others follow its commands (trainer/distributed.py)."""
+    torch.set_num_threads(max(1, settings.threads))
+    service = TrainerService(settings, loop)
+    service.ranks = ranks
+    if not ranks.lead:
+        ranks.follow(service)
+        return
+    service.serve(kafka, runtime)
+    ranks.command("stop")
+
+
+def write_optimizer_states(folder: Path, states: list[dict], sharded: bool) -> None:
+    """Plain torch's state in ``optimizer.pt``; a sharded engine's in ``optimizer/rank{r}.pt``, one per rank."""
+    if not sharded:
+        torch.save(states[0], folder / "optimizer.pt")
+        return
+    (folder / "optimizer").mkdir()
+    for rank, state in enumerate(states):
+        torch.save(state, folder / "optimizer" / f"rank{rank}.pt")
+
+
+def read_optimizer_states(folder: Path) -> list[dict] | None:
+    """The optimizer state saved with the checkpoint in ``folder``, in rank order (None: none saved)."""
+    if (folder / "optimizer.pt").exists():
+        return [torch.load(folder / "optimizer.pt", weights_only=True)]
+    shards = sorted((folder / "optimizer").glob("rank*.pt"), key=lambda f: int(f.stem[4:]))
+    # ZeRO's state holds more than tensors (its loss scaler): a full unpickle, of the trainer's own files.
+    return [torch.load(f, weights_only=False) for f in shards] or None

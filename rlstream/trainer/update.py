@@ -24,6 +24,13 @@ class Batch:
     rewards: torch.Tensor  # [B]
     temperature: float
 
+    def to(self, device: torch.device) -> "Batch":
+        """This batch on ``device`` (the same tensors when they are there already)."""
+        move = lambda t: t.to(device) if t is not None else None  # noqa: E731
+        return Batch(move(self.input_ids), move(self.attention_mask), move(self.loss_mask),
+                     move(self.behaviour_logprobs), move(self.teacher_logprobs), move(self.advantages),
+                     move(self.rewards), self.temperature)
+
 
 def build_batch(groups: list[list[ScoredTrajectory | TeacherFeedback]], advantage: str, pad_id: int) -> Batch:
     """Flatten complete groups into one padded batch; advantages are computed within each group."""
@@ -84,8 +91,23 @@ def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def policy_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> dict[str, float]:
-    """One gradient step on a TorchEngine or DeepSpeedEngine; returns scalar stats for PolicyVersion.metrics."""
+    """One gradient step on the whole batch at once, on any engine; returns scalar stats for PolicyVersion.metrics.
+
+    (Micro-batches with gradient accumulation, and several ranks: ``trainer/microbatch.py``.)
+    """
     engine.model.train()
+    batch = batch.to(engine.device)
+    loss, stats = batch_loss(engine, batch, cfg, ref_model)
+    stats["grad_norm"] = engine.step(loss)
+    engine.model.eval()
+    stats["loss"] = float(loss.detach())
+    stats["reward_mean"] = float(batch.rewards.mean())
+    stats["samples"] = float(batch.input_ids.shape[0])
+    return stats
+
+
+def batch_loss(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The token-mean loss of ``batch`` (over its loss-mask tokens) and its token-mean stats."""
     logits = engine.forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     targets = _next_tokens(batch.input_ids)
     # Behaviour log-probs were sampled at this temperature, so the ratio must be taken at it too.
@@ -108,9 +130,4 @@ def policy_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> di
         kl = kl_penalty(logp, ref_logp, batch.loss_mask)
         loss = loss + cfg.kl_coef * kl
         stats["kl_ref"] = float(kl.detach())
-    stats["grad_norm"] = engine.step(loss)
-    engine.model.eval()
-    stats["loss"] = float(loss.detach())
-    stats["reward_mean"] = float(batch.rewards.mean())
-    stats["samples"] = float(batch.input_ids.shape[0])
-    return stats
+    return loss, stats

@@ -34,9 +34,12 @@ def server_urls(urls: tuple[str, ...] | list[str] = (), urls_file: str = "") -> 
 
 def make_backend(kind: str, folder: Path, threads: int = 1, urls: tuple[str, ...] | list[str] = (), model: str = "",
                  version: int = -1, dtype: str = "auto", max_context: int = 0, fleet: FleetOptions | None = None,
-                 tokenizer=None, api_key: str = "", push_timeout_s: float = 600.0) -> InferenceBackend:
+                 tokenizer=None, api_key: str = "", push_timeout_s: float = 600.0, device: str = "auto",
+                 gpu_memory_utilization: float = 0.9) -> InferenceBackend:
     """Build a backend by name, holding policy ``version`` (the weights in ``folder``) in ``dtype`` with a context of
-    ``max_context`` tokens (0: the model's own); ``auto`` is vLLM when importable, else transformers.
+    ``max_context`` tokens (0: the model's own); ``auto`` is vLLM when importable, else transformers. ``device``
+    places the transformers engine (auto: CUDA when present); ``gpu_memory_utilization`` is the share of a GPU's
+    memory in-process vLLM may take (weights and KV cache; its CPU build sizes the cache by VLLM_CPU_KVCACHE_SPACE).
 
     A server kind (``vllm-server``, ``sglang``, ``openai``) gets a fleet of ``urls``: each must answer, and its
     tokenizer must be the policy's (``tokenizer``, checked on a probe text where the server can tokenize); servers
@@ -45,12 +48,13 @@ def make_backend(kind: str, folder: Path, threads: int = 1, urls: tuple[str, ...
     if kind in SERVERS:
         return start_fleet(kind, folder, list(urls), model, version, fleet or FleetOptions(), tokenizer, api_key,
                            push_timeout_s)
-    backend = _make_local(kind, folder, threads, dtype, max_context)
+    backend = _make_local(kind, folder, threads, dtype, max_context, device, gpu_memory_utilization)
     backend.version = version
     return backend
 
 
-def _make_local(kind: str, folder: Path, threads: int, dtype: str, max_context: int) -> InferenceBackend:
+def _make_local(kind: str, folder: Path, threads: int, dtype: str, max_context: int, device: str = "auto",
+                gpu_memory_utilization: float = 0.9) -> InferenceBackend:
     from rlstream.stages.inference.local import TransformersBackend, VLLMBackend
     if kind == "auto":
         try:
@@ -60,9 +64,11 @@ def _make_local(kind: str, folder: Path, threads: int, dtype: str, max_context: 
             log.info("vLLM unavailable (%s); using the transformers backend", exc)
             kind = "transformers"
     if kind == "transformers":
-        return TransformersBackend(folder, threads=threads, dtype=dtype)
+        from rlstream.models.devices import resolve_device
+        return TransformersBackend(folder, threads=threads, dtype=dtype, device=str(resolve_device(device)))
     if kind == "vllm":
-        return VLLMBackend(folder, threads=threads, max_model_len=max_context, dtype=dtype)
+        return VLLMBackend(folder, threads=threads, max_model_len=max_context, dtype=dtype,
+                           gpu_memory_utilization=gpu_memory_utilization)
     raise ValueError(f"unknown backend {kind!r}; use one of {', '.join(KINDS)}")
 
 

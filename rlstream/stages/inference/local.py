@@ -127,7 +127,8 @@ class VLLMBackend(InferenceBackend):
     name = "vllm"
     swaps_mid_generation = True
 
-    def __init__(self, folder: Path, threads: int = 1, max_model_len: int = 0, dtype: str = "auto"):
+    def __init__(self, folder: Path, threads: int = 1, max_model_len: int = 0, dtype: str = "auto",
+                 gpu_memory_utilization: float = 0.9):
         import os
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # The engine core in this process: weight reloads are a direct call, and no spawn re-imports.
@@ -139,7 +140,8 @@ class VLLMBackend(InferenceBackend):
         # the version stamped on each token (and its log-prob) is the one that sampled it.
         self.llm = LLM(model=str(folder), dtype=dtype_name(torch_dtype(dtype, folder)),
                        max_model_len=max_model_len or context_limit(folder), enforce_eager=True,
-                       load_format="safetensors", seed=0, async_scheduling=False)
+                       load_format="safetensors", seed=0, async_scheduling=False,
+                       gpu_memory_utilization=gpu_memory_utilization)
         self.tokenizer = self.llm.get_tokenizer()
         self.eos = self.tokenizer.eos_token_id
         self._calls = 0

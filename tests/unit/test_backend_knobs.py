@@ -1,0 +1,60 @@
+"""Rollout's engine knobs reach the engine: --gpu-memory-utilization and --max-context to vLLM, --device to the
+transformers backend (vLLM itself is faked: only what rlstream hands it is checked here)."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+
+from rlstream.config import load
+from rlstream.stages.rollout import RolloutSettings, RolloutStage
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    seen = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+        def get_tokenizer(self):
+            return SimpleNamespace(eos_token_id=2)
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    sys.modules["vllm"].LLM = LLM
+    return seen
+
+
+def test_gpu_memory_utilization_and_max_context_from_the_environment_reach_vllm(fake_vllm, monkeypatch, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    monkeypatch.setenv("RLSTREAM_ROLLOUT_GPU_MEMORY_UTILIZATION", "0.45")
+    monkeypatch.setenv("RLSTREAM_ROLLOUT_MAX_CONTEXT", "48")
+    stage = RolloutStage(load(RolloutSettings, backend="vllm"))
+    stage.max_context = stage.settings.max_context
+    stage._make_backend(tmp_path, 0)
+    assert fake_vllm["gpu_memory_utilization"] == 0.45
+    assert fake_vllm["max_model_len"] == 48
+
+
+def test_gpu_memory_utilization_outside_0_1_is_refused_by_name():
+    with pytest.raises(ValueError, match="--gpu-memory-utilization"):
+        RolloutStage(RolloutSettings(gpu_memory_utilization=1.5))
+
+
+def test_transformers_backend_goes_to_the_device_asked(monkeypatch, tmp_path):
+    from rlstream.errors import UsageError
+    from rlstream.stages.inference import make_backend
+    placed = {}
+    import rlstream.stages.inference.local as local
+    monkeypatch.setattr(local.TransformersBackend, "__init__",
+                        lambda self, folder, threads=1, device="cpu", dtype="auto": placed.update(device=device))
+    make_backend("transformers", tmp_path, device="cpu")
+    assert placed["device"] == "cpu"
+    import torch
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="0 CUDA device"):
+            make_backend("transformers", tmp_path, device="cuda")
