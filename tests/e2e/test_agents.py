@@ -78,7 +78,7 @@ def test_multi_turn_tool_episodes_through_the_stages(where, bootstrap, run_name,
                                     "--wait-policy-s", "120"),
              "env": start_stage("env", bootstrap, run_name, *env_args, "--sandbox", "subprocess",
                                 "--workspace-root", str(workspaces)),
-             "reward": start_stage("reward", bootstrap, run_name, "--reward", "tests.reward_fns:digit_share")}
+             "reward": start_stage("reward", bootstrap, run_name, "--reward", "tests.reward_fns:token_checksum")}
     n = TASKS * GROUP
     try:
         rewards = read_all(bootstrap, run_name, "rewards", expect=n, timeout=300)
