@@ -1,0 +1,28 @@
+"""The arithmetic recipe for ``rlstream demo --recipe arithmetic`` (see rlstream/recipes.py): what ``build`` writes,
+and the loop settings that train it.
+
+The values come from this machine (2 cores, no GPU): ``grpo_sanity`` at these settings raised held-out greedy
+accuracy of the built model from about 0.26 to about 0.42 in 7 minutes of plain on-policy GRPO, in one process.
+"""
+
+#: The module that writes the recipe's folder (``python -m BUILD --out DIR``).
+BUILD = "examples.arithmetic.build"
+
+#: Demo settings; model, dataset and eval_dataset are paths inside the built folder.
+DEMO = {
+    "model": "model",
+    "dataset": "train.jsonl",
+    "eval_dataset": "test.jsonl",
+    "prompt_column": "question",
+    "answer_column": "answer",
+    "chat": True,  # the model was warmed up on ChatML turns: its prompts go through its chat template
+    "reward": "math",
+    "max_tokens": 32,  # answers are a worked line or two and "#### N" (the longest about 25 tokens)
+    "lr": 1e-4,
+    "minutes": 10.0,
+    "target": 0.9,  # not reached in 10 minutes here: the run ends on time and prints how far it got
+    "heldout_every": 10,
+}
+
+#: Loop settings: 16 prompts of 8 samples per update, as in the sanity runs.
+LOOP = {"group_size": 8, "groups_per_step": 16}
