@@ -18,7 +18,7 @@ DEMO = {
     "chat": True,  # the model was warmed up on ChatML turns: its prompts go through its chat template
     "reward": "math",
     "max_tokens": 32,  # answers are a worked line or two and "#### N" (the longest about 25 tokens)
-    "lr": 1e-4,
+    "lr": 2e-5,
     "minutes": 10.0,
     "target": 0.9,  # not reached in 10 minutes here: the run ends on time and prints how far it got
     "heldout_every": 10,
