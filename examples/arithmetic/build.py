@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ from examples.arithmetic.model import ModelShape, build_model, count_parameters,
 from examples.arithmetic.tokenizer import check_round_trip, train_tokenizer
 
 
-def positive(kind: type) -> callable:
+def positive(kind: type) -> Callable[[str], int | float]:
     """An argparse type: a number of ``kind`` above zero."""
     def parse(raw: str):
         try:
@@ -62,13 +63,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=positive(int), default=1024, help="BPE vocabulary size (default 1024)")
     p.add_argument("--sft-steps", type=non_negative, default=200,
                    help="supervised warm-up steps; 0 saves the untrained model (default 200)")
-    p.add_argument("--batch-size", type=positive(int), default=32, help="warm-up batch size (default 32)")
+    p.add_argument("--batch-size", type=positive(int), default=16, help="warm-up batch size (default 16)")
     p.add_argument("--lr", type=positive(float), default=1e-3, help="warm-up peak learning rate (default 1e-3)")
-    p.add_argument("--final-lr", type=float, default=0.1, help="warm-up learning rate at the end, as a fraction of --lr")
+    p.add_argument("--final-lr", type=float, default=1.0,
+                   help="warm-up learning rate at the end, as a fraction of --lr (default 1: no decay; a decayed "
+                        "model's extra accuracy is lost to RL's first updates)")
     p.add_argument("--samples", type=positive(int), default=8,
                    help="temperature-1 samples per held-out problem for the sampled accuracy (default 8)")
     p.add_argument("--threads", type=positive(int), default=1, help="torch CPU threads (default 1)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out}: exists and is not a folder")
+    if not 0 < args.final_lr <= 1:
+        p.error(f"--final-lr must be in (0, 1], got {args.final_lr}")
+    return args
 
 
 def chat_text(problem: data.Problem) -> str:

@@ -1,9 +1,9 @@
 """GSM8K-style arithmetic word problems, generated from a seed.
 
 Each problem is a ``question`` in words and an ``answer`` written the way GSM8K writes one: a worked line, then
-``#### N``. The numbers are small (none above 20) and the operations few (add, subtract, and add-then-subtract),
-so a model of a few million parameters learns the format at once and the arithmetic only in part: the gap that
-RL has to close.
+``#### N`` (two lines for a two-step problem). The numbers are small (none above 20) and the operations few (add,
+subtract, add-then-subtract), so a model of a few million parameters learns the format fast, and copying the
+numbers and the arithmetic only in part: the gap that RL has to close.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from rlstream.rewards.verifiers import VERIFIERS
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import SamplingParams, Task, Trajectory, Turn
 
-#: Most tokens of a response: the longest answer (a two-step one) is about 25.
+#: Most tokens of a response: the longest answer (a two-step one) is 27 with its <|im_end|>.
 MAX_NEW_TOKENS = 32
 
 

@@ -1,6 +1,7 @@
 """A sanity check, not the loop: can plain on-policy GRPO raise the built model's held-out accuracy on this CPU?
 
-    python -m examples.arithmetic.grpo_sanity --data DIR [--minutes 8] [--lr 2e-4] [--prompts 16] [--group 8]
+    python -m examples.arithmetic.grpo_sanity --data DIR [--minutes 8] [--lr 1e-4] [--lr-warmup 20]
+        [--prompts 16] [--group 8]
 
 DIR is what ``build`` wrote. Each step samples ``--group`` answers at temperature 1 for each of ``--prompts``
 train questions, scores them with the ``math`` verifier, and takes one AdamW step on the policy-gradient loss
@@ -13,6 +14,11 @@ greedy accuracy.
 
 It exists to tell which learning rate and group sizes to give the real loop, and that the recipe's reward can
 rise in minutes at all; it is single-process and has none of the loop's machinery.
+
+Seen on the default build (seed 0, held-out greedy 0.26), 16 prompts x 8 samples, grpo, one busy 2-core machine
+(about 3.5 s a step): lr 1e-4 with a 20-step warm-up reached 0.39 at 100 s, 0.44 at 260 s and 0.49 at 470 s;
+lr 1e-4 without warm-up (the trainer today) first fell to 0.16 at step 10, then rose to 0.42 at 330 s; lr 2e-4
+(with or without warm-up) peaked near 0.46 and fell back; 3e-4 collapsed to one answer for every question.
 """
 from __future__ import annotations
 
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m examples.arithmetic.grpo_sanity", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, required=True, help="the folder build wrote (model/, train/test.jsonl)")
     p.add_argument("--minutes", type=float, default=8.0, help="training time budget, evaluation excluded")
-    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--lr-warmup", type=int, default=0,
                    help="steps of linear learning-rate warm-up (0, the loop's trainer today: none)")
     p.add_argument("--advantage", choices=sorted(ADVANTAGES), default="grpo")

@@ -3,6 +3,10 @@
 The warm-up is plain SFT on chat-formatted problems, counted in optimizer steps (not seconds) so that a seed gives
 the same model on any machine. It is meant to stop early: the model should know the answer format and get some
 problems right, leaving the rest for RL.
+
+The learning rate is not decayed at the end by default. A cosine decay to a tenth bought about +0.15 held-out
+accuracy, but that gain is fragile: the first updates of a fresh optimizer at RL's learning rate (or even more SFT
+at 3e-4) took it away within ten steps, so RL would start by losing it.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ class ModelShape:
     max_positions: int = 512
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, shape: ModelShape = ModelShape(), seed: int = 0) -> Qwen2ForCausalLM:
+def build_model(tokenizer: PreTrainedTokenizerFast, shape: ModelShape = ModelShape(), seed: int = 0
+                ) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2 whose special ids are the tokenizer's.
 
     Input and output embeddings are untied: vLLM-CPU's weight reload refreshes the input embedding but not a tied
@@ -94,7 +99,7 @@ def collate(batch: Sequence[tuple[list[int], int]], pad_id: int) -> tuple[torch.
     return ids, mask, labels
 
 
-def lr_at(step: int, steps: int, peak: float, warmup: int, final: float = 0.1) -> float:
+def lr_at(step: int, steps: int, peak: float, warmup: int, final: float = 1.0) -> float:
     """Linear warm-up to ``peak``, then cosine down to ``final`` times it."""
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -103,7 +108,7 @@ def lr_at(step: int, steps: int, peak: float, warmup: int, final: float = 0.1) -
 
 
 def sft(model: Qwen2ForCausalLM, examples: Sequence[tuple[list[int], int]], pad_id: int, steps: int,
-        batch_size: int = 32, lr: float = 1e-3, final_lr: float = 0.1, seed: int = 0, log_every: int = 50) -> float:
+        batch_size: int = 16, lr: float = 1e-3, final_lr: float = 1.0, seed: int = 0, log_every: int = 50) -> float:
     """``steps`` AdamW steps of next-token loss on the answers, batches drawn with ``seed``; the seconds it took."""
     if steps <= 0:
         return 0.0
