@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from rlstream.config import KafkaSettings
 from rlstream.kafka.topics import TOPICS, topic_name
@@ -103,6 +103,32 @@ def produce(producer: Any, run: str, logical: str, key: Any, record: Record, pol
     headers = hdr.build(policy_version, traceparent or hdr.new_traceparent(), reward_version)
     extra = {"on_delivery": on_delivery} if on_delivery is not None else {}
     producer.produce(topic_name(run, logical), value=encode(logical, record), key=key, headers=headers, **extra)
+
+
+def produce_located(producer: Any, run: str, logical: str, key: Any, items: list[Record], policy_version: int,
+                    timeout: float = 300.0) -> tuple[int, int]:
+    """Produce ``items`` in order under one key and flush; return (partition, offset) of the first.
+
+    Every item must be delivered within ``timeout``: a delivery error, or one still undelivered, raises
+    KafkaException (inside a transaction it aborts it), so a caller never names a place that is not on the log.
+    """
+    first: dict[str, tuple[int, int]] = {}
+    errors: list = []
+
+    def report(err, msg):
+        if err is not None:
+            errors.append(err)
+        else:
+            first["at"] = (msg.partition(), msg.offset())
+
+    for i, record in enumerate(items):
+        # One key, one partition: the items stay in order after the first, so its place locates them all.
+        produce(producer, run, logical, key, record, policy_version, on_delivery=report if i == 0 else None)
+    left = producer.flush(timeout)
+    if errors or left or "at" not in first:
+        raise KafkaException(errors[0] if errors else KafkaError(
+            KafkaError._TIMED_OUT, f"{logical}: {left} of {len(items)} records undelivered", txn_requires_abort=True))
+    return first["at"]
 
 
 class TypedProducer:

@@ -48,7 +48,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode, urlparse
 
-from confluent_kafka import KafkaError, KafkaException
 
 from rlstream import metrics
 from rlstream.kafka import records
@@ -122,29 +121,13 @@ class WeightLogWriter:
         anchor = base is None or base[0] != version - 1 or version % self.anchor_every == 0
         payload = encode(content, None if anchor else base[1])
         parts = split(payload, self.chunk_bytes)
-        places: dict[int, tuple[int, int]] = {}
-        errors: list = []
-
-        def delivered(index: int):
-            def report(err, msg):
-                if err is not None:
-                    errors.append(err)
-                else:
-                    places[index] = (msg.partition(), msg.offset())
-            return report
-
         created, files = now_ms(), content.names()
-        for i, part in enumerate(parts):
-            chunk = WeightChunk(policy=self.policy, version=version, kind=ANCHOR if anchor else DELTA,
-                                base_version=-1 if anchor else base[0], chunk=i, chunks=len(parts), files=files,
-                                payload=part, content_hash=digest, created_at=created)
-            records.produce(txn, self.run, "weights", self.policy.encode(), chunk, version,
-                            on_delivery=delivered(i) if i == 0 else None)
-        left = txn.flush(flush_timeout_s)
-        if errors or left or 0 not in places:
-            raise KafkaException(errors[0] if errors else KafkaError(
-                KafkaError._TIMED_OUT, f"weights of v{version}: {left} chunks undelivered", txn_requires_abort=True))
-        partition, offset = places[0]
+        chunks = [WeightChunk(policy=self.policy, version=version, kind=ANCHOR if anchor else DELTA,
+                              base_version=-1 if anchor else base[0], chunk=i, chunks=len(parts), files=files,
+                              payload=part, content_hash=digest, created_at=created)
+                  for i, part in enumerate(parts)]
+        partition, offset = records.produce_located(txn, self.run, "weights", self.policy.encode(), chunks, version,
+                                                    flush_timeout_s)
         if anchor:
             ref = LogRef(self.policy, version, partition, offset, version, offset)
         else:
