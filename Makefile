@@ -42,7 +42,7 @@ demo: setup-vllm  ## the whole loop on this machine until the tiny model learns
 	$(RLSTREAM) demo
 
 bench: setup-vllm broker
-	bash benchmarks/run_all.sh
+	PY="$(PY)" bash benchmarks/run_all.sh
 
 down:
 	$(RLSTREAM) down

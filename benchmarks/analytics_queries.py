@@ -15,6 +15,7 @@ import statistics
 import tempfile
 import time
 
+from benchmarks.harness.result import result
 from rlstream.archive.sink import ArchiveSettings, ArchiveSink
 from rlstream.archive.tables import TABLES
 from rlstream.archive.views import install_views, standard_queries, trajectory_timeline_sql
@@ -142,20 +143,23 @@ def main() -> None:
         queries = standard_queries(RUN, ("v1", "v2"))
         queries["one trajectory end to end"] = trajectory_timeline_sql(RUN, f"traj-{args.rows // 2}")
         print(f"\n{'query':<42} {'best s':>7} {'median s':>9} {'rows':>6}  within {GOAL_S:.0f} s")
-        slow = 0
+        slow, medians = 0, []
         for name, sql in queries.items():
             times, n = [], 0
             for _ in range(args.repeat):
                 started = time.perf_counter()
                 n = len(sink.client.query(sql).result_rows)
                 times.append(time.perf_counter() - started)
-            ok = min(times) < GOAL_S
+            medians.append(statistics.median(times))
+            ok = medians[-1] < GOAL_S  # judged on the median: a best-of-N hides a slow first read
             slow += not ok
             print(f"{name:<42} {min(times):7.3f} {statistics.median(times):9.3f} {n:6d}  {'yes' if ok else 'NO'}")
         counts = sink.client.query("SELECT (SELECT count() FROM rlstream.trajectories), "
                                    "(SELECT count() FROM rlstream.rewards)").result_rows[0]
         print(f"\narchive: {counts[0]:,} trajectories, {counts[1]:,} reward rows; "
               f"{len(queries) - slow}/{len(queries)} queries within {GOAL_S:.0f} s")
+        result("analytics_queries", trajectories=counts[0], queries=len(queries), within_goal=len(queries) - slow,
+               slowest_median_s=max(medians))
     finally:
         sink.close()
         if args.path is None:

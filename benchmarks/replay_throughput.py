@@ -21,6 +21,7 @@ import uuid
 
 from confluent_kafka import Producer
 
+from benchmarks.harness.result import result as report
 from rlstream.archive.query import open_archive, read_endpoint
 from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.kafka.topics import create_topics, topic_name
@@ -90,6 +91,7 @@ def main() -> None:
     assert result.scored == args.count, result
     print(f"replay from the topic:          {result.rate:8.0f} trajectories/s  ({result.rate / live:.2f}x baseline, "
           f"{result.seconds:.1f} s incl. group join)")
+    figures = {"count": args.count, "live_per_s": live, "topic_per_s": result.rate, "topic_ratio": result.rate / live}
 
     if args.archive:
         path = tempfile.mkdtemp(prefix="rlstream-replaybench-")
@@ -108,10 +110,12 @@ def main() -> None:
             assert result.scored == args.count, result
             print(f"replay from the archive:        {result.rate:8.0f} trajectories/s  ({result.rate / live:.2f}x "
                   f"baseline)")
+            figures.update(archive_per_s=result.rate, archive_ratio=result.rate / live)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
             shutil.rmtree(path, ignore_errors=True)
+    report("replay_throughput", **figures)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.trainer_tokens import commit, make_model, make_steps
+from benchmarks.harness.result import commit, result
+from benchmarks.trainer_tokens import make_model, make_steps
 from rlstream.trainer.distributed import launch
 from rlstream.trainer.engine import make_engine
 from rlstream.trainer.microbatch import train_step
@@ -69,6 +70,8 @@ def main() -> None:
         print(f"{n} rank(s): {rate[n]:.1f} samples/s over {args.steps - args.warmup} steps "
               f"({sum(results[n]['times'][counted]):.1f} s)")
     print(f"2 ranks / 1 rank: {rate[2] / rate[1]:.2f}x samples/s")
+    result("trainer_ranks", steps=args.steps, ratio=rate[2] / rate[1],
+           max_loss_difference=max(abs(a - b) for a, b in zip(results[1]["losses"], results[2]["losses"])))
     print("step  loss (1 rank)   loss (2 ranks)  |difference|")
     for step, (a, b) in enumerate(zip(results[1]["losses"], results[2]["losses"])):
         print(f"{step:4d}  {a:+.8f}  {b:+.8f}  {abs(a - b):.1e}")

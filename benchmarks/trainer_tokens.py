@@ -33,7 +33,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from benchmarks.harness.result import commit, result
 from rlstream.policy.weights import WeightStore
 from rlstream.schemas.records import Reward, SamplingParams, ScoredTrajectory, Task, Trajectory
 from rlstream.trainer.engine import TorchEngine
@@ -168,16 +168,6 @@ def checkpoint_cost(model, tokenizer, engine: TorchEngine, repeats: int) -> list
 
 # -- the run -----------------------------------------------------------------------------------------------------
 
-def commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "")
-    except Exception:
-        return "unknown"
-
-
 def quartiles(values: list[float]) -> tuple[float, float]:
     if len(values) < 2:
         return values[0], values[0]
@@ -297,6 +287,8 @@ def main() -> None:
           f"min-max {min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} pairs; goal >= 0.95); "
           f"CPU-time ratio {cpu_ratio:.3f} (IQR {cq1:.3f}-{cq3:.3f}); "
           f"per-version checkpoint cost {1e3 * ckpt_s:.1f} ms", flush=True)
+    result("trainer_tokens", steps=args.steps, rlstream_tokens_per_s=rl_tps, plain_tokens_per_s=plain_tps,
+           ratio=rl_tps / plain_tps, checkpoint_ms=1e3 * ckpt_s)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "date": today, "commit": rev, "load_start": load_start, "load_end": load_end,

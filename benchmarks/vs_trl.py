@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.harness.result import result
+
 ROOT = Path(__file__).resolve().parents[1]
 TRL_VENV = ROOT / ".rlstream" / "trl-venv"
 TRL_VERSION = "1.16.0"
@@ -296,6 +298,8 @@ def main(argv=None) -> dict:
             print(f"  ratio rlstream/TRL {ratio:.2f}x   (goal <= {goal}x)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    result("vs_trl", target=args.target,
+           **{f"ratio_at_{lat}s": row.get("ratio", float("nan")) for lat, row in results.items()})
     return results
 
 

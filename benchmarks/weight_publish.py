@@ -27,6 +27,7 @@ from pathlib import Path
 from confluent_kafka.admin import AdminClient
 
 from benchmarks.harness.loop import Loop, PacedSource, Versions, log
+from benchmarks.harness.result import result as report
 from benchmarks.harness.stats import percentile
 from rlstream.kafka.tail import TopicTail
 
@@ -212,6 +213,8 @@ def main(argv=None) -> dict:
                                       for m, r in results.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    report("weight_publish", **{f"{m}_p50_s": r["every_p50"] for m, r in results.items()},
+           **{f"{m}_p99_s": r["every_p99"] for m, r in results.items()})
     return results
 
 

@@ -59,6 +59,8 @@ class DemoSettings:
     backend: str = knob("auto", "Rollout engine: auto (vLLM if installed), transformers, vllm",
                         choices=("auto", "transformers", "vllm"))
     lr: float = knob(1e-4, "Learning rate")
+    lr_warmup_steps: int = knob(0, "Linear learning-rate warm-up over this many updates (the trainer's "
+                                   "--lr-warmup-steps)")
     warmup_steps: int = knob(300, "Supervised warm-up steps of the tiny model before RL (a --model is used as "
                                   "given)")
     heldout_every: int = knob(2, "Evaluate the held-out set every N policy versions")
@@ -85,6 +87,18 @@ class Progress:
         return (len(self.train_times) - 1) / span if span > 0 else 0.0
 
 
+def live_line(progress: Progress, best: tuple[int, float] | None, seconds: float, warming: bool = False) -> str:
+    """The demo's one status line: what the loop is waiting on until it has figures, then the figures."""
+    if progress.version < 0:
+        doing = "supervised warm-up, then version 0" if warming else "loading the model for version 0"
+        return f"starting: trainer {doing}  {seconds:5.0f}s"
+    if not progress.train_rewards:
+        return f"v{progress.version:<4d} rollout engine starting: no samples scored yet  {seconds:5.0f}s"
+    heldout = f"{best[1]:.2f}" if best else "  - "
+    return (f"v{progress.version:<4d} held-out {heldout}  train {_mean(progress.train_rewards):.2f}  "
+            f"{progress.samples_per_s():6.1f} samples/s  stale {progress.stale_ratio:.1%}  {seconds:5.0f}s")
+
+
 def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
     """Run the loop until held-out reward reaches the target or time is up; 0 when it was reached."""
     from rlstream.infra import broker
@@ -104,7 +118,7 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
     user_model = s.model != "tiny"
     plan = {
         "trainer": ["run", "trainer", "--weights", weights, "--model", s.model, "--task", s.task, "--lr", str(s.lr),
-                    "--warmup-steps", str(0 if user_model else s.warmup_steps), "--threads", "1", "--instance", "0"],
+                    "--lr-warmup-steps", str(s.lr_warmup_steps), "--warmup-steps", str(0 if user_model else s.warmup_steps), "--threads", "1", "--instance", "0"],
         "rollout": ["run", "rollout", "--backend", s.backend, "--threads", "1", "--instance", "0",
                     "--batch-size", "64"],
         "env": ["run", "env", "--instance", "0"],
@@ -144,9 +158,7 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
             now = time.monotonic()
             if now - last_print > (0.5 if tty else 10):
                 last_print = now
-                line = (f"v{progress.version:<4d} held-out {best[1] if best else float('nan'):.2f}  "
-                        f"train {_mean(progress.train_rewards):.2f}  {progress.samples_per_s():6.1f} samples/s  "
-                        f"stale {progress.stale_ratio:.1%}  {now - started:5.0f}s")
+                line = live_line(progress, best, now - started, warming=s.warmup_steps > 0 and s.model == "tiny")
                 print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
             if best is not None and first is not None and best[1] >= s.target and best[0] > 0:
                 break

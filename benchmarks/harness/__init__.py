@@ -5,5 +5,6 @@
 - ``groups``: a consumer group's committed offsets, which show a stage's progress;
 - ``workloads``: the reward functions stage processes load by dotted path, the seeded latency and length draws,
   and the trajectories the bus benchmarks produce;
-- ``stats``: percentiles.
+- ``stats``: percentiles;
+- ``result``: every script's last line, ``RESULT <name> date=… commit=… load=… figures…``.
 """

@@ -17,7 +17,7 @@ rise in minutes at all; it is single-process and has none of the loop's machiner
 
 Seen on the default build (seed 0, held-out greedy 0.26), 16 prompts x 8 samples, grpo, one busy 2-core machine
 (about 3.5 s a step): lr 1e-4 with a 20-step warm-up reached 0.39 at 100 s, 0.44 at 260 s and 0.49 at 470 s;
-lr 1e-4 without warm-up (the trainer today) first fell to 0.16 at step 10, then rose to 0.42 at 330 s; lr 2e-4
+lr 1e-4 without warm-up first fell to 0.16 at step 10, then rose to 0.42 at 330 s; lr 2e-4
 (with or without warm-up) peaked near 0.46 and fell back; 3e-4 collapsed to one answer for every question.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--minutes", type=float, default=8.0, help="training time budget, evaluation excluded")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--lr-warmup", type=int, default=0,
-                   help="steps of linear learning-rate warm-up (0, the loop's trainer today: none)")
+                   help="steps of linear learning-rate warm-up (the trainer's --lr-warmup-steps)")
     p.add_argument("--advantage", choices=sorted(ADVANTAGES), default="grpo")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="samples per prompt")

@@ -8,6 +8,8 @@ gradients are averaged (DDP's all-reduce, ZeRO's reduce-scatter), which the call
 
 Optimizer state: ``state_dict()`` is this rank's (its shard under ZeRO, where ``sharded``); ``load_state_dict(states)``
 takes every rank's, in rank order, because ZeRO re-partitions from all of them (rank 0's alone where not sharded).
+
+Learning rate: linear warm-up over the first ``lr_warmup_steps`` optimizer steps (``warmup_lr``), on every engine.
 """
 from __future__ import annotations
 
@@ -19,6 +21,20 @@ import torch
 from rlstream.models.devices import autocast
 
 
+def warmup_lr(lr: float, step: int, warmup_steps: int) -> float:
+    """The learning rate of optimizer step ``step`` (1-based): ``lr * step / warmup_steps`` until the warm-up ends.
+
+    A fresh Adam's first updates are near sign(gradient) at full size whatever the gradient's scale, which is what
+    knocks a small pretrained policy off its start; ramping the rate keeps those first steps small.
+    """
+    return lr if warmup_steps <= 0 else lr * min(1.0, step / warmup_steps)
+
+
+def _set_lr(param_groups, lr: float) -> None:
+    for group in param_groups:
+        group["lr"] = lr
+
+
 class TorchEngine:
     """AdamW on one process; gradients clipped to a max norm."""
 
@@ -26,12 +42,13 @@ class TorchEngine:
     sharded = False
 
     def __init__(self, model, lr: float, max_grad_norm: float, device: torch.device = torch.device("cpu"),
-                 autocast_mode: str = "off"):
+                 autocast_mode: str = "off", lr_warmup_steps: int = 0):
         self.device = device
         self.model = model.to(device)
         self.autocast_mode = autocast_mode
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.max_grad_norm = max_grad_norm
+        self.lr, self.lr_warmup_steps, self.steps = lr, lr_warmup_steps, 0
 
     def _module(self):
         """What the forward runs through (a DDP wrapper on several ranks)."""
@@ -61,6 +78,8 @@ class TorchEngine:
 
     def optimizer_step(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.steps += 1
+        _set_lr(self.optimizer.param_groups, warmup_lr(self.lr, self.steps, self.lr_warmup_steps))
         self.optimizer.step()
         return float(norm)
 
@@ -72,6 +91,8 @@ class TorchEngine:
     def load_state_dict(self, states: list[dict]) -> None:
         # Every rank's plain AdamW state is the same (its gradients were averaged): rank 0's serves any world size.
         self.optimizer.load_state_dict(states[0])
+        # The warm-up goes on from the steps the restored Adam state has taken (each parameter counts its own).
+        self.steps = max((int(st["step"]) for st in self.optimizer.state.values() if "step" in st), default=0)
 
     def full_state_dict(self):
         """The whole model's parameters, on rank 0, for the checkpoint; None: ``model`` holds them already."""
@@ -82,12 +103,12 @@ class DDPEngine(TorchEngine):
     """Data parallel over torch.distributed: full parameters and optimizer on every rank, gradients all-reduced."""
 
     def __init__(self, model, lr: float, max_grad_norm: float, device: torch.device = torch.device("cpu"),
-                 autocast_mode: str = "off"):
+                 autocast_mode: str = "off", lr_warmup_steps: int = 0):
         from torch.nn.parallel import DistributedDataParallel
         model = model.to(device)
         # Construction broadcasts rank 0's parameters: every rank starts from the policy rank 0 loaded.
         self.ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        super().__init__(model, lr, max_grad_norm, device, autocast_mode)
+        super().__init__(model, lr, max_grad_norm, device, autocast_mode, lr_warmup_steps)
 
     def _module(self):
         return self.ddp
@@ -107,7 +128,7 @@ class DeepSpeedEngine:
     sharded = True
 
     def __init__(self, model, lr: float, max_grad_norm: float, stage: int, device: torch.device = torch.device("cpu"),
-                 autocast_mode: str = "off"):
+                 autocast_mode: str = "off", lr_warmup_steps: int = 0):
         # A single process is a world of one; the rank launcher (trainer/distributed.py) sets these for more.
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -130,6 +151,8 @@ class DeepSpeedEngine:
         deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl")
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         self.model = self.engine.module
+        # Counted from this process's start: a resumed ZeRO run warms up again (its Adam moments are restored).
+        self.lr, self.lr_warmup_steps, self.steps = lr, lr_warmup_steps, 0
 
     def forward(self, **inputs):
         with autocast(self.device, self.autocast_mode):
@@ -154,6 +177,8 @@ class DeepSpeedEngine:
 
     def optimizer_step(self) -> float:
         self.engine.set_gradient_accumulation_boundary(True)
+        self.steps += 1
+        _set_lr(self.engine.optimizer.param_groups, warmup_lr(self.lr, self.steps, self.lr_warmup_steps))
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
@@ -180,12 +205,13 @@ class DeepSpeedEngine:
 
 
 def make_engine(model, lr: float, max_grad_norm: float = 1.0, deepspeed_stage: int = 0,
-                device: torch.device = torch.device("cpu"), autocast_mode: str = "off", world_size: int = 1):
+                device: torch.device = torch.device("cpu"), autocast_mode: str = "off", world_size: int = 1,
+                lr_warmup_steps: int = 0):
     """Torch when deepspeed_stage is 0 (DDP across several ranks), else DeepSpeed ZeRO at that stage."""
     if deepspeed_stage not in (0, 1, 2, 3):
         raise ValueError("--deepspeed-stage must be 0 (plain torch, DDP across ranks), 1, 2 or 3")
     if deepspeed_stage:
-        return DeepSpeedEngine(model, lr, max_grad_norm, deepspeed_stage, device, autocast_mode)
+        return DeepSpeedEngine(model, lr, max_grad_norm, deepspeed_stage, device, autocast_mode, lr_warmup_steps)
     if world_size > 1:
-        return DDPEngine(model, lr, max_grad_norm, device, autocast_mode)
-    return TorchEngine(model, lr, max_grad_norm, device, autocast_mode)
+        return DDPEngine(model, lr, max_grad_norm, device, autocast_mode, lr_warmup_steps)
+    return TorchEngine(model, lr, max_grad_norm, device, autocast_mode, lr_warmup_steps)

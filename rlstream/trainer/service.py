@@ -85,6 +85,8 @@ class TrainerSettings:
     advantage: str = knob("grpo", "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp")
     loss: str = knob("ppo", "ppo (decoupled PPO-clip) or opd (on-policy distillation)", choices=("ppo", "opd"))
     lr: float = knob(1e-4, "AdamW learning rate (2e-4 collapsed the tiny model to zero reward here)")
+    lr_warmup_steps: int = knob(0, "Linear learning-rate warm-up over this many updates (0: full --lr from the "
+                                   "first); a pretrained model's first Adam steps are otherwise full-size")
     clip_eps: float = knob(0.2, "PPO clip range")
     is_cap: float = knob(5.0, "Truncation of the behaviour importance weight")
     kl_coef: float = knob(0.0, "KL-to-reference coefficient (0 disables the reference model)")
@@ -257,7 +259,7 @@ class TrainerService:
             enable_gradient_checkpointing(self.model)
         engine = make_engine(self.model, s.lr, self.update_cfg.max_grad_norm, s.deepspeed_stage,
                              device=resolve_device(s.device, self.ranks.rank), autocast_mode=s.autocast,
-                             world_size=self.ranks.world)
+                             world_size=self.ranks.world, lr_warmup_steps=s.lr_warmup_steps)
         self.model = engine.model
         return engine
 

@@ -10,9 +10,11 @@ import time
 import pytest
 
 from rlstream.archive.query import open_archive, read_endpoint
+from rlstream.archive.readings import human
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import DeadLetter, Failure, PolicyVersion, Reward, ScoredTrajectory, ToolResult
 from tests.helpers import ROOT
+from tests.helpers.browser import dom_after_load, screenshot
 from tests.helpers.kafka import make_trajectory, produce, read_all, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -151,3 +153,15 @@ def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp
         assert f"src='{name}'" in page
         assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out_dir / name).stat().st_size > 5000
     assert "traj-7 end to end" in page and "<table>" in page
+    # A person reads the summary first, in plain units: no scientific notation on the page, every figure's rows
+    # linked in full.
+    assert page.index("<h2>summary</h2>") < page.index("<img") and "e+0" not in page
+    assert f"{human(valid * 3600 / span_s)} valid trajectories and" in page
+    for name in figures:
+        assert (out_dir / f"{''.join(c if c.isalnum() else '_' for c in name).strip('_')}.csv").exists(), name
+
+    # And a real browser renders it: every chart decoded, and a screenshot with something on it.
+    dom = dom_after_load(out_dir / "report.html")
+    assert dom.count('data-loaded="yes"') == len(pngs), dom[:2000]
+    shot = screenshot(out_dir / "report.html", tmp_path / "report.png")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

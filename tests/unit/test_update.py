@@ -105,3 +105,21 @@ def test_opd_needs_teacher_feedback_and_uses_it():
     stats = policy_update(engine, batch, UpdateConfig(loss="opd"))
     # The teacher is far more confident than a random student: distillation raises the student's log-probs.
     assert stats["reverse_kl"] < 0 and student_lp() > before
+
+
+def test_lr_warmup_ramps_linearly_then_holds_and_resumes_from_the_restored_step_count():
+    from rlstream.trainer.engine import warmup_lr
+    assert [warmup_lr(1e-4, s, 4) for s in (1, 2, 4, 9)] == pytest.approx([2.5e-5, 5e-5, 1e-4, 1e-4])
+    assert warmup_lr(1e-4, 1, 0) == 1e-4
+    torch.manual_seed(0)
+    engine = make_engine(torch.nn.Linear(3, 1), lr=1e-2, lr_warmup_steps=4)
+    seen = []
+    for _ in range(3):
+        engine.step(engine.model(torch.ones(2, 3)).sum())
+        seen.append(engine.optimizer.param_groups[0]["lr"])
+    assert seen == pytest.approx([2.5e-3, 5e-3, 7.5e-3])
+    # A restart from the checkpointed optimizer state goes on with step 4, not back to step 1.
+    resumed = make_engine(torch.nn.Linear(3, 1), lr=1e-2, lr_warmup_steps=4)
+    resumed.load_state_dict([engine.state_dict()])
+    resumed.step(resumed.model(torch.ones(2, 3)).sum())
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
