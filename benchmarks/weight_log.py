@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.result import result
 from benchmarks.harness.stats import percentile
 from rlstream.config import KafkaSettings
 from rlstream.kafka import records
@@ -111,6 +112,10 @@ def main() -> None:
             print(f"{kind}: n={len(lat)} mean {sum(sizes) / len(sizes) / 1e6:.2f} MB "
                   f"({sum(sizes) / len(sizes) / anchor_bytes:.1%} of an anchor); publish->loaded p50 "
                   f"{percentile(lat, 50):.3f} s p99 {percentile(lat, 99):.3f} s")
+    deltas = [r[2] for r in rows if r[1] == "delta"]
+    result("weight_log", steps=args.steps, anchor_mb=anchor_bytes / 1e6,
+           delta_of_anchor=sum(deltas) / len(deltas) / anchor_bytes if deltas else float("nan"),
+           loaded_p50_s=percentile([r[4] for r in rows], 50))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def commit() -> str:
 
 def _value(v) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
     return str(v).replace(" ", "_")
 
 
