@@ -15,7 +15,9 @@ and from the archive (SQL through ``open_archive``):
 - nothing is duplicated downstream: unique ids per topic (prompts, actions, observations, trajectories,
   rewards, policy versions, dead letters), and in every archive table unique (topic, partition, offset)
   and unique ids; the archive holds exactly the committed records of the topics;
-- policy versions strictly increase, each the child of the one before.
+- policy versions strictly increase, each the child of the one before;
+- no trajectory failed and nothing was dead-lettered: a kill costs time, never a sample (each one found is
+  printed with its reason).
 
 Recovery of a kill is the time from the SIGKILL until the killed stage's consumer group
 commits offsets beyond those it had at the kill: the restarted process has consumed,
@@ -23,8 +25,8 @@ processed and committed new input (for the trainer: published the next policy ve
 for the archive: inserted a batch). Kills are sequential: the next one comes
 ``--interval`` s after the previous stage recovered (or gave up after ``--recovery-timeout``).
 
-The last line of stdout is ``tasks=… trajectories=… lost=… duplicated=… recovery_p99=…s``
-(then kills and policy versions); the exit code is 1 when an invariant fails.
+The summary line is ``tasks=… trajectories=… lost=… duplicated=… recovery_p99=…s`` (then kills and policy
+versions), then the ``RESULT chaos`` line; the exit code is 1 when an invariant fails.
 """
 from __future__ import annotations
 
@@ -396,8 +398,17 @@ def main(argv: list[str] | None = None) -> int:
     versions_bad = policy_order(tail)
     arch_missing, arch_dup, arch_extra = archive_check(archive, run, tail)
     n_traj = len({s.record.trajectory_id for s in tail.snapshot("trajectories") if s.record})
-    failed = sum(1 for s in tail.snapshot("trajectories") if s.record and s.record.status == "failed")
+    # A kill must cost nothing but time: a failed trajectory or a dead letter is a finding, listed with its reason.
+    failures = [(s.record.trajectory_id, s.record.failure.stage if s.record.failure else "?",
+                 s.record.failure.failure_class if s.record.failure else "?")
+                for s in tail.snapshot("trajectories") if s.record and s.record.status == "failed"]
+    failed = len(failures)
     letters = collections.Counter((s.record.stage, s.record.reason) for s in tail.snapshot("dead-letters") if s.record)
+    for tid, stage, cls in failures[:20]:
+        print(f"failed trajectory {tid}: {cls} at {stage}")
+    for s in tail.snapshot("dead-letters")[:20]:
+        if s.record:
+            print(f"dead letter from {s.record.stage}: {s.record.reason}: {s.record.error[:200]}")
     n_versions = len(tail.snapshot("policy-versions"))
     lost = sum(missing.values()) + sum(arch_missing.values())
     duplicated = sum(dup_topics.values()) + sum(arch_dup.values()) + sum(arch_extra.values())
@@ -411,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"failed trajectories: {failed}; dead letters: {dict(letters)}; unplanned exits: {sup.crashes}")
     if versions_bad:
         print("policy versions out of order: " + "; ".join(versions_bad[:10]))
-    ok = lost == 0 and duplicated == 0 and not versions_bad and not failed_to_drain and n_versions > 0
+    ok = (lost == 0 and duplicated == 0 and failed == 0 and not letters and not versions_bad and not failed_to_drain
+          and n_versions > 0)
     print(f"tasks={len(source.sent)} trajectories={n_traj} lost={lost} duplicated={duplicated} "
           f"recovery_p99={percentile(measured, 99):.1f}s kills={len(kills)} timeouts={len(kills) - len(measured)} "
           f"policy_versions={n_versions} versions_increasing={'yes' if not versions_bad else 'no'}", flush=True)

@@ -32,6 +32,7 @@ from pathlib import Path
 from benchmarks.harness.loop import Loop, PacedSource, Versions, log
 from benchmarks.harness.result import result
 from benchmarks.harness.workloads import max_tokens_for
+from rlstream.trainer.chain import describe, summarize
 
 REWARD = "benchmarks.harness.workloads:heavy_tailed_reward"
 
@@ -85,7 +86,8 @@ def run_mode(mode: str, args) -> dict:
             "update_s_mean": sum(steps) / len(steps) if steps else float("nan"),
             "s_per_version": seconds / max(1, last.version - first.version),
             "trainer_busy": sum(steps) / seconds if seconds > 0 else float("nan"),
-            "barrier_wait_s": source.barrier_wait_s, "dead_stages": dead, "stages": stages}
+            "barrier_wait_s": source.barrier_wait_s, "dead_stages": dead, "stages": stages,
+            "chain": summarize([pv.metrics for pv in window[1:]])}
 
 
 def main(argv=None) -> dict:
@@ -114,6 +116,7 @@ def main(argv=None) -> dict:
             print(f"      {name:8s} {p['batches']:5.0f} transactions, {p['records_per_batch']:6.1f} records each, "
                   f"consume-to-commit {p['batch_s']:5.2f} s, handler mean {p['handler_s']:5.2f} s")
         print(f"      trainer  busy updating {r['trainer_busy']:.0%} of the window")
+        print(f"      {describe(r['chain'])}")
     if "sync" in results and "async" in results:
         ratio = results["async"]["samples_per_hour"] / max(results["sync"]["samples_per_hour"], 1e-9)
         print(f"goodput ratio async/sync {ratio:.2f}x   (goal >= 2.5x)")

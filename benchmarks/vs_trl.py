@@ -25,11 +25,13 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.harness.result import result
+from rlstream.trainer.chain import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_VENV = ROOT / ".rlstream" / "trl-venv"
@@ -111,10 +113,17 @@ def run_trl(latency: float, args, sync_reward: bool = False) -> dict:
     """TRL in its venv (installed on first use); its curve. ``sync_reward``: a few steps with a synchronous judge."""
     python = TRL_VENV / "bin" / "python"
     if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(TRL_VENV)], check=True)
+        # TRL beside this environment, not in it (rlstream pins every package it installs): a venv of its own that
+        # sees this one's packages through a .pth file, so TRL trains with the same torch and transformers as
+        # rlstream, and its install adds only what TRL needs on top, under the same pins.
+        subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
+        site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        Path(site, "rlstream-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     check = subprocess.run([str(python), "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True)
     if check.stdout.strip() != TRL_VERSION:
-        subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}"], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"),
+                        f"trl=={TRL_VERSION}"], check=True)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = dict(os.environ, BENCH_REWARD_LATENCY_S=str(latency), OMP_NUM_THREADS=str(args.threads),
                    PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
@@ -140,6 +149,7 @@ def run_rlstream(latency: float, args) -> dict:
 
     from benchmarks.harness.loop import Loop, PacedSource, Versions, log, snapshot
     from rlstream.models.tiny import build_tokenizer
+    from rlstream.trainer.chain import summarize
     from rlstream.trainer.warmup import greedy_exact_match
 
     torch.set_num_threads(1)
@@ -194,6 +204,7 @@ def run_rlstream(latency: float, args) -> dict:
         cpu1 = cpu_seconds(loop)
         per_update = {n: (cpu1[n] - cpu0.get(n, 0.0)) / updates for n in cpu1}
         trainer_steps = [pv.metrics.get("step_seconds", 0.0) for pv, _ in versions.all() if pv.version > v_start]
+        chain = summarize([pv.metrics for pv, _ in versions.all() if pv.version > v_start])
     finally:
         source.stop()
         dead = loop.dead()
@@ -201,7 +212,7 @@ def run_rlstream(latency: float, args) -> dict:
         versions.close()
     return {"curve": curve, "startup_s": startup, "run": loop.run, "dead_stages": dead,
             "cpu_s_per_update": per_update,
-            "trainer_update_s": sum(trainer_steps) / max(1, len(trainer_steps))}
+            "trainer_update_s": sum(trainer_steps) / max(1, len(trainer_steps)), "chain": chain}
 
 
 def cpu_seconds(loop) -> dict[str, float]:
@@ -291,6 +302,8 @@ def main(argv=None) -> dict:
                 print(f"            CPU s per update: {sum(cpu.values()):.2f} ("
                       + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()) + ")"
                       + (f"; trainer's update {r['trainer_update_s']:.2f} s" if "trainer_update_s" in r else ""))
+            if r.get("chain"):
+                print(f"            {describe(r['chain'])}")
         if times.get("trl") and times.get("rlstream"):
             goal = 0.5 if latency > 0 else 1.2
             ratio = times["rlstream"] / times["trl"]

@@ -31,15 +31,16 @@ from rlstream.kafka.topics import delete_before, topic_name
 from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.devices import enable_gradient_checkpointing, resolve_device
 from rlstream.models.loading import TINY, check_folder, load_model, load_tokenizer, read_chat_template, torch_dtype
+from rlstream.policy.deltas import content_hash, read_folder
 from rlstream.policy.staleness import StalenessCounter, StalenessFilter
 from rlstream.policy.watcher import last_policy_version
-from rlstream.policy.deltas import content_hash, read_folder
 from rlstream.policy.weight_log import WeightLogWriter
 from rlstream.policy.weights import WeightStore, tokenizer_hash
 from rlstream.rewards import JUDGE_FAILURES
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.records import PolicyVersion, TeacherFeedback
+from rlstream.schemas.records import PolicyVersion, ScoredTrajectory, TeacherFeedback
+from rlstream.trainer.chain import chain_stats
 from rlstream.trainer.distributed import Ranks, check_nproc, launch
 from rlstream.trainer.engine import make_engine
 from rlstream.trainer.microbatch import train_step
@@ -50,6 +51,10 @@ log = logging.getLogger(__name__)
 
 #: In each checkpoint: the samples consumed beyond the offsets its PolicyVersion's transaction committed.
 CONSUMED_AHEAD = "consumed_ahead.json"
+
+
+def _trajectory(sample: ScoredTrajectory | TeacherFeedback):
+    return sample.scored.trajectory if isinstance(sample, TeacherFeedback) else sample.trajectory
 
 
 @dataclass(frozen=True)
@@ -287,7 +292,7 @@ class TrainerService:
                     self.settings.reward_version.encode():
                 continue
             sample = item.record
-            traj = sample.scored.trajectory if isinstance(sample, TeacherFeedback) else sample.trajectory
+            traj = _trajectory(sample)
             if traj.task.split != "train":
                 continue  # held-out samples measure the policy; they are never trained on
             reward = sample.scored.reward if isinstance(sample, TeacherFeedback) else sample.reward
@@ -311,11 +316,12 @@ class TrainerService:
     # -- one step --------------------------------------------------------------------
 
     def _step(self, groups) -> None:
-        started = time.monotonic()
+        started, started_ms = time.monotonic(), hdr.now_ms()
         batch = build_batch([[it.payload for it in g.items] for g in groups], self.settings.advantage,
                             self.tokenizer.pad_token_id)  # load_tokenizer gave a pad-less tokenizer eos as pad
         self.ranks.command("step", batch)
         stats = self._train(batch)
+        stats.update(chain_stats((_trajectory(it.payload).stage_times for g in groups for it in g.items), started_ms))
         stats.update({"step_seconds": time.monotonic() - started, "stale": float(self.counter.stale),
                       "accepted": float(self.counter.accepted), "stale_ratio": self.counter.stale_ratio,
                       "evicted": float(self.evicted)})

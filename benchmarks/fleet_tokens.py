@@ -1,0 +1,147 @@
+"""Rollout tokens/s through the stage on a fleet of two CPU vLLM servers, against the same two servers driven
+directly with the same prompts, in one run: the stage's own cost as a ratio (goal >= 0.9x).
+
+Both sides send every prompt ``--group-size`` times with the same sampling to the same servers. The model never
+stops early (its end-of-turn logit is pinned down, tests/helpers/models.py), so every response is ``--max-tokens``
+long and both sides do the same work. The direct driver keeps as many requests in flight as one stage batch holds
+(``--batch-tasks`` x G), spread round-robin over the servers, with no Kafka, no transactions and no batch barrier.
+The stage is the real one (RolloutStage on the shared runtime: consume, generate through the fleet with version
+push and routing, produce in a transaction), timed from its first record consumed to its last one committed.
+Rounds alternate stage, direct, stage, direct, so a drift in the machine's load falls on both sides.
+
+    python -m benchmarks.fleet_tokens [--tasks 24] [--group-size 4] [--max-tokens 32] [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from benchmarks.harness.result import result
+from rlstream.config import KafkaSettings
+from rlstream.infra import broker
+from rlstream.kafka.topics import create_topics
+from rlstream.policy.weights import WeightStore
+from rlstream.runtime.runner import StageRunner
+from rlstream.runtime.settings import RuntimeSettings
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.records import PolicyVersion, SamplingParams, Task
+from rlstream.stages.inference.servers import VLLMServerAPI
+from rlstream.stages.rollout import RolloutSettings, RolloutStage
+from tests.helpers.kafka import produce, read_all
+from tests.helpers.models import chat_tokenizer, llama_folder
+from tests.helpers.servers import start_vllm_server
+
+MAX_CONTEXT = 128
+
+
+def tasks(n: int, group_size: int, max_tokens: int, tag: str) -> list[Task]:
+    return [Task(task_id=f"{tag}-{i}", group_id=f"{tag}-{i}", task_name="bench", env_name="single", env_version="1",
+                 prompt=f"Reverse {i:04d} and write it out:", created_at=hdr.now_ms(), group_size=group_size,
+                 sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens)) for i in range(n)]
+
+
+def stage_round(bootstrap: str, urls: list[str], folder: Path, root: Path, args, k: int) -> tuple[float, list]:
+    """(tokens/s, the prompts' token ids) of the rollout stage over a fresh run's prompts.
+
+    One warm-up prompt goes first: the stage starts its fleet and pushes version 0 to both servers on its first
+    record, which is start-up, not the stage's cost per token; the clock starts at the first measured record.
+    """
+    run = f"bench-fleet-{int(time.time())}-{k}"
+    create_topics({"bootstrap.servers": bootstrap}, run, partitions=4)
+    uri = WeightStore(str(root / run)).put("policy", 0, lambda out: shutil.copytree(folder, out, dirs_exist_ok=True))
+    now = hdr.now_ms()
+    produce(bootstrap, run, "policy-versions", [(b"policy", PolicyVersion("policy", 0, uri, created_at=now,
+                                                                          published_at=now), None)])
+    measured = tasks(args.tasks, args.group_size, args.max_tokens, run)
+    warmup = tasks(1, args.group_size, args.max_tokens, f"{run}-warmup")
+    clock = {"armed": False, "first": None, "last": None, "n": 0}
+
+    def consumed(n: int) -> None:
+        if n and clock["armed"] and clock["first"] is None:
+            clock["first"] = time.perf_counter()
+
+    def committed(n: int) -> None:
+        clock["n"] += n
+        clock["last"] = time.perf_counter()
+        if clock["n"] >= 1 + args.tasks:
+            runner.request_stop()
+
+    stage = RolloutStage(RolloutSettings(backend="vllm-server", engine_url=tuple(urls), max_context=MAX_CONTEXT,
+                                         health_interval_s=5.0))
+    runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run),
+                         RuntimeSettings(batch_size=args.batch_tasks, instance=f"bench-{k}"),
+                         on_consumed=consumed, on_committed=committed)
+    thread = threading.Thread(target=runner.run, name="fleet-stage")
+    thread.start()
+    produce(bootstrap, run, "prompts", [(t.group_id.encode(), t, None) for t in warmup])
+    deadline = time.monotonic() + 600
+    while clock["n"] < 1 and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    clock["armed"] = True
+    produce(bootstrap, run, "prompts", [(t.group_id.encode(), t, None) for t in measured])
+    thread.join(900)
+    if clock["first"] is None or clock["n"] < 1 + args.tasks:
+        runner.request_stop()
+        raise RuntimeError(f"the rollout stage committed {clock['n']} of {1 + args.tasks} prompts")
+    episodes = [s.record for s in read_all(bootstrap, run, "actions", expect=(1 + args.tasks) * args.group_size)]
+    episodes = [e for e in episodes if not e.task.task_id.endswith("-warmup-0")]
+    tokens = sum(len(e.token_ids) for e in episodes)
+    prompts = [e.task.prompt_token_ids for e in episodes]
+    return tokens / (clock["last"] - clock["first"]), prompts
+
+
+def direct_round(urls: list[str], prompts: list[list[int]], args) -> float:
+    """Tokens/s of the same requests sent straight to the servers, as many in flight as one stage batch."""
+    apis = [VLLMServerAPI(u) for u in urls]
+    params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens)
+    servers = itertools.cycle(apis)
+    jobs = [(next(servers), p) for p in prompts]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=args.batch_tasks * args.group_size) as pool:
+        gens = list(pool.map(lambda job: job[0].generate(job[1], params)[0], jobs))
+    return sum(len(g.token_ids) for g in gens) / (time.perf_counter() - started)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tasks", type=int, default=24, help="prompts per round")
+    ap.add_argument("--group-size", type=int, default=4, help="samples per prompt (G)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens per response (every one runs to it)")
+    ap.add_argument("--batch-tasks", type=int, default=8, help="prompts per stage batch (in flight: x G)")
+    ap.add_argument("--rounds", type=int, default=2, help="stage/direct pairs")
+    args = ap.parse_args(argv)
+    bootstrap = broker.up()
+    root = Path(tempfile.mkdtemp(prefix="rlstream-fleetbench-"))
+    folder = llama_folder(root / "model", tokenizer=chat_tokenizer(), never_stop=True, max_positions=MAX_CONTEXT)
+    servers = [start_vllm_server(folder, root / f"server-{i}.log", max_model_len=MAX_CONTEXT) for i in range(2)]
+    stage_rates, direct_rates = [], []
+    try:
+        urls = [s.wait_ready().url for s in servers]
+        for k in range(args.rounds):
+            rate, prompts = stage_round(bootstrap, urls, folder, root, args, k)
+            stage_rates.append(rate)
+            direct_rates.append(direct_round(urls, prompts, args))
+            print(f"round {k}: stage {stage_rates[-1]:7.1f} tokens/s, direct {direct_rates[-1]:7.1f} tokens/s, "
+                  f"ratio {stage_rates[-1] / direct_rates[-1]:.2f}", flush=True)
+    finally:
+        for s in servers:
+            s.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    ratios = [s / d for s, d in zip(stage_rates, direct_rates)]
+    print(f"{args.tasks} prompts x {args.group_size} samples x {args.max_tokens} tokens a round on 2 vLLM-CPU servers: "
+          f"stage/direct {statistics.median(ratios):.2f}x (median of {len(ratios)} rounds; goal >= 0.9x)")
+    result("fleet_tokens", tasks=args.tasks, group_size=args.group_size, max_tokens=args.max_tokens,
+           stage_tokens_per_s=statistics.median(stage_rates), direct_tokens_per_s=statistics.median(direct_rates),
+           ratio=statistics.median(ratios))
+    return {"stage": stage_rates, "direct": direct_rates, "ratios": ratios}
+
+
+if __name__ == "__main__":
+    main()
