@@ -21,6 +21,7 @@ from rlstream.errors import UsageError
 #: Figure key -> section title (keys of standard_queries).
 SECTIONS = [
     ("reward by policy and reward version", "reward_by_version.png"),
+    ("eval reward by policy version", "eval_reward.png"),
     ("reward disagreement", "disagreement.png"),
     ("most disagreeing trajectories", None),
     ("goodput", None),
@@ -75,10 +76,11 @@ def _plot(name: str, figure: dict, path: Path, versions: list[str] | None) -> bo
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     try:
-        if name.startswith("reward by policy"):
+        if name.startswith(("reward by policy", "eval reward")):
             series: dict[tuple, list] = {}
-            for r in rows:
-                series.setdefault((r["reward_version"], r["split"]), []).append((r["policy_version"], r["reward_mean"]))
+            for r in rows:  # one line per reward version and split (all rewards) or task (the eval lane)
+                series.setdefault((r["reward_version"], r.get("split", r.get("task_name"))), []).append(
+                    (r["policy_version"], r["reward_mean"]))
             for (rv, split), points in sorted(series.items()):
                 points.sort()
                 ax.plot([p for p, _ in points], [m for _, m in points], marker="o", ms=3, label=f"{rv} ({split})")

@@ -66,8 +66,9 @@ class StageRunner:
                                          transaction_timeout_ms=settings.transaction_timeout_ms,
                                          stopping=lambda: self._stopping)
         self.handlers = Handlers(stage, settings)
-        self.ctx = StageContext(kafka, self.set_paused, self.paused_topics)
+        self.ctx = StageContext(kafka, self.set_paused, self.paused_topics, self.backlog)
         self._assigned: list = []
+        self._starts: dict[tuple[str, int], int] = {}  # where each assigned partition's reading began
         # Consumed records not yet committed past, and what each partition's committed offset metadata says.
         self._window = OffsetWindow()
         self._lag = metrics.LagProbe(stage.name, kafka.run)  # consumer lag gauge, refreshed every few seconds
@@ -332,6 +333,22 @@ class StageRunner:
         metrics.PAUSED.labels(self.stage.name).set(
             sum(1 for tp in self._assigned if logical_name(self.kafka.run, tp.topic) in self.paused_topics))
 
+    def backlog(self, logical_topic: str) -> int:
+        """Records of ``logical_topic`` on this worker's partitions past its position, by the high watermarks
+        librdkafka saw on its last fetch (no broker round trip; 0 until a fetch told). A partition read nothing from
+        yet counts from where its reading began (its committed offset, else 0)."""
+        physical = topic_name(self.kafka.run, logical_topic)
+        parts = [tp for tp in self._assigned if tp.topic == physical]
+        if not parts:
+            return 0
+        waiting = 0
+        for tp in self.consumer.position(parts):
+            _, high = self.consumer.get_watermark_offsets(tp, cached=True)
+            at = tp.offset if tp.offset >= 0 else self._starts.get((tp.topic, tp.partition), 0)
+            if high >= 0:
+                waiting += max(0, high - at)
+        return waiting
+
     def _on_assign(self, consumer, parts: list) -> None:
         self._assigned = list(parts)
         if self._closing:
@@ -347,6 +364,7 @@ class StageRunner:
         if not parts:
             return
         for tp in consumer.committed(parts, timeout=30):
+            self._starts[(tp.topic, tp.partition)] = max(0, tp.offset)
             if tp.offset >= 0:
                 self._window.set_committed((tp.topic, tp.partition), tp.offset, tp.metadata)
 
