@@ -1,0 +1,70 @@
+"""The eval lane through the real stages: an eval task produced behind a backlog of training prompts is served
+first by rollout, and its scored result lands on eval-rewards, never on the rewards topic the trainer reads."""
+from __future__ import annotations
+
+import pytest
+
+from rlstream.models.tiny import build_model, build_tokenizer
+from rlstream.policy.weights import WeightStore
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.records import PolicyVersion, SamplingParams
+from tests.helpers.kafka import make_task, produce, read_all
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+BACKLOG = 200  # training prompts, one sample each, one per rollout batch
+SLACK = 3  # batches a worker may finish before it sees the eval prompt: the one in flight, one fetched before
+
+
+def publish_v0(bootstrap: str, run: str, root) -> None:
+    """Version 0 of the demo's tiny model (random), as the trainer announces it."""
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0)
+
+    def write(folder):
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+    uri = WeightStore(str(root)).put("policy", 0, write)
+    now = hdr.now_ms()
+    produce(bootstrap, run, "policy-versions", [(b"policy", PolicyVersion("policy", 0, uri, created_at=now,
+                                                                          published_at=now),
+                                                 hdr.build(0, hdr.new_traceparent()))])
+
+
+@pytest.mark.timeout(600)
+def test_an_eval_task_behind_a_backlog_is_served_first_and_never_reaches_the_trainers_topic(
+        bootstrap, run_name, tmp_path, start_stage):
+    publish_v0(bootstrap, run_name, tmp_path / "weights")
+    backlog = [make_task(i, group_size=1) for i in range(BACKLOG)]
+    for t in backlog:
+        t.sampling = SamplingParams(temperature=1.0, max_tokens=8, seed=1)
+    produce(bootstrap, run_name, "prompts", [(t.task_id.encode(), t, None) for t in backlog])
+    procs = {"rollout": start_stage("rollout", bootstrap, run_name, "--backend", "transformers", "--batch-size", "1",
+                                    "--wait-policy-s", "120"),
+             "env": start_stage("env", bootstrap, run_name, "--sandbox", "subprocess"),
+             "reward": start_stage("reward", bootstrap, run_name)}
+    try:
+        read_all(bootstrap, run_name, "actions", expect=1, timeout=240)  # rollout is working through the backlog
+        # Split "train" on purpose: the topic is the lane, and rollout marks the task eval.
+        evaluation = make_task(10_000, group_size=1)
+        evaluation.sampling = SamplingParams(temperature=0.0, max_tokens=8)
+        sent_at = hdr.now_ms()
+        produce(bootstrap, run_name, "eval-prompts", [(evaluation.task_id.encode(), evaluation, None)])
+        actions = read_all(bootstrap, run_name, "actions", expect=BACKLOG + 1, timeout=300)
+        evals = read_all(bootstrap, run_name, "eval-rewards", expect=1, timeout=120)
+        rewards = read_all(bootstrap, run_name, "rewards", expect=BACKLOG, timeout=120)
+    finally:
+        codes = {name: p.stop(timeout=60) for name, p in procs.items()}
+    assert set(codes.values()) == {0}, {name: p.log_tail(3000) for name, p in procs.items()}
+
+    [served] = [a for a in actions if a.record.task.task_id == evaluation.task_id]
+    training = [a.timestamp_ms for a in actions if a is not served]
+    before = sum(sent_at < t < served.timestamp_ms for t in training)
+    after = sum(t > served.timestamp_ms for t in training)
+    assert after >= 20, f"the backlog ran out before the eval prompt came ({after} training turns after it)"
+    assert before <= SLACK, f"{before} training turns went ahead of the eval prompt that was waiting"
+    assert served.record.task.split == "eval"
+    # Its result is on eval-rewards alone: the rewards topic (the trainer's) has the backlog and nothing else.
+    assert [s.record.trajectory.task.task_id for s in evals] == [evaluation.task_id]
+    assert evals[0].record.trajectory.task.split == "eval"
+    assert len(rewards) == BACKLOG and all(s.record.trajectory.task.split == "train" for s in rewards)
