@@ -11,7 +11,13 @@ log-prob comes from the weights that sampled it. An action turn's
 ``policy_version`` is the oldest version that produced any of its tokens, so
 the staleness filter stays conservative; a turn continued under newer weights
 also gets a ``rollout.swap.v<N>`` stamp in ``stage_times`` (when version N took
-over). ``--swap batch`` loads only between batches.
+over), and every action turn records its version segments (``run_lengths``: which
+version sampled which of its tokens), for the trainer's ``--stale-rule token``.
+``--swap batch`` loads only between batches.
+
+Eval-lane prompts (``eval-prompts``, ``records.is_eval``) are served ahead of any
+backlog: while some wait on this worker's partitions, prompts and observations are
+paused (``before_poll``).
 """
 from __future__ import annotations
 
