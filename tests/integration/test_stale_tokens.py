@@ -46,7 +46,8 @@ def group(gid: str, version: int, spans_two: bool = False, split: str = "train")
                                segment_tokens=[2]),
                           Turn("action", "b", 2, 4, policy_version=version + 1, segment_versions=[version + 1],
                                segment_tokens=[2])]
-        out.append((gid.encode(), ScoredTrajectory(traj, Reward(total=float(i), reward_version="v1")),
+        # One key for all: one partition, so the trainer reads the groups in the order they are produced.
+        out.append((b"k", ScoredTrajectory(traj, Reward(total=float(i), reward_version="v1")),
                     hdr.build(version, hdr.new_traceparent(), "v1")))
     return out
 
