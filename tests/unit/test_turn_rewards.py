@@ -95,3 +95,20 @@ def test_the_reward_stage_carries_turn_scores_and_fails_a_judge_that_miscounts_t
 def test_eval_lane_results_go_to_eval_rewards():
     assert score("per_turn", two_turns(0, 0.0, [], split="heldout")).topic == "eval-rewards"
     assert score("per_turn", two_turns(0, 0.0, [], split="eval")).topic == "eval-rewards"
+
+
+def test_calculator_turns_credits_the_call_and_the_answer_on_their_own_turns():
+    from rlstream.rewards import VERIFIERS
+    from rlstream.schemas.records import ToolCall, ToolResult
+    task = Task(task_id="c", group_id="c", task_name="calculator", env_name="calculator", env_version="1",
+                prompt="what is 12*13? use calc", sampling=SamplingParams(), created_at=0, answer="156")
+    call = Turn("action", "calc(12*13)", 0, 11, tool_call=ToolCall("calc", "12*13"), tool_result=ToolResult("156"))
+    answer = Turn("action", "156", 14, 17)
+    traj = Trajectory(trajectory_id="c:0", group_id="c", sample_index=0, task=task, response="",
+                      min_policy_version=0, max_policy_version=0,
+                      turns=[call, Turn("observation", "=156\n", 11, 14), answer])
+    result = VERIFIERS["calculator_turns"](traj)
+    assert (result.total, result.turn_scores) == (1.0, [1.0, 1.0])
+    answer.text = "155"
+    result = VERIFIERS["calculator_turns"](traj)
+    assert (result.total, result.turn_scores) == (0.0, [1.0, 0.0])
