@@ -42,7 +42,7 @@ def build_batch(groups: list[list[ScoredTrajectory | TeacherFeedback]], advantag
     ids, attn, mask, behaviour, adv = [], [], [], [], []
     teacher = [] if isinstance(samples[0], TeacherFeedback) else None
     # Rows are padded as Python lists and become one tensor each: a tensor per row cost more than the rest.
-    for s, sc in zip(samples, scored):
+    for i, (s, sc) in enumerate(zip(samples, scored)):
         traj = sc.trajectory
         prompt = traj.task.prompt_token_ids
         n, pad = len(prompt), width - len(prompt) - len(traj.token_ids)
@@ -50,7 +50,7 @@ def build_batch(groups: list[list[ScoredTrajectory | TeacherFeedback]], advantag
         attn.append([1] * (width - pad) + [0] * pad)
         mask.append([0] * n + traj.loss_mask + [0] * pad)
         behaviour.append([0.0] * n + traj.behaviour_logprobs + [0.0] * pad)
-        adv.append(token_row(per_sample[len(adv)], per_turn[len(adv)],
+        adv.append(token_row(per_sample[i], per_turn[i],
                              [(t.token_start, t.token_end) for t in traj.turns if t.role == "action"], n, width))
         if teacher is not None:
             teacher.append([0.0] * n + s.teacher_logprobs + [0.0] * pad)
