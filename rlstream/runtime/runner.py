@@ -336,15 +336,16 @@ class StageRunner:
     def backlog(self, logical_topic: str) -> int:
         """Records of ``logical_topic`` on this worker's partitions past its position, by the high watermarks
         librdkafka saw on its last fetch (no broker round trip; 0 until a fetch told). A partition read nothing from
-        yet counts from where its reading began (its committed offset, else 0)."""
+        yet counts from where its reading began: its committed offset, else the log's start (retention may have
+        deleted records no one read: they are not waiting)."""
         physical = topic_name(self.kafka.run, logical_topic)
         parts = [tp for tp in self._assigned if tp.topic == physical]
         if not parts:
             return 0
         waiting = 0
         for tp in self.consumer.position(parts):
-            _, high = self.consumer.get_watermark_offsets(tp, cached=True)
-            at = tp.offset if tp.offset >= 0 else self._starts.get((tp.topic, tp.partition), 0)
+            low, high = self.consumer.get_watermark_offsets(tp, cached=True)
+            at = tp.offset if tp.offset >= 0 else max(self._starts.get((tp.topic, tp.partition), 0), low)
             if high >= 0:
                 waiting += max(0, high - at)
         return waiting
