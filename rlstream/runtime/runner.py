@@ -19,6 +19,8 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any, Callable, Sequence
 
+from confluent_kafka import KafkaException
+
 from rlstream import metrics
 from rlstream.config import KafkaSettings
 from rlstream.kafka import records
@@ -343,7 +345,12 @@ class StageRunner:
         if not parts:
             return 0
         waiting = 0
-        for tp in self.consumer.position(parts):
+        try:
+            positions = self.consumer.position(parts)
+        except KafkaException as exc:  # e.g. the partitions were revoked meanwhile: nothing of ours waits there
+            log.debug("backlog of %s: %s", logical_topic, exc)
+            return 0
+        for tp in positions:
             low, high = self.consumer.get_watermark_offsets(tp, cached=True)
             at = tp.offset if tp.offset >= 0 else max(self._starts.get((tp.topic, tp.partition), 0), low)
             if high >= 0:
