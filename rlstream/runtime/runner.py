@@ -19,15 +19,13 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any, Callable, Sequence
 
-from confluent_kafka import KafkaException
-
 from rlstream import metrics
 from rlstream.config import KafkaSettings
 from rlstream.kafka import records
 from rlstream.kafka.dead_letters import wire_bytes
 from rlstream.kafka.inflight import OffsetWindow, Slot
 from rlstream.kafka.records import Incoming, Message, Rejected
-from rlstream.kafka.sources import GroupSource, InputSource
+from rlstream.kafka.sources import GroupSource, InputSource, waiting
 from rlstream.kafka.topics import logical_name, topic_name
 from rlstream.kafka.transactions import Offset, TransactionalProducer
 from rlstream.runtime.handlers import Handlers
@@ -336,26 +334,10 @@ class StageRunner:
             sum(1 for tp in self._assigned if logical_name(self.kafka.run, tp.topic) in self.paused_topics))
 
     def backlog(self, logical_topic: str) -> int:
-        """Records of ``logical_topic`` on this worker's partitions past its position, by the high watermarks
-        librdkafka saw on its last fetch (no broker round trip; 0 until a fetch told). A partition read nothing from
-        yet counts from where its reading began: its committed offset, else the log's start (retention may have
-        deleted records no one read: they are not waiting)."""
+        """Records of ``logical_topic`` on this worker's partitions not read yet (``kafka.sources.waiting``)."""
         physical = topic_name(self.kafka.run, logical_topic)
         parts = [tp for tp in self._assigned if tp.topic == physical]
-        if not parts:
-            return 0
-        waiting = 0
-        try:
-            positions = self.consumer.position(parts)
-        except KafkaException as exc:  # e.g. the partitions were revoked meanwhile: nothing of ours waits there
-            log.debug("backlog of %s: %s", logical_topic, exc)
-            return 0
-        for tp in positions:
-            low, high = self.consumer.get_watermark_offsets(tp, cached=True)
-            at = tp.offset if tp.offset >= 0 else max(self._starts.get((tp.topic, tp.partition), 0), low)
-            if high >= 0:
-                waiting += max(0, high - at)
-        return waiting
+        return waiting(self.consumer, parts, self._starts) if parts else 0
 
     def _on_assign(self, consumer, parts: list) -> None:
         self._assigned = list(parts)
