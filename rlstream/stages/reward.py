@@ -46,7 +46,7 @@ class RewardSettings:
     ROLE: ClassVar[str] = "REWARD"
 
     reward: str = knob("rlstream.rewards:exact_match", "Reward function: a built-in verifier (math, exact, "
-                       "normalized, regex, format, length, code, calculator), a dotted path (module:function), or "
+                       "normalized, regex, format, length, code, calculator, calculator_turns), a dotted path (module:function), or "
                        "weighted parts like math:1.0,format:0.2,length:0.1 (see rlstream.rewards)")
     reward_version: str = knob("v1", "Version written on every reward; replay scores again under a new one")
     judge_timeout_s: float = knob(20.0, "A reward function running longer gives a judge_timeout reward (keep it "
