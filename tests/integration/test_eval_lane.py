@@ -3,10 +3,13 @@ first by rollout, and its scored result lands on eval-rewards, never on the rewa
 from __future__ import annotations
 
 import pytest
+from confluent_kafka import Producer
 
+from rlstream.kafka.topics import TOPICS, topic_name
 from rlstream.models.tiny import build_model, build_tokenizer
 from rlstream.policy.weights import WeightStore
 from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import PolicyVersion, SamplingParams
 from tests.helpers.kafka import make_task, produce, read_all
 
@@ -31,6 +34,17 @@ def publish_v0(bootstrap: str, run: str, root) -> None:
                                                  hdr.build(0, hdr.new_traceparent()))])
 
 
+def produce_in_a_transaction(bootstrap: str, run: str, logical: str, key: str, record) -> None:
+    """As the dataset source writes (the exactly-once writer): in a transaction, so its commit marker follows the
+    record in the log, and a worker that counted the marker as waiting would hold the other inputs for good."""
+    producer = Producer({"bootstrap.servers": bootstrap, "transactional.id": f"{run}.test-eval"})
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    producer.produce(topic_name(run, logical), value=default_codec().encode(TOPICS[logical].record, record.to_dict()),
+                     key=key.encode(), headers=hdr.build(-1, hdr.new_traceparent()))
+    producer.commit_transaction(30)
+
+
 @pytest.mark.timeout(600)
 def test_an_eval_task_behind_a_backlog_is_served_first_and_never_reaches_the_trainers_topic(
         bootstrap, run_name, tmp_path, start_stage):
@@ -49,7 +63,7 @@ def test_an_eval_task_behind_a_backlog_is_served_first_and_never_reaches_the_tra
         evaluation = make_task(10_000, group_size=1)
         evaluation.sampling = SamplingParams(temperature=0.0, max_tokens=8)
         sent_at = hdr.now_ms()
-        produce(bootstrap, run_name, "eval-prompts", [(evaluation.task_id.encode(), evaluation, None)])
+        produce_in_a_transaction(bootstrap, run_name, "eval-prompts", evaluation.task_id, evaluation)
         actions = read_all(bootstrap, run_name, "actions", expect=BACKLOG + 1, timeout=300)
         evals = read_all(bootstrap, run_name, "eval-rewards", expect=1, timeout=120)
         rewards = read_all(bootstrap, run_name, "rewards", expect=BACKLOG, timeout=120)
