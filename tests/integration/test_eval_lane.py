@@ -62,8 +62,8 @@ def test_an_eval_task_behind_a_backlog_is_served_first_and_never_reaches_the_tra
         # Split "train" on purpose: the topic is the lane, and rollout marks the task eval.
         evaluation = make_task(10_000, group_size=1)
         evaluation.sampling = SamplingParams(temperature=0.0, max_tokens=8)
-        sent_at = hdr.now_ms()
         produce_in_a_transaction(bootstrap, run_name, "eval-prompts", evaluation.task_id, evaluation)
+        sent_at = hdr.now_ms()  # committed: readable from now on
         actions = read_all(bootstrap, run_name, "actions", expect=BACKLOG + 1, timeout=300)
         evals = read_all(bootstrap, run_name, "eval-rewards", expect=1, timeout=120)
         rewards = read_all(bootstrap, run_name, "rewards", expect=BACKLOG, timeout=120)
@@ -76,7 +76,9 @@ def test_an_eval_task_behind_a_backlog_is_served_first_and_never_reaches_the_tra
     before = sum(sent_at < t < served.timestamp_ms for t in training)
     after = sum(t > served.timestamp_ms for t in training)
     assert after >= 20, f"the backlog ran out before the eval prompt came ({after} training turns after it)"
-    assert before <= SLACK, f"{before} training turns went ahead of the eval prompt that was waiting"
+    assert before <= SLACK, (f"{before} training turns went ahead of the eval prompt that was waiting: "
+                             f"{sorted(t - sent_at for t in training if t > sent_at)[:10]} ms after it was sent, "
+                             f"it was served at {served.timestamp_ms - sent_at} ms")
     assert served.record.task.split == "eval"
     # Its result is on eval-rewards alone: the rewards topic (the trainer's) has the backlog and nothing else.
     assert [s.record.trajectory.task.task_id for s in evals] == [evaluation.task_id]
