@@ -1,6 +1,7 @@
 """The trainer's η rules through its window, against the real broker: ``--stale-rule sample`` drops a sample whose
 oldest token is too old; ``--stale-rule token`` keeps it with only those tokens masked out. Both are counted in the
-published version's metrics. An eval-lane sample found on the rewards topic never reaches the window."""
+published version's metrics. An eval-lane sample found on the rewards topic never reaches the window, and turn
+scores that do not fit their trajectory are dead-lettered."""
 from __future__ import annotations
 
 import threading
@@ -84,3 +85,27 @@ def test_stale_rule_through_the_window(rule, bootstrap, run_name, tmp_path):
         assert trainer.trained["spans"] == [[0, 0, 1, 1]] * G
         assert (v2.metrics["stale_step"], v2.metrics["stale_tokens_step"]) == (0, 2 * G)
         assert trainer.counter.stale_tokens == 2 * G
+
+
+@pytest.mark.timeout(300)
+def test_turn_scores_that_do_not_fit_their_trajectory_are_dead_lettered_by_the_trainer(bootstrap, run_name, tmp_path):
+    """The reward stage checks the count of turn scores; a record from another writer that does not fit goes to
+    dead-letters with its reason, and its group completes without it."""
+    settings = TrainerSettings(weights=str(tmp_path / "weights"), warmup_steps=0, window_groups=4)
+    trainer = SpyTrainer(settings, LoopSettings(groups_per_step=2, eta=1))
+    thread = threading.Thread(target=trainer.serve, args=(KafkaSettings(bootstrap=bootstrap, run=run_name),
+                                                          RuntimeSettings(poll_timeout_s=0.1)), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: trainer.version >= 0, 120, "v0")
+        bad = group("bad", 0)
+        bad[0][1].reward.turn_scores = [1.0, 0.0]  # two scores, one action turn
+        produce(bootstrap, run_name, "rewards", bad + group("good-1", 0) + group("good-2", 0))
+        wait_for(lambda: trainer.version >= 1, 180, "v1")
+    finally:
+        trainer.stop()
+        thread.join(60)
+    assert {g: len(masks) for g, masks in trainer.trained.items()} == {"bad": G - 1, "good-1": G}
+    [letter] = [s.record for s in read_all(bootstrap, run_name, "dead-letters", expect=1)]
+    assert (letter.stage, letter.reason) == ("trainer", "invalid")
+    assert "2 scores but the trajectory has 1 action turns" in letter.error
