@@ -1,6 +1,11 @@
-"""The eval lane through the real stages: an eval task produced behind a backlog of training prompts is served
-first by rollout, and its scored result lands on eval-rewards, never on the rewards topic the trainer reads."""
+"""The eval lane through the real stages: the prompt source writes held-out tasks to eval-prompts; an eval task
+produced behind a backlog of training prompts is served first by rollout, and its scored result lands on
+eval-rewards, never on the rewards topic the trainer reads."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 from confluent_kafka import Producer
@@ -11,6 +16,7 @@ from rlstream.policy.weights import WeightStore
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import PolicyVersion, SamplingParams
+from tests.helpers import ROOT
 from tests.helpers.kafka import make_task, produce, read_all
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -84,3 +90,15 @@ def test_an_eval_task_behind_a_backlog_is_served_first_and_never_reaches_the_tra
     assert [s.record.trajectory.task.task_id for s in evals] == [evaluation.task_id]
     assert evals[0].record.trajectory.task.split == "eval"
     assert len(rewards) == BACKLOG and all(s.record.trajectory.task.split == "train" for s in rewards)
+
+
+@pytest.mark.timeout(180)
+def test_the_prompt_source_writes_held_out_tasks_to_the_eval_lane(bootstrap, run_name):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RLSTREAM_BOOTSTRAP=bootstrap, RLSTREAM_RUN=run_name)
+    for split in ("heldout", "train"):
+        done = subprocess.run([sys.executable, "-m", "rlstream.cli", "prompts", "--task", "reverse", "--split", split,
+                               "--count", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{run_name}.prompts" in done.stdout
+    held, train = read_all(bootstrap, run_name, "eval-prompts", expect=3), read_all(bootstrap, run_name, "prompts")
+    assert [s.record.split for s in held] == ["heldout"] * 3 and [s.record.split for s in train] == ["train"] * 3
