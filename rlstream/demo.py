@@ -138,7 +138,7 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     # The tail reads in its own thread and hands records over; this loop folds them, so Progress has one writer.
     arrived: queue.SimpleQueue[Seen] = queue.SimpleQueue()
-    view = TopicTail(client, run, ["rewards", "policy-versions"], name="demo-view", keep=False,
+    view = TopicTail(client, run, ["rewards", "eval-rewards", "policy-versions"], name="demo-view", keep=False,
                      on_record=arrived.put)
     first: float | None = None
     best: tuple[int, float] | None = None

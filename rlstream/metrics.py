@@ -42,6 +42,8 @@ ACCEPTED_SAMPLES = Counter("rlstream_accepted_samples_total",
                            "Samples the trainer accepted under the staleness bound (goodput)", ["stage"])
 STALE_SAMPLES = Counter("rlstream_stale_samples_total", "Samples the trainer dropped as more than eta versions old",
                         ["stage"])
+STALE_TOKENS = Counter("rlstream_stale_tokens_total", "Tokens the trainer masked out as more than eta versions old "
+                       "(--stale-rule token), in samples it kept", ["stage"])
 EVICTED_SAMPLES = Counter("rlstream_evicted_samples_total", "Samples of incomplete head groups evicted by timeout",
                           ["stage"])
 STALE_RATIO = Gauge("rlstream_stale_ratio", "stale / (stale + accepted) since this process started", ["stage"])

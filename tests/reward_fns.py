@@ -46,3 +46,16 @@ def token_checksum(trajectory):
     """A score in [0, 1) from the sampled token ids: two different samples almost never tie, so a group's
     advantages are not all zero and every update moves the weights."""
     return {"checksum": (sum(i * t for i, t in enumerate(trajectory.token_ids, 1)) % 997) / 997}
+
+
+def per_turn(trajectory):
+    """Exact match, and one score per action turn: 1 for a turn whose text is ``ok``, else 0."""
+    from rlstream.rewards import RewardResult
+    return RewardResult(exact_match(trajectory).total,
+                        turn_scores=[float(t.text == "ok") for t in trajectory.turns if t.role == "action"])
+
+
+def miscounted_turns(trajectory):
+    """A judge with a bug: one turn score too many."""
+    from rlstream.rewards import RewardResult
+    return RewardResult(1.0, turn_scores=[1.0] * (1 + sum(t.role == "action" for t in trajectory.turns)))

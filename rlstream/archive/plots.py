@@ -24,10 +24,11 @@ def plot(name: str, figure: dict, path: Path, versions: list[str] | None) -> boo
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     try:
-        if name.startswith("reward by policy"):
+        if name.startswith(("reward by policy", "eval reward")):
             series: dict[tuple, list] = {}
-            for r in rows:
-                series.setdefault((r["reward_version"], r["split"]), []).append((r["policy_version"], r["reward_mean"]))
+            for r in rows:  # one line per reward version and split (all rewards) or task (the eval lane)
+                series.setdefault((r["reward_version"], r.get("split", r.get("task_name"))), []).append(
+                    (r["policy_version"], r["reward_mean"]))
             for (rv, split), points in sorted(series.items()):
                 points.sort()
                 ax.plot([p for p, _ in points], [m for _, m in points], marker="o", ms=3, label=f"{rv} ({split})")

@@ -100,6 +100,17 @@ def _reward(rows: list[dict]) -> str:
     return "; ".join(parts) or "too few versions scored to show a trend yet"
 
 
+def _eval(rows: list[dict]) -> str:
+    parts = []
+    for task in sorted({r["task_name"] for r in rows}):
+        points = sorted((r["policy_version"], r["reward_mean"]) for r in rows if r["task_name"] == task
+                        and r.get("reward_mean") is not None)
+        if points:
+            (v0, r0), (v1, r1) = points[0], points[-1]
+            parts.append(f"{task}: {human(r0)} at v{v0} → {human(r1)} at v{v1}")
+    return "eval lane " + "; ".join(parts) if parts else ""
+
+
 def _stale(rows: list[dict]) -> str:
     r = rows[0]
     return (f"{percent(r['stale_ratio'])} of samples arrived too stale to train on; {human(r['accepted_samples'])} "
@@ -164,6 +175,7 @@ def _disagreement(rows: list[dict]) -> str:
 
 READINGS: dict[str, Callable[[list[dict]], str]] = {
     "reward by policy and reward version": _reward,
+    "eval reward by policy version": _eval,
     "stale ratio": _stale,
     "staleness by policy version": _staleness,
     "latency and queue delay per stage (ms)": _latency,

@@ -23,6 +23,7 @@ from rlstream.errors import UsageError
 #: Figure key -> section title (keys of standard_queries).
 SECTIONS = [
     ("reward by policy and reward version", "reward_by_version.png"),
+    ("eval reward by policy version", "eval_reward.png"),
     ("reward disagreement", "disagreement.png"),
     ("most disagreeing trajectories", None),
     ("goodput", None),
@@ -35,8 +36,9 @@ SECTIONS = [
 ]
 
 #: Figures whose reading opens the page, in this order.
-SUMMARY = ["reward by policy and reward version", "goodput", "stale ratio", "latency and queue delay per stage (ms)",
-           "timeout and failure rates by class", "policy publish latency", "reward disagreement"]
+SUMMARY = ["reward by policy and reward version", "eval reward by policy version", "goodput", "stale ratio",
+           "latency and queue delay per stage (ms)", "timeout and failure rates by class", "policy publish latency",
+           "reward disagreement"]
 
 
 def reward_versions(archive, run: str) -> list[str]:

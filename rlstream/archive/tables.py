@@ -341,7 +341,8 @@ TURNS = Many("turns", (
                         Field("tool_duration_ms", "Float64", "duration_ms"),
                         Field("tool_truncated", "Bool", "truncated"),
                         Field("tool_failure_class", _LC, "failure_class", nullable=True)), nullable=True),
-    Field("started_at", _TS, ts=True), Field("finished_at", _TS, ts=True)))
+    Field("started_at", _TS, ts=True), Field("finished_at", _TS, ts=True),
+    Field("segment_versions", "Array(Int32)"), Field("segment_tokens", "Array(Int32)")))
 FAILURE = Rec("failure", (Field("failure_class", _LC), Field("failure_message", "String", "message"),
                           Field("failure_stage", _LC, "stage")), nullable=True)
 #: A record's task repeats its group and trace ids, which are archived once, on the record.
@@ -355,7 +356,7 @@ REWARD = (Field("reward_total", "Float64", "total"), Field("reward_breakdown", "
           Field("violations", "Array(String)"), Field("reward_version", _LC), Field("verifier_version", _LC),
           Field("judge_version", _LC), Field("reward_latency_ms", "Float64", "latency_ms"),
           Field("reward_failure_class", _LC, "failure_class", nullable=True),
-          Field("scored_at", _TS, ts=True))
+          Field("scored_at", _TS, ts=True), Field("turn_scores", "Array(Float64)"))
 SCORED = (Rec("trajectory", TRAJECTORY), Rec("reward", REWARD))
 _DIRECTION = {"actions": "action", "observations": "observation"}
 
@@ -386,6 +387,6 @@ TABLES: dict[str, Table] = {t.name: t for t in (
         Field("headers", "Map(String, String)"), Field("trace_id", "String"))),
 )}
 #: Logical topic -> the table its records go to (anything else, undecodable records included: dead_letters).
-TOPIC_TABLE = {"prompts": "tasks", "actions": "episodes", "observations": "episodes", "trajectories": "trajectories",
-               "rewards": "rewards", "feedback": "feedback", "policy-versions": "policy_versions",
-               "dead-letters": "dead_letters"}
+TOPIC_TABLE = {"prompts": "tasks", "eval-prompts": "tasks", "actions": "episodes", "observations": "episodes",
+               "trajectories": "trajectories", "rewards": "rewards", "eval-rewards": "rewards", "feedback": "feedback",
+               "policy-versions": "policy_versions", "dead-letters": "dead_letters"}

@@ -27,6 +27,15 @@ SELECT run, header_policy_version AS policy_version, reward_version, split,
 FROM {D}.rewards
 GROUP BY run, policy_version, reward_version, split""",
 
+    # The eval lane (records.is_eval): held-out and evaluation results, which only the eval-rewards topic carries,
+    # per policy version (the oldest that produced any of the sample's tokens) and task.
+    "eval_reward_by_version": f"""
+SELECT run, header_policy_version AS policy_version, reward_version, task_name,
+       count() AS samples, avg(reward_total) AS reward_mean, stddevPop(reward_total) AS reward_std,
+       countIf(status != 'ok') AS not_ok
+FROM {D}.rewards WHERE topic = 'eval-rewards'
+GROUP BY run, policy_version, reward_version, task_name""",
+
     # One row per trajectory: every reward version's total, so any two compare as rewards['v1'] - rewards['v2'].
     "trajectory_rewards": f"""
 SELECT run, trajectory_id, any(group_id) AS group_id, any(header_policy_version) AS policy_version,
@@ -59,6 +68,8 @@ SELECT run, policy, version, published_at, samples_trained,
           if(stale_total >= stale_prev, stale_total - stale_prev, stale_total)) AS stale,
        if(ev_total >= ev_prev, ev_total - ev_prev, ev_total) AS evicted,
        stale / nullIf(accepted + stale, 0) AS stale_ratio,
+       -- tokens masked out as older than η in samples kept (--stale-rule token)
+       if(mapContains(metrics, 'stale_tokens_step'), metrics['stale_tokens_step'], 0.) AS stale_tokens,
        metrics['step_seconds'] AS step_seconds, metrics['reward_mean'] AS reward_mean, metrics['loss'] AS loss
 FROM (
     SELECT *, metrics['accepted'] AS acc_total, metrics['stale'] AS stale_total, metrics['evicted'] AS ev_total,
@@ -70,7 +81,8 @@ FROM (
 
     "stale_ratio": f"""
 SELECT run, policy, count() AS versions, sum(accepted) AS accepted_samples, sum(stale) AS stale_samples,
-       sum(evicted) AS evicted_samples, stale_samples / nullIf(accepted_samples + stale_samples, 0) AS stale_ratio
+       sum(evicted) AS evicted_samples, stale_samples / nullIf(accepted_samples + stale_samples, 0) AS stale_ratio,
+       sum(stale_tokens) AS stale_tokens
 FROM {D}.staleness_by_version
 GROUP BY run, policy""",
 
@@ -248,12 +260,15 @@ def standard_queries(run: str, versions: tuple[str, str] | None = None) -> dict[
         "reward by policy and reward version":
             f"SELECT policy_version, reward_version, split, samples, reward_mean, reward_std "
             f"FROM {D}.reward_by_version WHERE run = {r} ORDER BY reward_version, split, policy_version",
+        "eval reward by policy version":
+            f"SELECT policy_version, reward_version, task_name, samples, reward_mean, reward_std "
+            f"FROM {D}.eval_reward_by_version WHERE run = {r} ORDER BY reward_version, task_name, policy_version",
         "stale ratio":
-            f"SELECT policy, versions, accepted_samples, stale_samples, evicted_samples, stale_ratio "
+            f"SELECT policy, versions, accepted_samples, stale_samples, evicted_samples, stale_ratio, stale_tokens "
             f"FROM {D}.stale_ratio WHERE run = {r}",
         "staleness by policy version":
-            f"SELECT version, accepted, stale, evicted, stale_ratio, step_seconds FROM {D}.staleness_by_version "
-            f"WHERE run = {r} ORDER BY version",
+            f"SELECT version, accepted, stale, evicted, stale_ratio, stale_tokens, step_seconds "
+            f"FROM {D}.staleness_by_version WHERE run = {r} ORDER BY version",
         "latency and queue delay per stage (ms)":
             f"SELECT stage, samples, latency_p50_ms, latency_p95_ms, latency_p99_ms, queue_p50_ms, queue_p95_ms, "
             f"queue_p99_ms FROM {D}.stage_latency_quantiles WHERE run = {r} ORDER BY stage",

@@ -21,6 +21,25 @@ log = logging.getLogger(__name__)
 Listener = Callable[[Consumer, list[TopicPartition]], None]
 
 
+def waiting(consumer: Consumer, parts: list[TopicPartition], starts: dict[tuple[str, int], int]) -> int:
+    """Records on ``parts`` past the consumer's position, by the high watermarks librdkafka saw on its last fetch
+    (no broker round trip; 0 until a fetch told). A partition read nothing from yet counts from where its reading
+    began (``starts``: its committed offset), and from the log's start at the earliest (retention may have deleted
+    records no one read: they are not waiting)."""
+    try:
+        positions = consumer.position(parts)
+    except KafkaException as exc:  # e.g. the partitions were revoked meanwhile: nothing of ours waits there
+        log.debug("positions of %s: %s", parts, exc)
+        return 0
+    total = 0
+    for tp in positions:
+        low, high = consumer.get_watermark_offsets(tp, cached=True)
+        at = tp.offset if tp.offset >= 0 else max(starts.get((tp.topic, tp.partition), 0), low)
+        if high >= 0:
+            total += max(0, high - at)
+    return total
+
+
 class InputSource(Protocol):
     """What the runner needs of its input."""
 

@@ -27,12 +27,16 @@ _WEEK = {"retention.ms": str(7 * 24 * 3600 * 1000)}
 #: Logical topic -> spec. Partitions bound how many consumers of a group can share the work.
 TOPICS: dict[str, TopicSpec] = {t.name: t for t in (
     TopicSpec("prompts", "Task", 8, _WEEK),
+    # The eval lane (records.is_eval): co-partitioned with prompts, served first by rollout; its scored results
+    # on a topic of their own, which no trainer reads.
+    TopicSpec("eval-prompts", "Task", 8, _WEEK),
     TopicSpec("actions", "Episode", 8, _WEEK),
     TopicSpec("observations", "Episode", 8, _WEEK),
     # The loop's data is the asset: samples are kept until the user deletes them (replay).
     TopicSpec("trajectories", "Trajectory", 8, _FOREVER),
     TopicSpec("rewards", "ScoredTrajectory", 8, _FOREVER),
     TopicSpec("feedback", "TeacherFeedback", 8, _FOREVER),
+    TopicSpec("eval-rewards", "ScoredTrajectory", 8, _FOREVER),
     # Compacted: the newest version of each policy is always readable.
     TopicSpec("policy-versions", "PolicyVersion", 1, {"cleanup.policy": "compact", "retention.ms": "-1"}),
     TopicSpec("dead-letters", "DeadLetter", 4, _FOREVER),

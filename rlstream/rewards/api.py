@@ -23,6 +23,22 @@ class RewardResult:
     violations: list[str] = field(default_factory=list)
     verifier_version: str = ""
     judge_version: str = ""
+    #: One score per action turn of the trajectory, in order (empty: none). The trainer adds them to that turn's
+    #: tokens' advantages (``rlstream.trainer.advantages.turn_advantages``); they need not add up to the total.
+    turn_scores: list[float] = field(default_factory=list)
+
+
+def action_turn_count(trajectory: Trajectory) -> int:
+    """How many turns of ``trajectory`` the model produced: what ``turn_scores`` must give one score each."""
+    return sum(1 for t in trajectory.turns if t.role == "action")
+
+
+def check_turn_scores(trajectory: Trajectory, scores: list[float]) -> None:
+    """Per-turn scores fit their trajectory: one per action turn, or none. ValueError saying what to return."""
+    wanted = action_turn_count(trajectory)
+    if scores and len(scores) != wanted:
+        raise ValueError(f"turn_scores has {len(scores)} scores but the trajectory has {wanted} action turns: "
+                         "return one score per action turn, in order (or none)")
 
 
 def as_result(raw: Any) -> RewardResult:

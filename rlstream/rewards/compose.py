@@ -61,13 +61,19 @@ def combine(parts: list[tuple[str, float, Callable]], results: list[RewardResult
     """The weighted sum of the parts' results: one breakdown key per part holding its weighted share (so the
     breakdown sums to the total), violations and versions prefixed by the part."""
     breakdown = {key: weight * r.total for (key, weight, _), r in zip(parts, results)}
+    # Per-turn scores add up like the totals, over the parts that gave them.
+    scored = [(weight, r.turn_scores) for (_, weight, _), r in zip(parts, results) if r.turn_scores]
+    if len({len(s) for _, s in scored}) > 1:
+        raise ValueError("the parts gave different numbers of turn scores: "
+                         f"{[len(s) for _, s in scored]}; each must give one per action turn")
+    turn_scores = [sum(w * s[k] for w, s in scored) for k in range(len(scored[0][1]))] if scored else []
     return RewardResult(
         total=sum(breakdown.values()), breakdown=breakdown,
         violations=[f"{key}:{v}" for (key, _, _), r in zip(parts, results) for v in r.violations],
         # The weights are in the version: re-weighting changes what a total means.
         verifier_version="+".join(f"{r.verifier_version or key}*{weight:g}"
                                   for (key, weight, _), r in zip(parts, results)),
-        judge_version="+".join(r.judge_version for r in results if r.judge_version))
+        judge_version="+".join(r.judge_version for r in results if r.judge_version), turn_scores=turn_scores)
 
 
 def composite(parts: list[tuple[str, float, Callable]]) -> Callable[[Trajectory], Any]:

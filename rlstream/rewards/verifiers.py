@@ -36,7 +36,7 @@ import unicodedata
 from typing import Callable
 
 from rlstream.rewards.api import RewardResult, final_text
-from rlstream.rewards.builtin import calculator_reward, exact_match, normalise_answer
+from rlstream.rewards.builtin import calculator_reward, calculator_turns, exact_match, normalise_answer
 from rlstream.runtime.stage import InvalidRecord
 from rlstream.sandbox import Sandbox
 from rlstream.schemas.records import Trajectory
@@ -295,4 +295,5 @@ VERIFIERS: dict[str, Callable[[Trajectory], RewardResult]] = {
     "length": length_penalty,
     "code": code_tests,
     "calculator": calculator_reward,
+    "calculator_turns": calculator_turns,
 }

@@ -25,7 +25,7 @@ from rlstream.kafka import records
 from rlstream.kafka.dead_letters import wire_bytes
 from rlstream.kafka.inflight import OffsetWindow, Slot
 from rlstream.kafka.records import Incoming, Message, Rejected
-from rlstream.kafka.sources import GroupSource, InputSource
+from rlstream.kafka.sources import GroupSource, InputSource, waiting
 from rlstream.kafka.topics import logical_name, topic_name
 from rlstream.kafka.transactions import Offset, TransactionalProducer
 from rlstream.runtime.handlers import Handlers
@@ -66,8 +66,9 @@ class StageRunner:
                                          transaction_timeout_ms=settings.transaction_timeout_ms,
                                          stopping=lambda: self._stopping)
         self.handlers = Handlers(stage, settings)
-        self.ctx = StageContext(kafka, self.set_paused, self.paused_topics)
+        self.ctx = StageContext(kafka, self.set_paused, self.paused_topics, self.backlog)
         self._assigned: list = []
+        self._starts: dict[tuple[str, int], int] = {}  # where each assigned partition's reading began
         # Consumed records not yet committed past, and what each partition's committed offset metadata says.
         self._window = OffsetWindow()
         self._lag = metrics.LagProbe(stage.name, kafka.run)  # consumer lag gauge, refreshed every few seconds
@@ -332,6 +333,12 @@ class StageRunner:
         metrics.PAUSED.labels(self.stage.name).set(
             sum(1 for tp in self._assigned if logical_name(self.kafka.run, tp.topic) in self.paused_topics))
 
+    def backlog(self, logical_topic: str) -> int:
+        """Records of ``logical_topic`` on this worker's partitions not read yet (``kafka.sources.waiting``)."""
+        physical = topic_name(self.kafka.run, logical_topic)
+        parts = [tp for tp in self._assigned if tp.topic == physical]
+        return waiting(self.consumer, parts, self._starts) if parts else 0
+
     def _on_assign(self, consumer, parts: list) -> None:
         self._assigned = list(parts)
         if self._closing:
@@ -347,6 +354,7 @@ class StageRunner:
         if not parts:
             return
         for tp in consumer.committed(parts, timeout=30):
+            self._starts[(tp.topic, tp.partition)] = max(0, tp.offset)
             if tp.offset >= 0:
                 self._window.set_committed((tp.topic, tp.partition), tp.offset, tp.metadata)
 

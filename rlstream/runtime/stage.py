@@ -62,10 +62,12 @@ class Stage:
 class StageContext:
     """What a stage may do to its own consumption: pause and resume partitions."""
 
-    def __init__(self, kafka: KafkaSettings, set_paused: Callable[[str, bool], None], paused_topics: set[str]):
+    def __init__(self, kafka: KafkaSettings, set_paused: Callable[[str, bool], None], paused_topics: set[str],
+                 backlog: Callable[[str], int] = lambda topic: 0):
         self._kafka = kafka
         self._set_paused = set_paused
         self._paused = paused_topics  # the runner's own set: it re-applies these after a rebalance
+        self._backlog = backlog
 
     def pause(self, logical_topic: str) -> None:
         """Stop fetching a topic (backpressure); records wait in Kafka."""
@@ -76,6 +78,11 @@ class StageContext:
 
     def is_paused(self, logical_topic: str) -> bool:
         return logical_topic in self._paused
+
+    def backlog(self, logical_topic: str) -> int:
+        """Records of an input topic waiting on this worker's partitions, as of the last fetch (no broker round
+        trip): what a stage serving one input first checks before letting the others in."""
+        return self._backlog(logical_topic)
 
     @property
     def kafka(self) -> KafkaSettings:

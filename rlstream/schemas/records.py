@@ -126,6 +126,8 @@ class Turn(Record):
     tool_result: Optional[ToolResult] = None
     started_at: int = 0
     finished_at: int = 0
+    segment_versions: list[int] = field(default_factory=list)
+    segment_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -153,6 +155,23 @@ def episode_key(episode: Episode) -> str:
     episode's prefix. (A key per episode would scatter turn 2 onwards away from turn 1.)
     """
     return episode.task.task_id
+
+
+def is_eval(task: Task) -> bool:
+    """The eval lane: a task whose split is not ``train`` (held-out, evaluation) measures the policy and is never
+    trained on. Its prompt travels on ``eval-prompts`` (rollout serves it ahead of any backlog) and its scored result
+    on ``eval-rewards``, which no trainer reads; in between it shares the loop's topics and stages."""
+    return task.split != "train"
+
+
+def prompt_topic(task: Task) -> str:
+    """The topic a source writes ``task`` to: its lane's."""
+    return "eval-prompts" if is_eval(task) else "prompts"
+
+
+def scored_topic(task: Task) -> str:
+    """The topic the reward stage writes a scored trajectory of ``task`` to: its lane's."""
+    return "eval-rewards" if is_eval(task) else "rewards"
 
 
 @dataclass(slots=True)
@@ -185,6 +204,7 @@ class Reward(Record):
     latency_ms: float = 0.0
     failure_class: Optional[str] = None
     scored_at: int = 0
+    turn_scores: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -3,8 +3,8 @@
 Every record a source writes carries two headers, ``source_id`` and ``source_seq`` (its position in the source's
 fixed order). A batch is one transaction of consecutive positions, so the committed positions of a source are
 always 0..k with nothing missing: the restart point is the highest committed ``source_seq`` plus one, read with
-``read_committed`` from the topics alone (``prompts`` and ``dead-letters``: a row that became a dead letter is
-done too). A batch that a SIGKILL cut short was never committed and is not seen; the restart writes it again.
+``read_committed`` from the topics alone (``prompts``, ``eval-prompts`` and ``dead-letters``: a row that became a
+dead letter is done too). A batch that a SIGKILL cut short was never committed and is not seen; the restart writes it again.
 
 The transactional id is ``<run>.prompts.<source id>``: registering it (``start``) fences the killed instance and
 aborts its open transaction, which must happen before the read back, or that transaction could still commit.
@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 SOURCE_ID = "source_id"
 SOURCE_SEQ = "source_seq"
 
-#: The topics a source writes, and so reads back.
-SOURCE_TOPICS = ("prompts", "dead-letters")
+#: The topics a source writes, and so reads back (held-out rows go to the eval lane's prompts).
+SOURCE_TOPICS = ("prompts", "eval-prompts", "dead-letters")
 
 
 @dataclass

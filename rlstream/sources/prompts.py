@@ -24,7 +24,7 @@ from rlstream.errors import UsageError
 from rlstream.kafka.records import TypedProducer
 from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.records import SamplingParams, Task
+from rlstream.schemas.records import SamplingParams, Task, prompt_topic
 from rlstream.sources.dataset import Columns, DatasetSource, Item, clean_id
 from rlstream.sources.dataset import load as load_dataset
 from rlstream.sources.dataset import parse_column_list, source_id
@@ -119,7 +119,7 @@ class PromptProducer:
         self.out = TypedProducer(kafka)
 
     def send(self, task: Task) -> None:
-        self.out.send("prompts", task.task_id, task, -1, task.trace_id)
+        self.out.send(prompt_topic(task), task.task_id, task, -1, task.trace_id)
 
     def flush(self, timeout: float = 60.0) -> None:
         self.out.flush(timeout)
@@ -198,7 +198,7 @@ def open_dataset(path: str, flag: str, s: PromptSettings, loop: LoopSettings, sp
 def _out(src: DatasetSource, item: Item) -> Out:
     """What one item writes: its Task, or a dead letter when the row could not become one."""
     if item.task is not None:
-        return Out(item.seq, "prompts", item.task.task_id, item.task, item.task.trace_id)
+        return Out(item.seq, prompt_topic(item.task), item.task.task_id, item.task, item.task.trace_id)
     letter = src.dead_letter(item)
     return Out(item.seq, "dead-letters", letter.key, letter, letter.headers["traceparent"].decode())
 
@@ -283,14 +283,16 @@ def cmd_prompts(args: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
     if s.dataset or s.eval_dataset:
         print(f"wrote {n} records of {' and '.join(filter(None, (s.eval_dataset, s.dataset)))} to "
-              f"{topic_name(kafka.run, 'prompts')} (rows that are no task: to dead-letters)")
+              f"{topic_name(kafka.run, 'prompts')} (held-out rows: {topic_name(kafka.run, 'eval-prompts')}; rows "
+              "that are no task: dead-letters)")
     else:
-        print(f"produced {n} {s.split} tasks of {s.task} to {topic_name(kafka.run, 'prompts')}")
+        topic = "eval-prompts" if s.split == "heldout" else "prompts"
+        print(f"produced {n} {s.split} tasks of {s.task} to {topic_name(kafka.run, topic)}")
 
 
 def add_command(sub) -> None:
     """Register ``rlstream prompts``."""
-    p = sub.add_parser("prompts", help="produce tasks to the run's prompts topic")
+    p = sub.add_parser("prompts", help="produce tasks to the run's prompts topic (held-out ones: eval-prompts)")
     add_arguments(p, LoopSettings)
     add_arguments(p, KafkaSettings)
     add_arguments(p, PromptSettings)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from rlstream.config import knob
-from rlstream.rewards import as_result, load_reward
+from rlstream.rewards import as_result, check_turn_scores, load_reward
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
 from rlstream.schemas.headers import now_ms
-from rlstream.schemas.records import Reward, ScoredTrajectory, Trajectory
+from rlstream.schemas.records import Reward, ScoredTrajectory, Trajectory, scored_topic
 
 log = logging.getLogger(__name__)
 #: How much of a judge's error message its Reward keeps (in ``violations``).
@@ -29,12 +29,14 @@ _ERROR_CHARS = 500
 def to_reward(raw: Any, reward_version: str, latency_ms: float) -> Reward:
     """Check a reward function's return value and turn it into the Reward record."""
     raw = as_result(raw)
-    values = [raw.total, *raw.breakdown.values()]
+    values = [raw.total, *raw.breakdown.values(), *raw.turn_scores]
     if not all(math.isfinite(v) for v in values):
-        raise InvalidRecord(f"reward is not finite: total={raw.total} breakdown={raw.breakdown}")
+        raise InvalidRecord(f"reward is not finite: total={raw.total} breakdown={raw.breakdown} "
+                            f"turn_scores={raw.turn_scores}")
     return Reward(total=float(raw.total), reward_version=reward_version, breakdown=raw.breakdown,
                   violations=list(raw.violations), verifier_version=raw.verifier_version,
-                  judge_version=raw.judge_version, latency_ms=latency_ms, scored_at=now_ms())
+                  judge_version=raw.judge_version, latency_ms=latency_ms, scored_at=now_ms(),
+                  turn_scores=[float(v) for v in raw.turn_scores])
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class RewardSettings:
     ROLE: ClassVar[str] = "REWARD"
 
     reward: str = knob("rlstream.rewards:exact_match", "Reward function: a built-in verifier (math, exact, "
-                       "normalized, regex, format, length, code, calculator), a dotted path (module:function), or "
+                       "normalized, regex, format, length, code, calculator, calculator_turns), a dotted path (module:function), or "
                        "weighted parts like math:1.0,format:0.2,length:0.1 (see rlstream.rewards)")
     reward_version: str = knob("v1", "Version written on every reward; replay scores again under a new one")
     judge_timeout_s: float = knob(20.0, "A reward function running longer gives a judge_timeout reward (keep it "
@@ -73,7 +75,8 @@ class RewardStage(Stage):
         else:
             reward = await self._judge(traj, started)
         traj.stage_times["reward.end"] = now_ms()
-        return [Output("rewards", item.key, ScoredTrajectory(traj, reward),
+        # Eval-lane results go where no trainer reads (records.is_eval).
+        return [Output(scored_topic(traj.task), item.key, ScoredTrajectory(traj, reward),
                        reward_version=self.settings.reward_version)]
 
     async def _judge(self, traj: Trajectory, started: float) -> Reward:
@@ -89,6 +92,10 @@ class RewardStage(Stage):
                                        started)
         except Exception as exc:
             return self._judge_failure("judge_error", f"{type(exc).__name__}: {exc}", started)
+        try:
+            check_turn_scores(traj, as_result(raw).turn_scores)
+        except ValueError as exc:  # the judge's mistake, not the trajectory's: its group goes on without it
+            return self._judge_failure("judge_error", str(exc), started)
         return to_reward(raw, self.settings.reward_version, (time.perf_counter() - started) * 1000)
 
     def _judge_failure(self, failure_class: str, error: str, started: float) -> Reward:

@@ -11,7 +11,13 @@ log-prob comes from the weights that sampled it. An action turn's
 ``policy_version`` is the oldest version that produced any of its tokens, so
 the staleness filter stays conservative; a turn continued under newer weights
 also gets a ``rollout.swap.v<N>`` stamp in ``stage_times`` (when version N took
-over). ``--swap batch`` loads only between batches.
+over), and every action turn records its version segments (``run_lengths``: which
+version sampled which of its tokens), for the trainer's ``--stale-rule token``.
+``--swap batch`` loads only between batches.
+
+Eval-lane prompts (``eval-prompts``, ``records.is_eval``) are served ahead of any
+backlog: while some wait on this worker's partitions, prompts and observations are
+paused (``before_poll``).
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import PolicyWeights
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
 from rlstream.schemas.headers import now_ms
-from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn, episode_key
+from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn, episode_key, is_eval
 from rlstream.stages.inference import KINDS, FleetOptions, Generation, make_backend, server_urls
 
 log = logging.getLogger(__name__)
@@ -87,11 +93,28 @@ class RolloutSettings:
 SWAP_STAMP = "rollout.swap.v"
 
 
+def run_lengths(versions: list[int]) -> tuple[list[int], list[int]]:
+    """A turn's version segments from the engine's version of each token: (versions, token counts), one per run.
+
+    A backend that swaps weights between engine steps (in-process vLLM) reports each token's version, so a turn
+    spanning a swap gets two segments; one that swaps only between calls gives one version for the whole turn."""
+    out_v: list[int] = []
+    out_n: list[int] = []
+    for v in versions:
+        if out_v and out_v[-1] == v:
+            out_n[-1] += 1
+        else:
+            out_v.append(v)
+            out_n.append(1)
+    return out_v, out_n
+
+
 class RolloutStage(Stage):
     """Generates the next action turn of every episode in a batch, batched on the engine."""
 
     name = "rollout"
-    inputs = ("prompts", "observations")
+    # eval-prompts is the eval lane (records.is_eval): served ahead of any backlog of the other two (before_poll).
+    inputs = ("eval-prompts", "prompts", "observations")
     # Prompts come from outside the loop; a source may not know any policy version yet.
     require_policy_version = False
 
@@ -244,13 +267,19 @@ class RolloutStage(Stage):
                 self._swap_to_latest()
             finally:
                 self._engine_lock.release()
-        # AReaL's rule: do not start new episodes that will only be thrown away as stale.
-        # A pinned endpoint never catches up; pausing for it would stop the stage for good.
+        # The eval lane first: while eval prompts wait on this worker's partitions, training prompts and episodes in
+        # flight wait (pausing drops what was prefetched of them, so the next batch is the eval prompts).
+        evals_waiting = ctx.backlog("eval-prompts") > 0
+        # AReaL's rule: do not start new episodes that will only be thrown away as stale (eval results are not
+        # trained on, so the rule does not hold them back). A pinned endpoint never catches up; pausing for it would
+        # stop the stage for good.
         following = getattr(self.backend, "follows_policy", True)
-        if following and rollout_should_pause(self.watcher.version, self.version, self.loop.eta):
-            ctx.pause("prompts")
-        elif ctx.is_paused("prompts"):
-            ctx.resume("prompts")
+        stale = following and rollout_should_pause(self.watcher.version, self.version, self.loop.eta)
+        for topic, pause in (("prompts", stale or evals_waiting), ("observations", evals_waiting)):
+            if pause:
+                ctx.pause(topic)
+            elif ctx.is_paused(topic):
+                ctx.resume(topic)
 
     # -- generation ------------------------------------------------------------------------
 
@@ -259,8 +288,8 @@ class RolloutStage(Stage):
         by_params: dict[tuple, list[tuple[int, Episode]]] = defaultdict(list)
         for idx, item in enumerate(items):
             try:
-                episodes = (self._start_episodes(item.record) if item.topic == "prompts"
-                            else [self._with_observation(item.record)])
+                episodes = (self._start_episodes(item.record, item.topic == "eval-prompts")
+                            if item.topic != "observations" else [self._with_observation(item.record)])
             except (InvalidRecord, ModelError) as exc:
                 results[idx] = InvalidRecord(str(exc))  # this record alone is dead-lettered, with why
                 continue
@@ -312,16 +341,21 @@ class RolloutStage(Stage):
             if v > version:
                 ep.stage_times[f"{SWAP_STAMP}{v}"] = at  # when newer weights took this turn over
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        seg_versions, seg_tokens = run_lengths(gen.versions or [started_version] * len(gen.token_ids))
         ep.turns.append(Turn("action", text, start, len(ep.token_ids), policy_version=version,
-                             finish_reason=gen.finish_reason, started_at=started, finished_at=finished))
+                             finish_reason=gen.finish_reason, started_at=started, finished_at=finished,
+                             segment_versions=seg_versions, segment_tokens=seg_tokens))
         ep.stage_times.setdefault("rollout.start", started)
         ep.stage_times["rollout.end"] = finished
 
-    def _start_episodes(self, task: Task) -> list[Episode]:
+    def _start_episodes(self, task: Task, eval_lane: bool = False) -> list[Episode]:
         """The G episodes of a task, its prompt tokenized once: through the chat template for chat messages.
 
+        A task read from eval-prompts stays in the eval lane downstream: marked ``eval`` if it says ``train``.
         InvalidRecord when the prompt cannot fit the context with room for one new token.
         """
+        if eval_lane and not is_eval(task):
+            task.split = "eval"
         if not task.prompt_token_ids:
             if task.metadata.get("messages"):
                 task.prompt_token_ids = chat_prompt_ids(self.tokenizer, json.loads(task.metadata["messages"]))

@@ -1,8 +1,11 @@
-"""Group-relative advantage estimators.
+"""Group-relative advantage estimators, and per-turn advantages from per-turn scores.
 
 Every estimator takes ``rewards`` of shape ``[B, G]``: B groups (one per prompt),
 G sampled completions each, and returns advantages of the same shape.
 Standard deviations are population ones (``unbiased=False``).
+
+A reward may also score each action turn (``Reward.turn_scores``); ``turn_advantages`` states the rule that turns
+those into the advantage of each turn's tokens, and ``token_row`` lays a sample's advantages over its tokens.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["ADVANTAGES", "compute_advantages", "dr_grpo", "grpo", "reinforce_pp", "rloo"]
+__all__ = ["ADVANTAGES", "compute_advantages", "dr_grpo", "grpo", "reinforce_pp", "rloo", "token_row",
+           "turn_advantages"]
 
 
 def _check(rewards: torch.Tensor) -> torch.Tensor:
@@ -67,3 +71,49 @@ def compute_advantages(name: str, rewards: torch.Tensor) -> torch.Tensor:
     except KeyError:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGES)}") from None
     return fn(rewards)
+
+
+def turn_advantages(sample_advantages: torch.Tensor, turn_scores: list[list[float]],
+                    eps: float = 1e-6) -> list[list[float]]:
+    """Per sample of one group, the advantage of each of its action turns' tokens (empty: no turn scores).
+
+    The rule, here and nowhere else: the outcome advantage plus the normalised return-to-go of the turn scores
+    (DeepSeekMath's process supervision, added to the estimator's outcome advantage)::
+
+        A[i, k] = A_i + sum_{j >= k} (s[i, j] - mean) / (std + eps)
+
+    ``A_i`` is sample i's advantage from its total (``sample_advantages[i]``, the group's estimator),
+    ``s[i, j]`` the score of its j-th action turn, and ``mean`` / ``std`` (population) are over every turn score of
+    the group, so a turn is credited for how it and the turns after it compare with the group's turns. A sample
+    without turn scores gets ``A_i`` on all its tokens and adds nothing to ``mean`` / ``std``; a group whose turn
+    scores are all equal adds nothing to any turn.
+    """
+    if len(turn_scores) != len(sample_advantages):
+        raise ValueError(f"{len(turn_scores)} turn-score lists for {len(sample_advantages)} samples")
+    flat = torch.tensor([v for scores in turn_scores for v in scores], dtype=torch.float64)
+    if not len(flat):
+        return [[] for _ in turn_scores]
+    mean, std = flat.mean(), flat.std(unbiased=False)
+    out = []
+    for a, scores in zip(sample_advantages.tolist(), turn_scores):
+        normalised = ((torch.tensor(scores, dtype=torch.float64) - mean) / (std + eps)).tolist()
+        to_go, acc = [], 0.0
+        for v in reversed(normalised):
+            acc += v
+            to_go.append(a + acc)
+        out.append(to_go[::-1])
+    return out
+
+
+def token_row(sample_advantage: float, turn_advantages: list[float], spans: list[tuple[int, int]],
+              offset: int, width: int) -> list[float]:
+    """One row of a batch's per-token advantages: ``sample_advantage`` everywhere, and action turn k's advantage
+    over its tokens ``[start, end)`` of ``spans`` (positions in the trajectory, shifted by ``offset``, the prompt).
+    Positions outside the action turns are masked out of the loss; they carry the sample's advantage."""
+    row = [sample_advantage] * width
+    if turn_advantages:
+        if len(turn_advantages) != len(spans):
+            raise ValueError(f"{len(turn_advantages)} turn advantages for {len(spans)} action turns")
+        for value, (start, end) in zip(turn_advantages, spans):
+            row[offset + start:offset + end] = [value] * (end - start)
+    return row

@@ -32,14 +32,14 @@ from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.devices import enable_gradient_checkpointing, resolve_device
 from rlstream.models.loading import TINY, check_folder, load_model, load_tokenizer, read_chat_template, torch_dtype
 from rlstream.policy.deltas import content_hash, read_folder
-from rlstream.policy.staleness import StalenessCounter, StalenessFilter
+from rlstream.policy.staleness import StalenessCounter, StalenessFilter, mask_stale_tokens
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weight_log import WeightLogWriter
 from rlstream.policy.weights import WeightStore, tokenizer_hash
-from rlstream.rewards import JUDGE_FAILURES
+from rlstream.rewards import JUDGE_FAILURES, check_turn_scores
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.records import PolicyVersion, ScoredTrajectory, TeacherFeedback
+from rlstream.schemas.records import PolicyVersion, ScoredTrajectory, TeacherFeedback, is_eval
 from rlstream.trainer.chain import chain_stats
 from rlstream.trainer.distributed import Ranks, check_nproc, launch
 from rlstream.trainer.engine import make_engine
@@ -85,6 +85,10 @@ class TrainerSettings:
     chat_template: str = knob("", "A Jinja chat template file, set on the model's tokenizer and saved with every "
                                   "version (for a model folder that has none)")
     task: str = knob("reverse", "Built-in task of the supervised warm-up (--warmup-steps)")
+    stale_rule: str = knob("sample", "How the eta bound applies: sample (drop a sample whose oldest token is more "
+                                     "than eta versions old) or token (mask out only the tokens older than eta, by "
+                                     "each turn's version segments; drop the sample when none is left)",
+                           choices=("sample", "token"))
     window_groups: int = knob(32, "Windowed FIFO size W in groups")
     head_timeout_s: float = knob(120.0, "Evict (and record) an incomplete head group older than this")
     advantage: str = knob("grpo", "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp")
@@ -132,7 +136,7 @@ class TrainerService:
         self.filter = StalenessFilter(loop.eta)
         self.counter = StalenessCounter()
         self.evicted = 0
-        self._counted = (0, 0)  # (accepted, stale) at the last publish, for per-step counts
+        self._counted = (0, 0, 0)  # (accepted, stale, stale tokens) at the last publish, for per-step counts
         self.version = -1
         self._stopping = False
         self._letters: list = []  # (message, reason, error) to dead-letter in the next transaction
@@ -293,8 +297,11 @@ class TrainerService:
                 continue
             sample = item.record
             traj = _trajectory(sample)
-            if traj.task.split != "train":
-                continue  # held-out samples measure the policy; they are never trained on
+            if is_eval(traj.task):
+                # The reward stage sends the eval lane to eval-rewards; one on this topic (a writer from before the
+                # lane) still measures the policy and is never trained on.
+                self.window.skip(position)
+                continue
             reward = sample.scored.reward if isinstance(sample, TeacherFeedback) else sample.reward
             if reward.failure_class in JUDGE_FAILURES:
                 # The judge failed, not the policy: its 0 is no reward. The group trains without the sample (a failed
@@ -302,16 +309,40 @@ class TrainerService:
                 metrics.FAILURES.labels("trainer", reward.failure_class).inc()
                 self.window.refuse(traj.group_id, traj.task.group_size, position)
                 continue
-            # The η bound is enforced here, from the header, before a sample can reach a batch.
-            accepted = self.counter.observe(self.filter, self.version, item.policy_version)
-            metrics.count_staleness("trainer", accepted, self.counter.stale_ratio)
-            if not accepted:
+            try:
+                check_turn_scores(traj, reward.turn_scores)
+            except ValueError as exc:  # the reward stage checks this; a record from elsewhere may not fit
+                self._letters.append((m, "invalid", str(exc)))
+                self.window.refuse(traj.group_id, traj.task.group_size, position)
+                continue
+            if not self._within_eta(traj, item.policy_version):
                 # The version moved on between samples of one group: the group completes without this one
                 # rather than holding a window slot (and the pipeline behind it) until the head timeout.
                 self.window.refuse(traj.group_id, traj.task.group_size, position)
                 continue
             self.window.add(WindowItem(traj.group_id, traj.task.group_size, position, time.monotonic(), sample))
         self._lag.maybe_update(self.consumer, self.consumer.assignment)
+
+    def _within_eta(self, traj, header_version: int) -> bool:
+        """The η bound, enforced here before a sample can reach a batch, under --stale-rule; counted either way.
+
+        sample: the header (the oldest version of any token) decides. token: a sample the header refuses keeps the
+        tokens of its turns' version segments within η (the others are masked out of its loss) and is dropped only
+        when none of its trained tokens is left.
+        """
+        if self.settings.stale_rule == "token" and self.filter.is_stale(self.version, header_version):
+            mask, masked, left = mask_stale_tokens(self.filter, self.version, traj.turns, traj.loss_mask,
+                                                   header_version)
+            if left:
+                traj.loss_mask = mask
+                self.counter.record(True)
+                self.counter.stale_tokens += masked
+                metrics.STALE_TOKENS.labels("trainer").inc(masked)
+                metrics.count_staleness("trainer", True, self.counter.stale_ratio)
+                return True
+        accepted = self.counter.observe(self.filter, self.version, header_version)
+        metrics.count_staleness("trainer", accepted, self.counter.stale_ratio)
+        return accepted
 
     # -- one step --------------------------------------------------------------------
 
@@ -326,9 +357,12 @@ class TrainerService:
                       "accepted": float(self.counter.accepted), "stale_ratio": self.counter.stale_ratio,
                       "evicted": float(self.evicted)})
         # Per-step counts as well: the cumulative ones restart with the process, these add up across restarts.
-        (accepted, stale), self._counted = self._counted, (self.counter.accepted, self.counter.stale)
+        (accepted, stale, tokens), self._counted = self._counted, (self.counter.accepted, self.counter.stale,
+                                                                   self.counter.stale_tokens)
         stats.update({"accepted_step": float(self.counter.accepted - accepted),
-                      "stale_step": float(self.counter.stale - stale)})
+                      "stale_step": float(self.counter.stale - stale),
+                      "stale_tokens": float(self.counter.stale_tokens),
+                      "stale_tokens_step": float(self.counter.stale_tokens - tokens)})
         self._publish(self.version + 1, stats, offsets=self.window.committable_offsets(),
                       samples=int(batch.input_ids.shape[0]))
         metrics.STEP_SECONDS.labels("trainer").observe(time.monotonic() - started)

@@ -7,7 +7,7 @@ import torch
 
 from rlstream.models.logprobs import token_logprobs
 from rlstream.schemas.records import ScoredTrajectory, TeacherFeedback
-from rlstream.trainer.advantages import compute_advantages
+from rlstream.trainer.advantages import compute_advantages, token_row, turn_advantages
 from rlstream.trainer.losses import kl_penalty, opd_reverse_kl_loss, ppo_clip_loss
 
 
@@ -20,7 +20,7 @@ class Batch:
     loss_mask: torch.Tensor  # [B, L-1], aligned with targets input_ids[:, 1:]
     behaviour_logprobs: torch.Tensor  # [B, L-1]
     teacher_logprobs: torch.Tensor | None  # [B, L-1]
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B, L-1], per target token (per-turn scores make them differ within a row)
     rewards: torch.Tensor  # [B]
     temperature: float
 
@@ -37,13 +37,12 @@ def build_batch(groups: list[list[ScoredTrajectory | TeacherFeedback]], advantag
     samples = [s for group in groups for s in group]
     scored = [s.scored if isinstance(s, TeacherFeedback) else s for s in samples]
     rewards = torch.tensor([s.reward.total for s in scored], dtype=torch.float32)
-    # One estimator call per group: an estimator may normalise over all it is given (reinforce_pp whitens).
-    advantages = torch.cat([compute_advantages(advantage, r[None])[0] for r in rewards.split([len(g) for g in groups])])
+    per_sample, per_turn = _advantages(scored, [len(g) for g in groups], rewards, advantage)
     width = max(len(s.trajectory.task.prompt_token_ids) + len(s.trajectory.token_ids) for s in scored)
-    ids, attn, mask, behaviour = [], [], [], []
+    ids, attn, mask, behaviour, adv = [], [], [], [], []
     teacher = [] if isinstance(samples[0], TeacherFeedback) else None
     # Rows are padded as Python lists and become one tensor each: a tensor per row cost more than the rest.
-    for s, sc in zip(samples, scored):
+    for i, (s, sc) in enumerate(zip(samples, scored)):
         traj = sc.trajectory
         prompt = traj.task.prompt_token_ids
         n, pad = len(prompt), width - len(prompt) - len(traj.token_ids)
@@ -51,6 +50,8 @@ def build_batch(groups: list[list[ScoredTrajectory | TeacherFeedback]], advantag
         attn.append([1] * (width - pad) + [0] * pad)
         mask.append([0] * n + traj.loss_mask + [0] * pad)
         behaviour.append([0.0] * n + traj.behaviour_logprobs + [0.0] * pad)
+        adv.append(token_row(per_sample[i], per_turn[i],
+                             [(t.token_start, t.token_end) for t in traj.turns if t.role == "action"], n, width))
         if teacher is not None:
             teacher.append([0.0] * n + s.teacher_logprobs + [0.0] * pad)
     ids = torch.tensor(ids, dtype=torch.long)
@@ -62,7 +63,19 @@ def build_batch(groups: list[list[ScoredTrajectory | TeacherFeedback]], advantag
     temperature = first.task.sampling.temperature or 1.0
     # Token t is predicted from position t-1: masks and log-probs shift by one against the logits.
     return Batch(ids, attn, mask[:, 1:], behaviour[:, 1:], teacher[:, 1:] if teacher is not None else None,
-                 advantages, rewards, temperature)
+                 torch.tensor(adv, dtype=torch.float32)[:, 1:], rewards, temperature)
+
+
+def _advantages(scored: list[ScoredTrajectory], sizes: list[int], rewards: torch.Tensor,
+                advantage: str) -> tuple[list[float], list[list[float]]]:
+    """Per sample: its advantage from its total, and its action turns' advantages (empty without turn scores)."""
+    # One estimator call per group: an estimator may normalise over all it is given (reinforce_pp whitens).
+    per_sample = [compute_advantages(advantage, r[None])[0] for r in rewards.split(sizes)]
+    per_turn, start = [], 0
+    for a, size in zip(per_sample, sizes):
+        per_turn += turn_advantages(a, [s.reward.turn_scores for s in scored[start:start + size]])
+        start += size
+    return torch.cat(per_sample).tolist(), per_turn
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,10 @@ def test_multi_turn_tool_episodes_through_the_stages(where, bootstrap, run_name,
             assert 0 < t.started_at <= t.finished_at, f"{t.role} turn latency recorded"
             if mine:
                 assert t.policy_version == 0 and t.token_end - t.token_start <= MAX_TOKENS
+                # Its version segments, as the engine reported them: one version, every token of the turn.
+                assert (t.segment_versions, t.segment_tokens) == ([0], [t.token_end - t.token_start])
+            else:
+                assert (t.segment_versions, t.segment_tokens) == ([], [])
         assert position == len(traj.token_ids)
         a1, o1, a2, o2, a3, o3, a4 = traj.turns
         # Turn 1: the model's text went into a file of the workspace.

@@ -34,7 +34,8 @@ def _scored(i: int) -> ScoredTrajectory:
                             Reward(total=float(i % 2), reward_version="v1",
                                    breakdown={"exact": float(i % 2), "len": -0.5},
                                    violations=["too_long"] if i % 3 == 0 else [], verifier_version="ver1",
-                                   latency_ms=1.5, failure_class=None if i % 4 else "timeout", scored_at=hdr.now_ms()))
+                                   latency_ms=1.5, failure_class=None if i % 4 else "timeout", scored_at=hdr.now_ms(),
+                                   turn_scores=[0.5 * i] * (i % 2)))
 
 
 def _produce_everything(bootstrap: str, run: str) -> None:

@@ -29,6 +29,7 @@ def _trajectory(i: int) -> Trajectory:
                                 stop=["\n"] * (i % 2)))
     turns = [Turn("action", "calc(1+1)", 0, 3, policy_version=i, finish_reason="tool",
                   tool_call=ToolCall("calc", "1+1"), started_at=T0 + 1, finished_at=T0 + 9,
+                  segment_versions=[i // 2, i], segment_tokens=[1, 2],
                   tool_result=ToolResult("2", exit_code=i % 2, duration_ms=2.5, truncated=i % 3 == 1,
                                          failure_class="oom" if i % 2 else None)),
              Turn("observation", "2", 3, 4, policy_version=i, started_at=T0 + 10, finished_at=T0 + 11)][:i % 3]

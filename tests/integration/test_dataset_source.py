@@ -16,7 +16,7 @@ from rlstream.kafka.topics import topic_name
 from rlstream.schemas.records import PolicyVersion
 from rlstream.sources.exactly_once import SOURCE_ID, SOURCE_SEQ
 from tests.helpers import ROOT
-from tests.helpers.kafka import produce, read_all
+from tests.helpers.kafka import produce, read_all, wait_for
 
 pytestmark = pytest.mark.kafka
 
@@ -148,12 +148,13 @@ def announce(bootstrap: str, run: str, version: int) -> None:
 
 def split_ids(bootstrap: str, run: str, expect: int) -> tuple[list[str], list[str]]:
     """(training task ids, held-out task ids) once at least ``expect`` tasks are committed and two quiet seconds
-    passed (a paced source must not go beyond its allowance in them)."""
-    read_all(bootstrap, run, "prompts", expect=expect, timeout=120)
+    passed (a paced source must not go beyond its allowance in them). Held-out tasks travel in the eval lane."""
+    wait_for(lambda: len(read_all(bootstrap, run, "prompts")) + len(read_all(bootstrap, run, "eval-prompts"))
+             >= expect, 120, f"{expect} tasks")
     time.sleep(2.0)
-    seen = read_all(bootstrap, run, "prompts")
-    return ([s.record.task_id for s in seen if s.record.split == "train"],
-            [s.record.task_id for s in seen if s.record.split == "heldout"])
+    train, held = read_all(bootstrap, run, "prompts"), read_all(bootstrap, run, "eval-prompts")
+    assert {s.record.split for s in train} <= {"train"} and {s.record.split for s in held} <= {"heldout"}
+    return [s.record.task_id for s in train], [s.record.task_id for s in held]
 
 
 @pytest.mark.timeout(810)

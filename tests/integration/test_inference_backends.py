@@ -194,6 +194,11 @@ def test_rollout_stage_on_vllm_labels_a_turn_spanning_a_swap_with_its_oldest_ver
         splits = [k for k in range(len(tokens) + 1)
                   if lps[:k] == pytest.approx(ref0[:k], abs=1e-3) and lps[k:] == pytest.approx(ref1[k:], abs=1e-3)]
         assert splits, f"log-probs {lps} fit no v0-then-v1 split"
+        # The turn's version segments say where the swap fell: the log-probs agree.
+        [turn] = ep.turns
+        k = sum(n for v, n in zip(turn.segment_versions, turn.segment_tokens) if v == 0)
+        assert turn.segment_versions == ([0, 1] if k < len(tokens) else [0])
+        assert sum(turn.segment_tokens) == len(tokens) and k in splits
         if f"{SWAP_STAMP}1" in ep.stage_times:
             spanned += 1
             assert max(splits) < len(tokens), "stamped as continued under v1, yet no token scores as v1's"

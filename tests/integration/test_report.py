@@ -53,7 +53,7 @@ def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp
     # What trainers publish: process-cumulative counts, and (newer ones) per-step counts; v3 follows a restart.
     metrics = [{"warmup_steps": 300.0}, {"accepted": 40, "stale": 2}, {"accepted": 90, "stale": 10},
                {"accepted": 15, "stale": 5}, {"accepted": 60, "stale": 5, "accepted_step": 45, "stale_step": 0},
-               {"accepted": 100, "stale": 20, "accepted_step": 40, "stale_step": 15}]
+               {"accepted": 100, "stale": 20, "accepted_step": 40, "stale_step": 15, "stale_tokens_step": 7}]
     versions = []
     for v, m in enumerate(metrics):
         published = base + v * 20 * 60_000  # in the past: the broker refuses timestamps > 1 h ahead
@@ -63,8 +63,16 @@ def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp
                          hdr.build(v, hdr.new_traceparent()), published))
     letter = DeadLetter(stage="reward", reason="handler_timeout", error="slow", topic=f"{run_name}.trajectories",
                         partition=0, offset=3, failed_at=now, headers={})
+    # The eval lane's results (held-out, never trained on): v0 scores 1, 1, 0 and v1 scores 0, 1, 0.
+    evals = []
+    for i in range(6):
+        traj = make_trajectory(1000 + i, version=i % 2)
+        traj.task.split = "heldout"
+        evals.append((traj.group_id.encode(), ScoredTrajectory(traj, Reward(float(i in (0, 2, 3)), "v1")),
+                      hdr.build(i % 2, hdr.new_traceparent(), "v1")))
     produce(bootstrap, run_name, "trajectories", trajectories)
     produce(bootstrap, run_name, "rewards", rewards)
+    produce(bootstrap, run_name, "eval-rewards", evals)
     produce(bootstrap, run_name, "policy-versions", versions)
     produce(bootstrap, run_name, "dead-letters", [(b"k", letter, hdr.build(-1, hdr.new_traceparent()), now)])
 
@@ -106,7 +114,7 @@ def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp
                 return db.query(f"SELECT (SELECT count() FROM rlstream.rewards WHERE run = '{run_name}'), "
                                 f"(SELECT count() FROM rlstream.policy_versions WHERE run = '{run_name}'), "
                                 f"(SELECT count() FROM rlstream.dead_letters WHERE run = '{run_name}')")[1][0] \
-                    == [120, len(metrics), 1]
+                    == [120 + len(evals), len(metrics), 1]
         wait_for(archived, 60, "every record in the archive")
         out_dir = tmp_path / "report"
         env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -137,6 +145,11 @@ def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp
     assert ratio["stale_ratio"] == pytest.approx(stale / (stale + accepted))
     assert (ratio["accepted_samples"], ratio["stale_samples"]) == (pytest.approx(accepted), pytest.approx(stale))
 
+    assert ratio["stale_tokens"] == 7 and rows("staleness by policy version")[-1]["stale_tokens"] == 7
+    # Eval reward by version: the eval lane alone.
+    assert [(r["policy_version"], r["samples"], r["reward_mean"]) for r in rows("eval reward by policy version")] == [
+        (0, 3, pytest.approx(2 / 3)), (1, 3, pytest.approx(1 / 3))]
+
     failures = {(r["source"], r["failure_class"]): r for r in rows("timeout and failure rates by class")}
     assert failures[("trajectory", "sandbox_timeout")]["is_timeout"] and failures[("tool", "tool_timeout")]["failures"] == 12
     assert failures[("dead_letter", "handler_timeout")]["rate"] == pytest.approx(1 / 60)
@@ -147,7 +160,7 @@ def test_report_figures_match_the_raw_topics_and_render(bootstrap, run_name, tmp
     # The page renders: HTML that shows each plot, and real PNGs.
     page = (out_dir / "report.html").read_text()
     pngs = sorted(p.name for p in out_dir.glob("*.png"))
-    assert {"reward_by_version.png", "goodput.png", "staleness.png", "latency.png", "failures.png",
+    assert {"reward_by_version.png", "eval_reward.png", "goodput.png", "staleness.png", "latency.png", "failures.png",
             "disagreement.png"} <= set(pngs)
     for name in pngs:
         assert f"src='{name}'" in page

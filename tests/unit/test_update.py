@@ -31,7 +31,9 @@ def test_batch_aligns_masks_and_logprobs_with_targets():
     # Row 1 is one token shorter: right padding, with its mask shifted accordingly.
     assert b.input_ids[1].tolist() == [1, 5, 7, 8, 2, 0]
     assert b.loss_mask[1].tolist() == [0, 1, 0, 1, 0]
-    assert b.advantages.tolist() == pytest.approx([1.0, -1.0], abs=1e-4)
+    # Per target token; without turn scores a row holds its sample's advantage throughout.
+    assert b.advantages.shape == b.loss_mask.shape
+    assert b.advantages.tolist() == [[pytest.approx(1.0, abs=1e-4)] * 5, [pytest.approx(-1.0, abs=1e-4)] * 5]
 
 
 def test_batch_advantages_stay_within_groups_of_unequal_size():
@@ -41,8 +43,9 @@ def test_batch_advantages_stay_within_groups_of_unequal_size():
     groups[1][2].trajectory.behaviour_logprobs = [-1.0, -1.0, -1.0, -3.0]
     b = build_batch(groups, "grpo", pad_id=0)
     std_b = (2 / 9) ** 0.5  # population std of (1, 1, 0)
-    assert b.advantages.tolist() == pytest.approx([1, -1, (1 / 3) / std_b, (1 / 3) / std_b, -(2 / 3) / std_b],
-                                                  abs=1e-4)
+    assert b.advantages.shape == (5, 6) and (b.advantages == b.advantages[:, :1]).all()
+    assert b.advantages[:, 0].tolist() == pytest.approx([1, -1, (1 / 3) / std_b, (1 / 3) / std_b, -(2 / 3) / std_b],
+                                                        abs=1e-4)
     assert b.rewards.tolist() == [1, 0, 1, 1, 0]
     assert b.input_ids.shape == (5, 7)
     assert b.input_ids[0].tolist() == [1, 5, 6, 7, 8, 2, 0]
