@@ -130,7 +130,8 @@ def handle(stage: EnvStage, ep: Episode):
 
 
 def test_a_hanging_or_crashing_plugin_ends_its_episode_with_a_class_and_the_stage_goes_on(tmp_path):
-    stage = EnvStage(EnvSettings(sandbox="subprocess", step_timeout_s=0.5, workspace_root=str(tmp_path),
+    # The timeout must let a real shell-tool step finish on a loaded 2-core machine (0.5 s did not, at load 9).
+    stage = EnvStage(EnvSettings(sandbox="subprocess", step_timeout_s=3.0, workspace_root=str(tmp_path),
                                  env=("hang=tests.agent_envs:hanging", "crash=tests.agent_envs:crashing",
                                       "tests.agent_envs:scripted")))
     try:
