@@ -23,7 +23,8 @@ def rows_of(batch: Batch, rows: list[int]) -> Batch:
     cut = lambda t, w: t[index, :w] if t is not None else None  # noqa: E731
     return Batch(cut(batch.input_ids, width), cut(batch.attention_mask, width), cut(batch.loss_mask, width - 1),
                  cut(batch.behaviour_logprobs, width - 1), cut(batch.teacher_logprobs, width - 1),
-                 batch.advantages[index], batch.rewards[index], batch.temperature)
+                 batch.advantages[index], batch.rewards[index], batch.temperature,
+                 cut(batch.teacher_topk_ids, width - 1), cut(batch.teacher_topk_logprobs, width - 1), batch.opd_coef)
 
 
 def plan(batch: Batch, max_tokens: int, world: int = 1) -> list[list[list[int]]]:
