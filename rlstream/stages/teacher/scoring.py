@@ -1,0 +1,101 @@
+"""Scoring the student's tokens under the teacher: the sampled token's log-prob and the teacher's top-k, per
+response token, packed the way TeacherFeedback carries them. Pure torch, no Kafka.
+
+A batch is scored in chunks of at most ``batch_tokens`` padded tokens (rows sorted by length, so a chunk pads
+little); before each chunk the deadline is checked, and rows not scored by then come back as None: the stage
+sends them on without teacher feedback (status ``timeout``) rather than with a half-filled signal. A chunk that
+has started is not interrupted.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rlstream.models.logprobs import token_logprobs, top_k
+
+
+@dataclass
+class Scored:
+    """One sample's feedback arrays, aligned with its response tokens (0 where the student did not act)."""
+
+    logprobs: list[float]
+    topk_ids: list[int]  # token-major, k per token
+    topk_logprobs: list[float]
+
+
+def plan_chunks(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Row indices in chunks whose padded size (rows x longest) stays within ``batch_tokens``, longest first; a
+    row longer than the budget is a chunk alone."""
+    order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
+    chunks, current = [], []
+    for row in order:
+        longest = lengths[current[0]] if current else lengths[row]
+        if current and (len(current) + 1) * longest > batch_tokens:
+            chunks.append(current)
+            current = []
+        current.append(row)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def response_feedback(seq_logprobs: list[float], seq_topk_ids: list[list[int]] | None,
+                      seq_topk_logprobs: list[list[float]] | None, prompt_len: int, loss_mask: list[int],
+                      k: int) -> Scored:
+    """A sample's arrays from its whole-sequence ones (position t predicts token t + 1): response token j sits at
+    ``prompt_len + j`` and was predicted at ``prompt_len + j - 1``; zeros where ``loss_mask`` is 0."""
+    lps, ids, tlps = [], [], []
+    zeros_i, zeros_f = [0] * k, [0.0] * k
+    for j, m in enumerate(loss_mask):
+        at = prompt_len + j - 1
+        if m and at >= 0:
+            lps.append(seq_logprobs[at])
+            if k:
+                ids.extend(seq_topk_ids[at])
+                tlps.extend(seq_topk_logprobs[at])
+        else:
+            lps.append(0.0)
+            if k:
+                ids.extend(zeros_i)
+                tlps.extend(zeros_f)
+    return Scored(lps, ids, tlps)
+
+
+class TorchScorer:
+    """A transformers causal LM on one device, scoring rows of token ids."""
+
+    def __init__(self, model, device: torch.device, batch_tokens: int = 4096):
+        self.model = model.to(device).eval()
+        self.device = device
+        self.batch_tokens = max(1, batch_tokens)
+
+    def score(self, rows: list[list[int]], temperature: float, k: int,
+              deadline: float | None = None) -> list[tuple[list[float], list, list] | None]:
+        """Per row: (log-prob of each next token, its top-k ids and log-probs per position or None when k = 0), at
+        ``temperature`` (the student's sampling temperature, as the trainer scores the student); None for rows
+        not reached by ``deadline`` (time.monotonic())."""
+        out: list = [None] * len(rows)
+        for chunk in plan_chunks([len(r) for r in rows], self.batch_tokens):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            width = max(len(rows[i]) for i in chunk)
+            ids = torch.zeros((len(chunk), width), dtype=torch.long)
+            attn = torch.zeros((len(chunk), width), dtype=torch.long)
+            for n, i in enumerate(chunk):
+                ids[n, :len(rows[i])] = torch.tensor(rows[i])
+                attn[n, :len(rows[i])] = 1
+            ids, attn = ids.to(self.device), attn.to(self.device)
+            with torch.inference_mode():
+                logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+                if temperature != 1.0:
+                    logits = logits / temperature
+                lps = token_logprobs(logits, ids[:, 1:]).cpu()
+                top = top_k(logits, k) if k else None
+                top = (top[0].cpu(), top[1].cpu()) if top else None
+            for n, i in enumerate(chunk):
+                t = len(rows[i]) - 1  # the row's own positions, not the chunk's padding
+                out[i] = (lps[n, :t].tolist(), top[0][n, :t].tolist() if top else None,
+                          top[1][n, :t].tolist() if top else None)
+        return out

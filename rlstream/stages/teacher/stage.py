@@ -1,0 +1,181 @@
+"""The teacher stage: each scored trajectory goes on to ``feedback`` with the teacher's signal on its tokens.
+
+A fixed teacher (``--teacher FOLDER``) is loaded once, with a version of its own (``--teacher-version``, default
+the folder's name); a teacher that follows the policy (no ``--teacher``) loads each PolicyVersion the trainer
+announces, between batches, and its version is the policy's. Either way the version is on every feedback record,
+in the record (archived) and in the ``teacher_version`` header.
+
+A batch has ``--timeout-s``: samples the teacher has not scored by then go on with status ``timeout`` and empty
+arrays, never a half-filled signal; a trainer whose loss needs the teacher refuses them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from rlstream import metrics
+from rlstream.config import LoopSettings, knob
+from rlstream.errors import UserError
+from rlstream.models.devices import resolve_device
+from rlstream.models.loading import check_folder, load_model
+from rlstream.policy.watcher import PolicyWatcher
+from rlstream.policy.weights import PolicyWeights
+from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.records import PolicyVersion, ScoredTrajectory, TeacherFeedback
+from rlstream.stages.teacher.scoring import TorchScorer, response_feedback
+from rlstream.stages.teacher.tokenizers import check_tokenizers
+from rlstream.trainer.distill import MAX_TOP_K
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TeacherSettings:
+    """The teacher stage's knobs."""
+
+    ROLE: ClassVar[str] = "TEACHER"
+
+    teacher: str = knob("", "Teacher model: a Hugging Face folder or hub id, loaded like --model; '' follows the "
+                            "policy itself, reloading on each PolicyVersion")
+    dtype: str = knob("auto", "Teacher dtype: auto (the checkpoint's own), bf16, fp16, fp32",
+                      choices=("auto", "bf16", "fp16", "fp32"))
+    teacher_version: str = knob("", "Version label written on feedback ('' = the folder's name; a teacher that "
+                                    "follows the policy adds -v<policy version>)")
+    top_k: int = knob(0, f"Also send the teacher's k most likely tokens and their log-probs at every student token "
+                         f"(k <= {MAX_TOP_K}; 0: the sampled token's log-prob alone)")
+    device: str = knob("auto", "Where the teacher runs: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N")
+    timeout_s: float = knob(20.0, "A batch's time budget: samples not scored within it go on without teacher "
+                                  "feedback (status timeout); keep it under --handler-timeout-s")
+    batch_tokens: int = knob(8192, "Most padded tokens in one teacher forward (a batch is scored in such chunks)")
+    threads: int = knob(1, "Torch threads for this process")
+    wait_policy_s: float = knob(600.0, "How long to wait at start for the student's first policy version")
+
+
+class TeacherStage(Stage):
+    """Adds the teacher's per-token log-probs (0 where the student did not act), and its top-k, to each sample."""
+
+    name = "teacher"
+    inputs = ("rewards",)
+
+    def __init__(self, settings: TeacherSettings = TeacherSettings(), loop: LoopSettings = LoopSettings()):
+        if not 0 <= settings.top_k <= MAX_TOP_K:
+            raise ValueError(f"--top-k {settings.top_k}: the teacher sends at most {MAX_TOP_K} tokens per position")
+        if settings.timeout_s <= 0:
+            raise ValueError(f"--timeout-s {settings.timeout_s}: a batch's time budget must be positive")
+        self.loop = loop
+        self.settings = settings
+        self.scorer: TorchScorer | None = None
+        self.watcher: PolicyWatcher | None = None
+        self.loaded = -1  # the policy version a following teacher holds
+        self.version = ""
+
+    @property
+    def following(self) -> bool:
+        """Whether the teacher is the policy itself (reloaded on each version)."""
+        return not self.settings.teacher
+
+    # -- loading ---------------------------------------------------------------------------------------------
+
+    def before_poll(self, ctx: StageContext) -> None:
+        if self.scorer is None:
+            self._start(ctx)
+        elif self.following and self.watcher.version > self.loaded:
+            self._follow(self.watcher.latest)
+
+    def _start(self, ctx: StageContext) -> None:
+        import torch
+        torch.set_num_threads(max(1, self.settings.threads))
+        self.device = resolve_device(self.settings.device)
+        self.watcher = PolicyWatcher(ctx.kafka.client_config(), ctx.kafka.run, self.loop.policy)
+        if not self.watcher.wait_for(0, self.settings.wait_policy_s):
+            raise UserError(f"no {self.loop.policy} policy announced within {self.settings.wait_policy_s}s; "
+                            "is the trainer running for this run?")
+        self.weights = PolicyWeights(self.loop.home_path / "weights-cache", ctx.kafka.client_config(), ctx.kafka.run)
+        student = self.watcher.latest
+        if self.following:
+            self._follow(student, first=True)
+            return
+        folder = check_folder(self.settings.teacher, "--teacher")
+        check_tokenizers(folder, student.tokenizer_hash, f"{student.policy} v{student.version}")
+        self._load(folder, self.settings.teacher_version or Path(folder).name)
+
+    def _follow(self, pv: PolicyVersion, first: bool = False) -> None:
+        """Load the policy's version ``pv`` as the teacher; a version that cannot be loaded now keeps the one held
+        (tried again before the next batch), except the first, without which there is no teacher."""
+        try:
+            folder = self.weights.folder(pv)
+        except (OSError, ValueError) as exc:
+            if first:
+                raise UserError(f"the teacher cannot load {pv.policy} v{pv.version}: {exc}") from None
+            log.warning("teacher keeps %s: cannot load %s v%d yet: %s", self.version, pv.policy, pv.version, exc)
+            return
+        label = self.settings.teacher_version or pv.policy
+        self._load(folder, f"{label}-v{pv.version}")
+        self.loaded = pv.version
+
+    def _load(self, folder, version: str) -> None:
+        model = load_model(folder, self.settings.dtype, flag="--teacher")
+        self.vocab = int(model.config.vocab_size)
+        if self.settings.top_k > self.vocab:
+            raise UserError(f"--top-k {self.settings.top_k} exceeds the teacher's vocabulary of {self.vocab} tokens")
+        self.scorer = TorchScorer(model, self.device, self.settings.batch_tokens)
+        self.version = version
+        log.info("teacher %s loaded from %s on %s", version, folder, self.device)
+
+    # -- scoring ---------------------------------------------------------------------------------------------
+
+    def check(self, scored: ScoredTrajectory) -> None:
+        """InvalidRecord (dead-lettered, with what is wrong) for a sample the teacher cannot score."""
+        traj = scored.trajectory
+        if len(traj.loss_mask) != len(traj.token_ids):
+            raise InvalidRecord(f"trajectory {traj.trajectory_id}: loss_mask has {len(traj.loss_mask)} entries but "
+                                f"token_ids {len(traj.token_ids)}")
+        ids = traj.task.prompt_token_ids + traj.token_ids
+        if ids and not 0 <= min(ids) <= max(ids) < self.vocab:
+            raise InvalidRecord(f"trajectory {traj.trajectory_id}: token ids outside the teacher's vocabulary of "
+                                f"{self.vocab} (min {min(ids)}, max {max(ids)})")
+
+    def handle_batch(self, items: list[Incoming]) -> list[list[Output] | Exception]:
+        started = time.monotonic()
+        deadline = started + self.settings.timeout_s
+        k = self.settings.top_k
+        results: list = [None] * len(items)
+        valid: dict[float, list[int]] = {}  # temperature -> rows: each is scored at its own sampling temperature
+        for i, it in enumerate(items):
+            try:
+                self.check(it.record)
+            except InvalidRecord as exc:
+                results[i] = exc
+                continue
+            valid.setdefault(it.record.trajectory.task.sampling.temperature or 1.0, []).append(i)
+        scores: dict[int, tuple | None] = {}
+        for temperature, rows in valid.items():
+            seqs = [items[i].record.trajectory.task.prompt_token_ids + items[i].record.trajectory.token_ids
+                    for i in rows]
+            scores.update(zip(rows, self.scorer.score(seqs, temperature, k, deadline)))
+        latency = (time.monotonic() - started) * 1000 / max(1, len(items))
+        headers = ((hdr.TEACHER_VERSION, self.version),)
+        for i, score in scores.items():
+            fb = self._feedback(items[i].record, score, k, latency)
+            results[i] = [Output("feedback", items[i].key, fb, extra_headers=headers)]
+        return results
+
+    def _feedback(self, scored: ScoredTrajectory, score: tuple | None, k: int, latency: float) -> TeacherFeedback:
+        traj = scored.trajectory
+        traj.stage_times["teacher.end"] = hdr.now_ms()
+        common = dict(teacher_model=self.settings.teacher or self.loop.policy, latency_ms=latency,
+                      teacher_device=str(self.device))
+        if score is None:  # past the deadline: on without a signal, never with part of one
+            metrics.FAILURES.labels("teacher", "teacher_timeout").inc()
+            return TeacherFeedback(scored, self.version, [], status="timeout", **common)
+        arrays = response_feedback(score[0], score[1], score[2], len(traj.task.prompt_token_ids), traj.loss_mask, k)
+        return TeacherFeedback(scored, self.version, arrays.logprobs, teacher_top_k=k, teacher_topk_ids=arrays.topk_ids,
+                               teacher_topk_logprobs=arrays.topk_logprobs, **common)
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
