@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from rlstream.models.logprobs import logprobs_at
+from rlstream.stages.teacher.settings import MAX_TOP_K
 from rlstream.trainer.losses import KL_DIRECTIONS, masked_mean, ppo_clip_loss, sampled_token_kl, topk_kl
 
 #: ``--loss`` values.
@@ -129,10 +130,6 @@ def distill_loss(loss: str, logits: torch.Tensor, logp: torch.Tensor, batch, cli
 
 
 # -- which feedback samples a step may take --------------------------------------------------------------------
-
-#: The most top-k entries a feedback record may carry per token (NeMo-RL stores up to 64).
-MAX_TOP_K = 64
-
 
 def feedback_mismatch(fb) -> str | None:
     """Why ``fb``'s arrays do not fit its trajectory (both lengths named), or None when they do.

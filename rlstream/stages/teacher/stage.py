@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 from rlstream import metrics
-from rlstream.config import LoopSettings, knob
+from rlstream.config import LoopSettings
 from rlstream.errors import UserError
 from rlstream.models.devices import resolve_device
 from rlstream.models.loading import check_folder, load_model
@@ -27,32 +25,10 @@ from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, Stage
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, ScoredTrajectory, TeacherFeedback
 from rlstream.stages.teacher.scoring import TorchScorer, response_feedback
+from rlstream.stages.teacher.settings import MAX_TOP_K, TeacherSettings
 from rlstream.stages.teacher.tokenizers import check_tokenizers
-from rlstream.trainer.distill import MAX_TOP_K
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TeacherSettings:
-    """The teacher stage's knobs."""
-
-    ROLE: ClassVar[str] = "TEACHER"
-
-    teacher: str = knob("", "Teacher model: a Hugging Face folder or hub id, loaded like --model; '' follows the "
-                            "policy itself, reloading on each PolicyVersion")
-    dtype: str = knob("auto", "Teacher dtype: auto (the checkpoint's own), bf16, fp16, fp32",
-                      choices=("auto", "bf16", "fp16", "fp32"))
-    teacher_version: str = knob("", "Version label written on feedback ('' = the folder's name; a teacher that "
-                                    "follows the policy adds -v<policy version>)")
-    top_k: int = knob(0, f"Also send the teacher's k most likely tokens and their log-probs at every student token "
-                         f"(k <= {MAX_TOP_K}; 0: the sampled token's log-prob alone)")
-    device: str = knob("auto", "Where the teacher runs: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N")
-    timeout_s: float = knob(20.0, "A batch's time budget: samples not scored within it go on without teacher "
-                                  "feedback (status timeout); keep it under --handler-timeout-s")
-    batch_tokens: int = knob(8192, "Most padded tokens in one teacher forward (a batch is scored in such chunks)")
-    threads: int = knob(1, "Torch threads for this process")
-    wait_policy_s: float = knob(600.0, "How long to wait at start for the student's first policy version")
 
 
 class TeacherStage(Stage):
