@@ -1,0 +1,66 @@
+"""Replay with another teacher: the same scored trajectories under two teacher versions, archived side by side."""
+from __future__ import annotations
+
+import pytest
+
+from rlstream.archive.query import open_archive, read_endpoint
+from rlstream.config import KafkaSettings, LoopSettings
+from rlstream.models.tiny import build_model, save_pretrained
+from rlstream.runtime.settings import RuntimeSettings
+from rlstream.stages.replay import ReplaySettings, replay
+from rlstream.stages.teacher import TeacherSettings
+from tests.helpers.kafka import produce, read_all, wait_for
+from tests.helpers.teacher import publish_student, samples
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+N = 6
+
+
+def _by_version(url: str, run: str) -> dict[str, dict[str, list[float]]]:
+    with open_archive(url) as archive:
+        rows = archive.query(f"SELECT teacher_version, trajectory_id, teacher_logprobs, header_policy_version "
+                             f"FROM rlstream.feedback WHERE run = '{run}'")[1]
+    out: dict[str, dict[str, list[float]]] = {}
+    for version, traj, lps, _ in rows:
+        out.setdefault(version, {})[traj] = list(lps)
+    return out
+
+
+@pytest.mark.timeout(420)
+def test_two_teacher_versions_are_archived_side_by_side(bootstrap, run_name, tmp_path, start_stage):
+    _, tok, folder_a = publish_student(bootstrap, run_name, tmp_path)
+    folder_b = tmp_path / "teacher-b"
+    save_pretrained(build_model(tok, seed=11), tok, folder_b)  # another teacher of the same tokenizer
+    produce(bootstrap, run_name, "rewards", samples(tok, 0, N))
+    teacher = start_stage("teacher", bootstrap, run_name, "--teacher", str(folder_a), "--teacher-version", "tA")
+    try:
+        read_all(bootstrap, run_name, "feedback", expect=N, timeout=120)
+    finally:
+        assert teacher.stop() == 0, teacher.log_tail()
+
+    kafka = KafkaSettings(bootstrap=bootstrap, run=run_name)
+    runtime = RuntimeSettings(batch_size=4, poll_timeout_s=0.1)
+    loop = LoopSettings(run=run_name, home=str(tmp_path / "home"))
+    other = TeacherSettings(teacher=str(folder_b), teacher_version="tB", top_k=2)
+    result = replay(ReplaySettings(progress=False), kafka, runtime, loop, other)
+    assert (result.scored, result.skipped) == (N, 0)
+    assert replay(ReplaySettings(progress=False), kafka, runtime, loop, other).scored == 0  # resumed: all done
+
+    feedback = read_all(bootstrap, run_name, "feedback", expect=2 * N, timeout=60)
+    assert sorted(f.headers["teacher_version"] for f in feedback) == [b"tA"] * N + [b"tB"] * N
+    assert all(f.record.teacher_top_k == (2 if f.record.teacher_version == "tB" else 0) for f in feedback)
+
+    path = tmp_path / "archive"
+    url = f"chdb://{path}"
+    archive = start_stage("archive", bootstrap, run_name, "--archive", url, "--archive-flush-s", "0.3")
+    try:
+        wait_for(lambda: read_endpoint(str(path)) or not archive.alive(), 60, "the SQL endpoint")
+        rows = wait_for(lambda: (r := _by_version(url, run_name)) and sum(map(len, r.values())) >= 2 * N and r,
+                        90, "both teachers' rows")
+    finally:
+        assert archive.stop() == 0, archive.log_tail()
+    assert sorted(rows) == ["tA", "tB"] and len(rows["tA"]) == len(rows["tB"]) == N
+    # The same trajectories, scored by two different teachers.
+    assert rows["tA"].keys() == rows["tB"].keys()
+    some = next(iter(rows["tA"]))
+    assert rows["tA"][some] != pytest.approx(rows["tB"][some], abs=1e-3)
