@@ -57,6 +57,11 @@ def test_two_teacher_versions_are_archived_side_by_side(bootstrap, run_name, tmp
         wait_for(lambda: read_endpoint(str(path)) or not archive.alive(), 60, "the SQL endpoint")
         rows = wait_for(lambda: (r := _by_version(url, run_name)) and sum(map(len, r.values())) >= 2 * N and r,
                         90, "both teachers' rows")
+        with open_archive(url) as db:
+            cols, figures = db.query(
+                f"SELECT teacher_version, samples, without_feedback, latency_p50_ms, reverse_kl_mean, "
+                f"top1_agreement, teacher_verifier_disagreement FROM rlstream.teacher_by_version "
+                f"WHERE run = '{run_name}' ORDER BY teacher_version")
     finally:
         assert archive.stop() == 0, archive.log_tail()
     assert sorted(rows) == ["tA", "tB"] and len(rows["tA"]) == len(rows["tB"]) == N
@@ -64,3 +69,11 @@ def test_two_teacher_versions_are_archived_side_by_side(bootstrap, run_name, tmp
     assert rows["tA"].keys() == rows["tB"].keys()
     some = next(iter(rows["tA"]))
     assert rows["tA"][some] != pytest.approx(rows["tB"][some], abs=1e-3)
+    # The teacher's figures per version: every sample scored, KL finite, top-1 agreement only where top-k was sent.
+    by = {r[0]: dict(zip(cols, r)) for r in figures}
+    assert sorted(by) == ["tA", "tB"]
+    for version in ("tA", "tB"):
+        assert (by[version]["samples"], by[version]["without_feedback"]) == (N, 0)
+        assert by[version]["latency_p50_ms"] > 0 and abs(by[version]["reverse_kl_mean"]) < 100
+        assert 0 <= by[version]["teacher_verifier_disagreement"] <= 1
+    assert by["tA"]["top1_agreement"] is None and 0 <= by["tB"]["top1_agreement"] <= 1
