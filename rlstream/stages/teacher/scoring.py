@@ -8,6 +8,7 @@ has started is not interrupted.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -99,3 +100,64 @@ class TorchScorer:
                 out[i] = (lps[n, :t].tolist(), top[0][n, :t].tolist() if top else None,
                           top[1][n, :t].tolist() if top else None)
         return out
+
+
+class VllmScorer:
+    """The teacher in vLLM, in process: prompt log-probs of the student's sequences (one generated token each,
+    discarded). vLLM's prompt log-probs are the model's own distribution (temperature 1): a sample drawn at another
+    temperature is refused by the stage (``supports``) rather than scored at the wrong one."""
+
+    def __init__(self, folder, dtype: str = "auto", threads: int = 1, batch_tokens: int = 4096,
+                 gpu_memory_utilization: float = 0.9):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if threads <= 1 else "all")
+        from vllm import LLM
+
+        from rlstream.models.loading import context_limit, dtype_name, torch_dtype
+        # No tokenizer: the teacher reads the student's token ids, never text.
+        self.llm = LLM(model=str(folder), dtype=dtype_name(torch_dtype(dtype, folder)),
+                       max_model_len=context_limit(folder), enforce_eager=True, skip_tokenizer_init=True,
+                       load_format="safetensors", seed=0, gpu_memory_utilization=gpu_memory_utilization)
+        self.batch_tokens = max(1, batch_tokens)
+
+    @staticmethod
+    def supports(temperature: float) -> bool:
+        return temperature == 1.0
+
+    def reload(self, folder) -> None:
+        """New weights in the running engine (a teacher following the policy); no prefix computed before is reused."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        self.llm.reset_prefix_cache()
+
+    def score(self, rows: list[list[int]], temperature: float, k: int,
+              deadline: float | None = None) -> list[tuple[list[float], list, list] | None]:
+        """As ``TorchScorer.score``, at temperature 1 (ValueError otherwise)."""
+        if not self.supports(temperature):
+            raise ValueError(f"the vLLM teacher scores at temperature 1, not {temperature}")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        params = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False)
+        out: list = [None] * len(rows)
+        for chunk in plan_chunks([len(r) for r in rows], self.batch_tokens):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            results = self.llm.generate([TokensPrompt(prompt_token_ids=rows[i]) for i in chunk], params,
+                                        use_tqdm=False)
+            for i, result in zip(chunk, results):
+                out[i] = _from_prompt_logprobs(rows[i], result.prompt_logprobs, k)
+        return out
+
+
+def _from_prompt_logprobs(row: list[int], prompt_logprobs: list, k: int) -> tuple[list[float], list, list]:
+    """vLLM's per-position dicts (token id -> Logprob; None at position 0; the actual token's entry besides the
+    top k) as (log-prob of each next token, top-k ids and log-probs per position, by rank)."""
+    lps, ids, tlps = [], [], []
+    for t in range(1, len(row)):
+        entries = prompt_logprobs[t]
+        lps.append(float(entries[row[t]].logprob))
+        if k:
+            best = sorted(entries.items(), key=lambda e: e[1].rank)[:k]
+            ids.append([int(token) for token, _ in best])
+            tlps.append([float(lp.logprob) for _, lp in best])
+    return lps, (ids if k else None), (tlps if k else None)

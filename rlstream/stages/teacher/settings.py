@@ -24,6 +24,10 @@ class TeacherSettings:
                                     "follows the policy adds -v<policy version>)")
     top_k: int = knob(0, f"Also send the teacher's k most likely tokens and their log-probs at every student token "
                          f"(k <= {MAX_TOP_K}; 0: the sampled token's log-prob alone)")
+    backend: str = knob("transformers", "How the teacher runs: transformers (any temperature, --device), or vllm "
+                                        "in process (prompt log-probs; samples drawn at temperature 1 only)",
+                        choices=("transformers", "vllm"))
+    gpu_memory_utilization: float = knob(0.9, "--backend vllm: the share of GPU memory vLLM may take")
     device: str = knob("auto", "Where the teacher runs: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N")
     timeout_s: float = knob(20.0, "A batch's time budget: samples not scored within it go on without teacher "
                                   "feedback (status timeout); keep it under --handler-timeout-s")

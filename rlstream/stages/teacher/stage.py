@@ -24,7 +24,7 @@ from rlstream.policy.weights import PolicyWeights
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, ScoredTrajectory, TeacherFeedback
-from rlstream.stages.teacher.scoring import TorchScorer, response_feedback
+from rlstream.stages.teacher.scoring import TorchScorer, VllmScorer, response_feedback
 from rlstream.stages.teacher.settings import MAX_TOP_K, TeacherSettings
 from rlstream.stages.teacher.tokenizers import check_tokenizers
 
@@ -44,7 +44,7 @@ class TeacherStage(Stage):
             raise ValueError(f"--timeout-s {settings.timeout_s}: a batch's time budget must be positive")
         self.loop = loop
         self.settings = settings
-        self.scorer: TorchScorer | None = None
+        self.scorer: TorchScorer | VllmScorer | None = None
         self.watcher: PolicyWatcher | None = None
         self.loaded = -1  # the policy version a following teacher holds
         self.version = ""
@@ -94,11 +94,20 @@ class TeacherStage(Stage):
         self.loaded = pv.version
 
     def _load(self, folder, version: str) -> None:
-        model = load_model(folder, self.settings.dtype, flag="--teacher")
-        self.vocab = int(model.config.vocab_size)
-        if self.settings.top_k > self.vocab:
-            raise UserError(f"--top-k {self.settings.top_k} exceeds the teacher's vocabulary of {self.vocab} tokens")
-        self.scorer = TorchScorer(model, self.device, self.settings.batch_tokens)
+        s = self.settings
+        if s.backend == "vllm":
+            self.vocab = vocab_size(folder)
+            if self.scorer is None:
+                self.scorer = VllmScorer(folder, s.dtype, s.threads, s.batch_tokens, s.gpu_memory_utilization)
+                self.device = "vllm"
+            else:
+                self.scorer.reload(folder)  # the engine stays; its weights change
+        else:
+            model = load_model(folder, s.dtype, flag="--teacher")
+            self.vocab = int(model.config.vocab_size)
+            self.scorer = TorchScorer(model, self.device, s.batch_tokens)
+        if s.top_k > self.vocab:
+            raise UserError(f"--top-k {s.top_k} exceeds the teacher's vocabulary of {self.vocab} tokens")
         self.version = version
         log.info("teacher %s loaded from %s on %s", version, folder, self.device)
 
@@ -110,6 +119,10 @@ class TeacherStage(Stage):
         if len(traj.loss_mask) != len(traj.token_ids):
             raise InvalidRecord(f"trajectory {traj.trajectory_id}: loss_mask has {len(traj.loss_mask)} entries but "
                                 f"token_ids {len(traj.token_ids)}")
+        temperature = traj.task.sampling.temperature or 1.0
+        if isinstance(self.scorer, VllmScorer) and not self.scorer.supports(temperature):
+            raise InvalidRecord(f"trajectory {traj.trajectory_id} was sampled at temperature {temperature}; the vLLM "
+                                "teacher scores at temperature 1 (use --backend transformers)")
         ids = traj.task.prompt_token_ids + traj.token_ids
         if ids and not 0 <= min(ids) <= max(ids) < self.vocab:
             raise InvalidRecord(f"trajectory {traj.trajectory_id}: token ids outside the teacher's vocabulary of "
@@ -155,3 +168,10 @@ class TeacherStage(Stage):
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.close()
+
+
+def vocab_size(folder) -> int:
+    """The vocabulary size a model folder's config names (its text model's, for a multimodal config)."""
+    import json
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return int(config.get("text_config", config)["vocab_size"])
