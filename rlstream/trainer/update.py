@@ -58,7 +58,8 @@ def build_batch(groups: list[list[ScoredTrajectory | TeacherFeedback]], advantag
         mask.append([0] * n + traj.loss_mask + [0] * pad)
         behaviour.append([0.0] * n + traj.behaviour_logprobs + [0.0] * pad)
         if teacher is not None:
-            teacher.append([0.0] * n + s.teacher_logprobs + [0.0] * pad)
+            # A sample without feedback (status timeout) reaches a batch only under a loss that ignores the teacher.
+            teacher.append([0.0] * n + (s.teacher_logprobs or [0.0] * len(traj.token_ids)) + [0.0] * pad)
     ids = torch.tensor(ids, dtype=torch.long)
     attn = torch.tensor(attn, dtype=torch.long)
     mask = torch.tensor(mask, dtype=torch.float32)

@@ -217,3 +217,14 @@ def test_opd_on_the_topk_form_lowers_the_kl(direction, zero_outside):
     for _ in range(5):
         last = policy_update(engine, batch, cfg)
     assert last["opd_kl"] < first["opd_kl"]
+
+
+def test_ppo_on_the_feedback_topic_trains_samples_without_feedback():
+    """--loss ppo reads only the reward: a sample the teacher timed out on is a sample like any other."""
+    tok = build_tokenizer()
+    groups = [[TeacherFeedback(scored("a", 0, 1.0), "t1", [-0.1, 0.0, -0.2]),
+               TeacherFeedback(scored("a", 1, 0.0), "t1", [], status="timeout")]]
+    batch = build_batch(groups, "grpo", tok.pad_token_id)
+    assert batch.teacher_logprobs.shape == batch.loss_mask.shape and batch.teacher_topk_ids is None
+    stats = policy_update(make_engine(build_model(tok, seed=0), lr=1e-3), batch, UpdateConfig(loss="ppo"))
+    assert stats["samples"] == 2
