@@ -182,12 +182,14 @@ SELECT run, teacher_version, header_policy_version AS policy_version, trajectory
                             arrayEnumerate(token_ids))) / nullIf(acted, 0), NULL) AS top1_agreement
 FROM {D}.feedback""",
 
-    # Per (teacher version, policy version): teacher latency, samples without feedback, KL, top-1 agreement, and
+    # Per (teacher version, policy version): teacher latency, samples without feedback (timed out, or not aligned
+    # with a teacher of another tokenizer: the alignment-error rate), KL, top-1 agreement, and
     # how often teacher and verifier disagree: the teacher finds the sample likely (geometric-mean token
     # probability >= 0.5) and the verifier gave it no reward.
     "teacher_by_version": f"""
 SELECT run, teacher_version, policy_version, count() AS samples, countIf(status != 'ok') AS without_feedback,
        without_feedback / samples AS without_feedback_rate,
+       countIf(status = 'alignment_failed') / samples AS alignment_error_rate,
        quantilesExact(0.5, 0.95, 0.99)(teacher_latency_ms) AS lq, lq[1] AS latency_p50_ms,
        lq[2] AS latency_p95_ms, lq[3] AS latency_p99_ms, avg(reverse_kl) AS reverse_kl_mean,
        avg(teacher_logprob_mean) AS teacher_logprob_mean, avg(top1_agreement) AS top1_agreement,

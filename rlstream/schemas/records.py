@@ -205,6 +205,7 @@ class TeacherFeedback(Record):
     teacher_topk_logprobs: list[float] = field(default_factory=list)
     status: str = "ok"
     teacher_device: str = ""
+    failure_class: str = ""
 
 
 @dataclass(slots=True)

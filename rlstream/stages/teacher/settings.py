@@ -28,6 +28,10 @@ class TeacherSettings:
                                         "in process (prompt log-probs; samples drawn at temperature 1 only)",
                         choices=("transformers", "vllm"))
     gpu_memory_utilization: float = knob(0.9, "--backend vllm: the share of GPU memory vLLM may take")
+    align_tokenizers: bool = knob(False, "A teacher with another tokenizer: score each student token by the teacher "
+                                         "tokens that spell its text (character offsets; sampled-token feedback "
+                                         "only); a sample that cannot be aligned goes on without feedback, status "
+                                         "alignment_failed and its failure class")
     device: str = knob("auto", "Where the teacher runs: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N")
     timeout_s: float = knob(20.0, "A batch's time budget: samples not scored within it go on without teacher "
                                   "feedback (status timeout); keep it under --handler-timeout-s")

@@ -20,13 +20,13 @@ from rlstream.errors import UserError
 from rlstream.models.devices import resolve_device
 from rlstream.models.loading import check_folder, load_model
 from rlstream.policy.watcher import PolicyWatcher
-from rlstream.policy.weights import PolicyWeights
+from rlstream.policy.weights import PolicyWeights, tokenizer_hash
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, ScoredTrajectory, TeacherFeedback
 from rlstream.stages.teacher.scoring import TorchScorer, VllmScorer, response_feedback
 from rlstream.stages.teacher.settings import MAX_TOP_K, TeacherSettings
-from rlstream.stages.teacher.tokenizers import check_tokenizers
+from rlstream.stages.teacher.tokenizers import Aligner, AlignmentFailed, check_tokenizers, make_aligner
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class TeacherStage(Stage):
         self.scorer: TorchScorer | VllmScorer | None = None
         self.watcher: PolicyWatcher | None = None
         self.loaded = -1  # the policy version a following teacher holds
+        self.aligner: Aligner | None = None  # a teacher with another tokenizer (--align-tokenizers)
         self.version = ""
 
     @property
@@ -76,7 +77,16 @@ class TeacherStage(Stage):
             self._follow(student, first=True)
             return
         folder = check_folder(self.settings.teacher, "--teacher")
-        check_tokenizers(folder, student.tokenizer_hash, f"{student.policy} v{student.version}")
+        name = f"{student.policy} v{student.version}"
+        if self.settings.align_tokenizers and student.tokenizer_hash and \
+                tokenizer_hash(Path(folder)) != student.tokenizer_hash:
+            if self.settings.top_k:
+                raise UserError("--top-k needs the student's tokenizer: a teacher's top-k tokens are not the "
+                                "student's; drop --top-k with --align-tokenizers")
+            self.aligner = make_aligner(self.weights.folder(student), Path(folder), name)
+            log.info("teacher tokens aligned with the student's through the text")
+        else:
+            check_tokenizers(folder, student.tokenizer_hash, name)
         self._load(folder, self.settings.teacher_version or Path(folder).name)
 
     def _follow(self, pv: PolicyVersion, first: bool = False) -> None:
@@ -124,7 +134,7 @@ class TeacherStage(Stage):
             raise InvalidRecord(f"trajectory {traj.trajectory_id} was sampled at temperature {temperature}; the vLLM "
                                 "teacher scores at temperature 1 (use --backend transformers)")
         ids = traj.task.prompt_token_ids + traj.token_ids
-        if ids and not 0 <= min(ids) <= max(ids) < self.vocab:
+        if self.aligner is None and ids and not 0 <= min(ids) <= max(ids) < self.vocab:
             raise InvalidRecord(f"trajectory {traj.trajectory_id}: token ids outside the teacher's vocabulary of "
                                 f"{self.vocab} (min {min(ids)}, max {max(ids)})")
 
@@ -142,25 +152,45 @@ class TeacherStage(Stage):
                 continue
             valid.setdefault(it.record.trajectory.task.sampling.temperature or 1.0, []).append(i)
         scores: dict[int, tuple | None] = {}
+        aligned: dict[int, object] = {}  # row -> its Alignment, or AlignmentFailed
         for temperature, rows in valid.items():
-            seqs = [items[i].record.trajectory.task.prompt_token_ids + items[i].record.trajectory.token_ids
-                    for i in rows]
-            scores.update(zip(rows, self.scorer.score(seqs, temperature, k, deadline)))
+            seqs = {i: self._row(items[i].record, aligned, i) for i in rows}
+            todo = [i for i in rows if seqs[i] is not None]
+            scores.update(zip(todo, self.scorer.score([seqs[i] for i in todo], temperature, k, deadline)))
         latency = (time.monotonic() - started) * 1000 / max(1, len(items))
         headers = ((hdr.TEACHER_VERSION, self.version),)
-        for i, score in scores.items():
-            fb = self._feedback(items[i].record, score, k, latency)
+        for i in (i for rows in valid.values() for i in rows):
+            fb = self._feedback(items[i].record, scores.get(i), k, latency, aligned.get(i))
             results[i] = [Output("feedback", items[i].key, fb, extra_headers=headers)]
         return results
 
-    def _feedback(self, scored: ScoredTrajectory, score: tuple | None, k: int, latency: float) -> TeacherFeedback:
+    def _row(self, scored: ScoredTrajectory, aligned: dict, i: int) -> list[int] | None:
+        """The ids the teacher reads: the student's, or their alignment's teacher ids (None: it failed)."""
+        traj = scored.trajectory
+        if self.aligner is None:
+            return traj.task.prompt_token_ids + traj.token_ids
+        try:
+            aligned[i] = self.aligner.align(traj.task.prompt_token_ids, traj.token_ids, traj.loss_mask)
+            return aligned[i].teacher_ids
+        except AlignmentFailed as failed:
+            aligned[i] = failed
+            return None
+
+    def _feedback(self, scored: ScoredTrajectory, score: tuple | None, k: int, latency: float,
+                  alignment=None) -> TeacherFeedback:
         traj = scored.trajectory
         traj.stage_times["teacher.end"] = hdr.now_ms()
         common = dict(teacher_model=self.settings.teacher or self.loop.policy, latency_ms=latency,
                       teacher_device=str(self.device))
+        if isinstance(alignment, AlignmentFailed):  # recorded with its class, never guessed
+            metrics.FAILURES.labels("teacher", f"alignment_{alignment.failure_class}").inc()
+            return TeacherFeedback(scored, self.version, [], status="alignment_failed",
+                                   failure_class=alignment.failure_class, **common)
         if score is None:  # past the deadline: on without a signal, never with part of one
             metrics.FAILURES.labels("teacher", "teacher_timeout").inc()
             return TeacherFeedback(scored, self.version, [], status="timeout", **common)
+        if alignment is not None:
+            return TeacherFeedback(scored, self.version, alignment.student_logprobs(score[0]), **common)
         arrays = response_feedback(score[0], score[1], score[2], len(traj.task.prompt_token_ids), traj.loss_mask, k)
         return TeacherFeedback(scored, self.version, arrays.logprobs, teacher_top_k=k, teacher_topk_ids=arrays.topk_ids,
                                teacher_topk_logprobs=arrays.topk_logprobs, **common)
