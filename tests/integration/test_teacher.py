@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rlstream.models.tiny import build_model, save_pretrained
+from rlstream.models.tiny import build_model, build_tokenizer, save_pretrained
 from rlstream.schemas import headers as hdr
 from tests.helpers.kafka import produce, read_all, wait_for
 from tests.helpers.teacher import expected, publish_student, samples
@@ -107,3 +107,46 @@ def test_teacher_with_another_tokenizer_is_refused(bootstrap, run_name, tmp_path
     assert code != 0 and "differs from the student" in text, text[-2000:]
     assert str(other) in text and "policy v0" in text, text[-2000:]  # both tokenizers named
     assert "Traceback" not in text, text[-4000:]
+
+
+@pytest.mark.timeout(270)
+def test_a_teacher_with_another_tokenizer_scores_aligned_tokens(bootstrap, run_name, tmp_path, start_stage):
+    """A BPE student and a character-level teacher: each student token gets the summed log-probs of the teacher's
+    characters that spell it; a sample with a special token among its actions goes on with its failure class."""
+    import torch
+
+    from examples.arithmetic.tokenizer import train_tokenizer
+    from rlstream.policy.weights import WeightStore, tokenizer_hash
+    from rlstream.schemas.records import PolicyVersion, Reward, ScoredTrajectory
+    from tests.helpers.kafka import make_trajectory
+    bpe = train_tokenizer(["abc cba abcabc", "cba abc bca"] * 20, vocab_size=300)
+    uri = WeightStore(str(tmp_path / "w")).put("policy", 0, lambda d: bpe.save_pretrained(d))
+    pv = PolicyVersion(policy="policy", version=0, weights_uri=uri, created_at=hdr.now_ms(), published_at=hdr.now_ms(),
+                       tokenizer_hash=tokenizer_hash(tmp_path / "w" / "policy" / "v0"))
+    produce(bootstrap, run_name, "policy-versions", [(b"policy", pv, None)])
+    tiny = build_tokenizer()
+    teacher = build_model(tiny, seed=7)
+    save_pretrained(teacher, tiny, tmp_path / "teacher")
+    prompt = bpe("xy>", add_special_tokens=False)["input_ids"]
+    response = bpe("abc cba", add_special_tokens=False)["input_ids"]
+    records = []
+    for i, actions in enumerate([response, response[:1] + [bpe.convert_tokens_to_ids("<|im_start|>")]]):
+        traj = make_trajectory(i, n_tokens=len(actions))
+        traj.task.prompt_token_ids, traj.token_ids = prompt, actions
+        records.append((traj.group_id.encode(), ScoredTrajectory(traj, Reward(1.0, "v1")), None))
+    produce(bootstrap, run_name, "rewards", records)
+    proc = start_stage("teacher", bootstrap, run_name, "--teacher", str(tmp_path / "teacher"), "--align-tokenizers",
+                       "--home", str(tmp_path / "home"))
+    try:
+        feedback = {f.record.scored.trajectory.trajectory_id: f.record
+                    for f in read_all(bootstrap, run_name, "feedback", expect=2, timeout=120)}
+    finally:
+        assert proc.stop() == 0, proc.log_tail()
+    seq = torch.tensor([tiny("xy>abc cba")["input_ids"]])  # the teacher's BOS, then one token per character
+    with torch.no_grad():
+        lp = torch.log_softmax(teacher(seq).logits[0, :-1].float(), -1).gather(-1, seq[0, 1:, None])[:, 0].tolist()
+    # 'abc' is teacher tokens 4..6 (predicted at 3..5), ' cba' tokens 7..10.
+    assert feedback["traj-0"].teacher_logprobs == pytest.approx([sum(lp[3:6]), sum(lp[6:10])], abs=1e-4)
+    assert feedback["traj-0"].status == "ok"
+    failed = feedback["traj-1"]
+    assert (failed.status, failed.failure_class, failed.teacher_logprobs) == ("alignment_failed", "special_token", [])
