@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from rlstream.models.tiny import build_model, build_tokenizer
-from rlstream.stages.teacher.scoring import TorchScorer, plan_chunks, response_feedback
+from rlstream.stages.teacher.scoring import TorchScorer, response_feedback
+from rlstream.trainer.microbatch import pack_by_length
 
 
 def test_chunks_stay_within_the_token_budget_longest_first():
-    assert plan_chunks([3, 5, 2, 5], 10) == [[1, 3], [0, 2]]
-    assert plan_chunks([12, 2], 10) == [[0], [1]]  # a row longer than the budget is a chunk alone
+    assert pack_by_length([3, 5, 2, 5], 10) == [[1, 3], [0, 2]]
+    assert pack_by_length([12, 2], 10) == [[0], [1]]  # a row longer than the budget is a chunk alone
 
 
 def test_response_feedback_aligns_with_the_response_and_zeroes_unmasked_tokens():

@@ -1,10 +1,10 @@
 """Scoring the student's tokens under the teacher: the sampled token's log-prob and the teacher's top-k, per
-response token, packed the way TeacherFeedback carries them. Pure torch, no Kafka.
+response token, packed the way TeacherFeedback carries them. Pure torch (or vLLM), no Kafka.
 
-A batch is scored in chunks of at most ``batch_tokens`` padded tokens (rows sorted by length, so a chunk pads
-little); before each chunk the deadline is checked, and rows not scored by then come back as None: the stage
-sends them on without teacher feedback (status ``timeout``) rather than with a half-filled signal. A chunk that
-has started is not interrupted.
+A batch is scored in chunks of at most ``batch_tokens`` padded tokens, packed by length as the trainer's
+micro-batches are (``trainer.microbatch.pack_by_length``). Before each chunk the deadline is checked, and rows not
+scored by then come back as None: the stage sends them on without teacher feedback (status ``timeout``) rather
+than with a half-filled signal. A chunk that has started is not interrupted.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from rlstream.models.logprobs import token_logprobs, top_k
+from rlstream.trainer.microbatch import pack_by_length
 
 
 @dataclass
@@ -24,22 +25,6 @@ class Scored:
     logprobs: list[float]
     topk_ids: list[int]  # token-major, k per token
     topk_logprobs: list[float]
-
-
-def plan_chunks(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Row indices in chunks whose padded size (rows x longest) stays within ``batch_tokens``, longest first; a
-    row longer than the budget is a chunk alone."""
-    order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
-    chunks, current = [], []
-    for row in order:
-        longest = lengths[current[0]] if current else lengths[row]
-        if current and (len(current) + 1) * longest > batch_tokens:
-            chunks.append(current)
-            current = []
-        current.append(row)
-    if current:
-        chunks.append(current)
-    return chunks
 
 
 def response_feedback(seq_logprobs: list[float], seq_topk_ids: list[list[int]] | None,
@@ -78,7 +63,7 @@ class TorchScorer:
         ``temperature`` (the student's sampling temperature, as the trainer scores the student); None for rows
         not reached by ``deadline`` (time.monotonic())."""
         out: list = [None] * len(rows)
-        for chunk in plan_chunks([len(r) for r in rows], self.batch_tokens):
+        for chunk in pack_by_length([len(r) for r in rows], self.batch_tokens):
             if deadline is not None and time.monotonic() >= deadline:
                 break
             width = max(len(rows[i]) for i in chunk)
@@ -139,7 +124,7 @@ class VllmScorer:
         from vllm.inputs import TokensPrompt
         params = SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False)
         out: list = [None] * len(rows)
-        for chunk in plan_chunks([len(r) for r in rows], self.batch_tokens):
+        for chunk in pack_by_length([len(r) for r in rows], self.batch_tokens):
             if deadline is not None and time.monotonic() >= deadline:
                 break
             results = self.llm.generate([TokensPrompt(prompt_token_ids=rows[i]) for i in chunk], params,
