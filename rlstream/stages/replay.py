@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rlstream.archive.replay_source import ArchivedTrajectories
+from rlstream.archive.tables import TOPIC_TABLE
 from rlstream.config import KafkaSettings, LoopSettings, add_arguments, knob, load
 from rlstream.errors import UsageError, UserError
 from rlstream.kafka import records
@@ -239,18 +240,22 @@ class _Archived:
 
 
 class ArchiveSource:
-    """Archived trajectories, page by page in (partition, offset) order, as the runner's input.
+    """Archived trajectories (scored ones for a teacher replay: ``logical`` rewards), page by page in (partition,
+    offset) order, as the runner's input.
 
     Their original offsets commit in the replay's consumer group, as a replay from the topic would: a killed
     replay resumes after the last committed page, whichever source it ran from.
     """
 
-    def __init__(self, kafka: KafkaSettings, group_id: str, s: ReplaySettings, archive_url: str):
-        self.topic = topic_name(kafka.run, "trajectories")
+    def __init__(self, kafka: KafkaSettings, group_id: str, s: ReplaySettings, archive_url: str,
+                 logical: str = "trajectories"):
+        self.logical = logical
+        self.topic = topic_name(kafka.run, logical)
         # Never subscribed: it exists for the group's metadata, which the transactions commit offsets with.
         self.member = GroupMember(kafka, group_id, [self.topic], who=group_id)
         self.rows = ArchivedTrajectories(archive_url, kafka.run, since_ms=parse_since(s.since),
-                                         from_offset=s.from_offset, versions=parse_versions(s.policy_version))
+                                         from_offset=s.from_offset, versions=parse_versions(s.policy_version),
+                                         table=TOPIC_TABLE[logical])
         # What this replay's group already committed (from the topic or the archive) is done.
         done = self.member.committed_offsets(self.topic, self.rows.partitions())
         self.rows.resume(done)
@@ -273,8 +278,8 @@ class ArchiveSource:
             self._end = True
             return []
         self._after = (rows[-1][0], rows[-1][1])
-        return [_Archived(self.topic, partition, offset, key, records.encode("trajectories", traj), headers)
-                for partition, offset, key, headers, traj in rows]
+        return [_Archived(self.topic, partition, offset, key, records.encode(self.logical, record), headers)
+                for partition, offset, key, headers, record in rows]
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
         # Pages run in (partition, offset) order: after an abort, read again from the earliest rewound record.
@@ -300,11 +305,11 @@ class ArchiveSource:
             self.member.close()
 
 
-def _replay_archive(stage: ReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings,
+def _replay_archive(stage: ReplayStage | TeacherReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings,
                     s: ReplaySettings, archive_url: str) -> ReplayResult:
     started = time.monotonic()
     group = f"{kafka.run}.{stage.name}"
-    source = ArchiveSource(kafka, group, s, archive_url)
+    source = ArchiveSource(kafka, group, s, archive_url, stage.inputs[0])
     total = source.rows.count()
     progress = _Progress(total, s.progress, "traj")
     done = [0]
@@ -329,11 +334,9 @@ def replay(settings: ReplaySettings, kafka: KafkaSettings, runtime: RuntimeSetti
     """Run one replay to the end of its range; returns what it scored. With ``teacher`` (its ``teacher_version``
     set, and no ``--reward-version``) the replay is the teacher's over the rewards topic."""
     if teacher is not None and teacher.teacher_version and not settings.reward_version:
-        if settings.source == "archive":
-            raise ValueError("a teacher replay reads the rewards topic; --source archive replays rewards only")
-        return _replay_topic(TeacherReplayStage(teacher, loop, parse_versions(settings.policy_version)), kafka,
-                             runtime, settings)
-    stage = ReplayStage(settings)
+        stage = TeacherReplayStage(teacher, loop, parse_versions(settings.policy_version))
+    else:
+        stage = ReplayStage(settings)
     run = _replay_archive if settings.source == "archive" else _replay_topic
     return run(stage, kafka, runtime, settings, loop.archive)
 
