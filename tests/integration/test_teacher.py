@@ -112,7 +112,7 @@ def test_teacher_with_another_tokenizer_is_refused(bootstrap, run_name, tmp_path
 @pytest.mark.timeout(270)
 def test_a_teacher_with_another_tokenizer_scores_aligned_tokens(bootstrap, run_name, tmp_path, start_stage):
     """A BPE student and a character-level teacher: each student token gets the summed log-probs of the teacher's
-    characters that spell it; a sample with a special token among its actions goes on with its failure class."""
+    characters that spell it; a sample that cannot be aligned goes on with its failure class."""
     import torch
 
     from examples.arithmetic.tokenizer import train_tokenizer
@@ -130,7 +130,8 @@ def test_a_teacher_with_another_tokenizer_scores_aligned_tokens(bootstrap, run_n
     prompt = bpe("xy>", add_special_tokens=False)["input_ids"]
     response = bpe("abc cba", add_special_tokens=False)["input_ids"]
     records = []
-    for i, actions in enumerate([response, response[:1] + [bpe.convert_tokens_to_ids("<|im_start|>")]]):
+    # The second sample ends a sequence mid-text: the teacher's end-of-sequence cannot stand there.
+    for i, actions in enumerate([response, response[:1] + [bpe.eos_token_id] + response[1:]]):
         traj = make_trajectory(i, n_tokens=len(actions))
         traj.task.prompt_token_ids, traj.token_ids = prompt, actions
         records.append((traj.group_id.encode(), ScoredTrajectory(traj, Reward(1.0, "v1")), None))
