@@ -173,7 +173,7 @@ SELECT run, teacher_version, header_policy_version AS policy_version, trajectory
        teacher_latency_ms, reward_total, arraySum(loss_mask) AS acted,
        if(status = 'ok', arraySum(arrayMap(i -> if(loss_mask[i] = 1, teacher_logprobs[i], 0),
                                            arrayEnumerate(teacher_logprobs))) / nullIf(acted, 0), NULL)
-           AS teacher_logprob_mean,
+           AS teacher_logprob,
        if(status = 'ok', arraySum(arrayMap(i -> if(loss_mask[i] = 1, behaviour_logprobs[i] - teacher_logprobs[i], 0),
                                            arrayEnumerate(teacher_logprobs))) / nullIf(acted, 0), NULL)
            AS reverse_kl,
@@ -192,8 +192,8 @@ SELECT run, teacher_version, policy_version, count() AS samples, countIf(status 
        countIf(status = 'alignment_failed') / samples AS alignment_error_rate,
        quantilesExact(0.5, 0.95, 0.99)(teacher_latency_ms) AS lq, lq[1] AS latency_p50_ms,
        lq[2] AS latency_p95_ms, lq[3] AS latency_p99_ms, avg(reverse_kl) AS reverse_kl_mean,
-       avg(teacher_logprob_mean) AS teacher_logprob_mean, avg(top1_agreement) AS top1_agreement,
-       countIf(teacher_logprob_mean >= log(0.5) AND reward_total <= 0) AS confident_but_failed,
+       avg(teacher_logprob) AS teacher_logprob_mean, avg(top1_agreement) AS top1_agreement_mean,
+       countIf(teacher_logprob >= log(0.5) AND reward_total <= 0) AS confident_but_failed,
        confident_but_failed / nullIf(samples - without_feedback, 0) AS teacher_verifier_disagreement
 FROM {D}.teacher_samples
 GROUP BY run, teacher_version, policy_version""",

@@ -75,7 +75,7 @@ def test_two_teacher_versions_are_archived_side_by_side(bootstrap, run_name, tmp
         with open_archive(url) as db:
             cols, figures = db.query(
                 f"SELECT teacher_version, samples, without_feedback, latency_p50_ms, reverse_kl_mean, "
-                f"top1_agreement, teacher_verifier_disagreement FROM rlstream.teacher_by_version "
+                f"top1_agreement_mean, teacher_verifier_disagreement FROM rlstream.teacher_by_version "
                 f"WHERE run = '{run_name}' ORDER BY teacher_version")
     finally:
         assert archive.stop() == 0, archive.log_tail()
@@ -92,4 +92,4 @@ def test_two_teacher_versions_are_archived_side_by_side(bootstrap, run_name, tmp
         assert (by[version]["samples"], by[version]["without_feedback"]) == (N, 0)
         assert by[version]["latency_p50_ms"] > 0 and abs(by[version]["reverse_kl_mean"]) < 100
         assert 0 <= by[version]["teacher_verifier_disagreement"] <= 1
-    assert by["tA"]["top1_agreement"] is None and 0 <= by["tB"]["top1_agreement"] <= 1
+    assert by["tA"]["top1_agreement_mean"] is None and 0 <= by["tB"]["top1_agreement_mean"] <= 1
