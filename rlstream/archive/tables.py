@@ -373,7 +373,11 @@ TABLES: dict[str, Table] = {t.name: t for t in (
     Table("feedback", "TeacherFeedback", (
         Rec("scored", SCORED), Field("teacher_version", _LC), Field("teacher_model", _LC),
         Field("teacher_logprobs", "Array(Float32)", packed="Float32"),
-        Field("teacher_latency_ms", "Float64", "latency_ms"))),
+        Field("teacher_latency_ms", "Float64", "latency_ms"), Field("teacher_top_k", "Int32"),
+        Field("teacher_topk_ids", "Array(Int32)", packed="Int32"),
+        Field("teacher_topk_logprobs", "Array(Float32)", packed="Float32"),
+        Field("teacher_status", _LC, "status"), Field("teacher_device", _LC),
+        Field("teacher_failure_class", _LC, "failure_class"))),
     Table("policy_versions", "PolicyVersion", (
         Field("policy", _LC), Field("version", "Int32"), Field("weights_uri", "String"), Field("step", "Int64"),
         Field("parent_version", "Int32"), Field("samples_trained", "Int64"),

@@ -176,6 +176,47 @@ LEFT JOIN (
     FROM {D}.trajectories ARRAY JOIN `turns.policy_version` AS v, `turns.started_at` AS t
     WHERE v >= 0 AND t > toDateTime64(0, 3, 'UTC') GROUP BY run, version
 ) AS u ON p.run = u.run AND p.version = u.version""",
+
+    # The teacher, one row per feedback record: its mean log-prob on the student's tokens, the k1 estimate of
+    # reverse KL(student at sampling || teacher), and how often the sampled token is the teacher's top-1 (top-k
+    # form only). NULL where the sample went on without feedback (status not ok).
+    "teacher_samples": f"""
+SELECT run, teacher_version, header_policy_version AS policy_version, trajectory_id, status, teacher_top_k,
+       teacher_latency_ms, reward_total, arraySum(loss_mask) AS acted,
+       if(status = 'ok', arraySum(arrayMap(i -> if(loss_mask[i] = 1, teacher_logprobs[i], 0),
+                                           arrayEnumerate(teacher_logprobs))) / nullIf(acted, 0), NULL)
+           AS teacher_logprob,
+       if(status = 'ok', arraySum(arrayMap(i -> if(loss_mask[i] = 1, behaviour_logprobs[i] - teacher_logprobs[i], 0),
+                                           arrayEnumerate(teacher_logprobs))) / nullIf(acted, 0), NULL)
+           AS reverse_kl,
+       if(status = 'ok' AND teacher_top_k > 0,
+          arraySum(arrayMap(i -> loss_mask[i] = 1 AND teacher_topk_ids[(i - 1) * teacher_top_k + 1] = token_ids[i],
+                            arrayEnumerate(token_ids))) / nullIf(acted, 0), NULL) AS top1_agreement
+FROM {D}.feedback""",
+
+    # Per (teacher version, policy version): teacher latency, samples without feedback (timed out, or not aligned
+    # with a teacher of another tokenizer: the alignment-error rate), KL, top-1 agreement, and
+    # how often teacher and verifier disagree: the teacher finds the sample likely (geometric-mean token
+    # probability >= 0.5) and the verifier gave it no reward.
+    "teacher_by_version": f"""
+SELECT run, teacher_version, policy_version, count() AS samples, countIf(status != 'ok') AS without_feedback,
+       without_feedback / samples AS without_feedback_rate,
+       countIf(status = 'alignment_failed') / samples AS alignment_error_rate,
+       quantilesExact(0.5, 0.95, 0.99)(teacher_latency_ms) AS lq, lq[1] AS latency_p50_ms,
+       lq[2] AS latency_p95_ms, lq[3] AS latency_p99_ms, avg(reverse_kl) AS reverse_kl_mean,
+       avg(teacher_logprob) AS teacher_logprob_mean, avg(top1_agreement) AS top1_agreement_mean,
+       countIf(teacher_logprob >= log(0.5) AND reward_total <= 0) AS confident_but_failed,
+       confident_but_failed / nullIf(samples - without_feedback, 0) AS teacher_verifier_disagreement
+FROM {D}.teacher_samples
+GROUP BY run, teacher_version, policy_version""",
+
+    # The trainer's side, per published version: the distillation terms of the step (trainer/distill.py).
+    "distillation_by_version": f"""
+SELECT run, policy, version, published_at, metrics['opd_kl'] AS opd_kl, metrics['kl_forward'] AS kl_forward,
+       metrics['kl_reverse'] AS kl_reverse, metrics['teacher_top1_agreement'] AS teacher_top1_agreement,
+       metrics['opd_coef'] AS opd_coef, metrics['loss_rl'] AS loss_rl, metrics['loss_opd'] AS loss_opd,
+       metrics['opd_shaping'] AS opd_shaping, metrics['reward_mean'] AS reward_mean
+FROM {D}.policy_versions WHERE mapContains(metrics, 'opd_kl')""",
 }
 
 

@@ -308,6 +308,7 @@ class StageRunner:
         reward_version = out.reward_version if out.reward_version is not None else item.reward_version
         headers = hdr.build(out.policy_version if out.policy_version is not None else item.policy_version,
                             hdr.child_traceparent(item.traceparent), reward_version)
+        headers += [(name, value.encode()) for name, value in out.extra_headers]
         size = wire_bytes(value, out.key, headers)
         if size > self.settings.max_record_bytes:
             raise Rejected("oversized", f"{out.topic} record of {len(value)} bytes ({size} on the wire at worst) "

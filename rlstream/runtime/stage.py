@@ -28,6 +28,7 @@ class Output:
     record: Record
     policy_version: int | None = None
     reward_version: str | None = None
+    extra_headers: tuple[tuple[str, str], ...] = ()  # headers of the stage's own (the teacher's version)
 
 
 class Stage:

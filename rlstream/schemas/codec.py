@@ -43,6 +43,10 @@ def _pack(values, kind: str) -> bytes:
 
 
 def _unpack(data: bytes, kind: str) -> list:
+    if isinstance(data, str):
+        # A packed field added later reads from an older record as its schema default, which fastavro hands back
+        # as the JSON string (Avro: a bytes default is a string of code points 0-255).
+        data = data.encode("latin-1")
     arr = array(_TYPECODES[kind])
     arr.frombytes(data)
     if _BIG_ENDIAN:

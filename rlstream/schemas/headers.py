@@ -8,6 +8,7 @@ POLICY_VERSION = "policy_version"
 REWARD_VERSION = "reward_version"
 TRACEPARENT = "traceparent"
 PRODUCED_AT = "produced_at"
+TEACHER_VERSION = "teacher_version"  # on feedback: the teacher that scored it
 
 
 class HeaderError(ValueError):

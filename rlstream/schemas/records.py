@@ -220,6 +220,12 @@ class TeacherFeedback(Record):
     teacher_logprobs: list[float] = field(default_factory=list)
     teacher_model: str = ""
     latency_ms: float = 0.0
+    teacher_top_k: int = 0
+    teacher_topk_ids: list[int] = field(default_factory=list)
+    teacher_topk_logprobs: list[float] = field(default_factory=list)
+    status: str = "ok"
+    teacher_device: str = ""
+    failure_class: str = ""
 
 
 @dataclass(slots=True)

@@ -1,5 +1,6 @@
 """The loop's stream processors: rollout (with its inference backends), env, reward,
-teacher, and replay (the reward stage over a past range).
+teacher (a package: scoring, tokenizer alignment, its replay), and replay (the reward or the teacher stage
+over a past range).
 
 Each is decode -> handle -> encode only: a Stage subclass whose handler maps typed
 input records to typed outputs; the Kafka plumbing is the runtime's.

@@ -1,4 +1,5 @@
-"""``rlstream replay``: score past trajectories again under a new reward version.
+"""``rlstream replay``: score past trajectories again under a new reward version, or run another teacher over
+past scored trajectories (``--teacher-version``, ``stages/teacher/replay.py``).
 
 A replay is the reward stage under its own consumer group (``<run>.replay.<version>``)
 over a bounded range of ``trajectories``: the topic's offsets as they stand when it
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rlstream.archive.replay_source import ArchivedTrajectories
+from rlstream.archive.tables import TOPIC_TABLE
 from rlstream.config import KafkaSettings, LoopSettings, add_arguments, knob, load
 from rlstream.errors import UsageError, UserError
 from rlstream.kafka import records
@@ -32,6 +34,8 @@ from rlstream.runtime.settings import RuntimeSettings
 from rlstream.runtime.stage import Incoming, Output, Stage
 from rlstream.schemas.headers import now_ms
 from rlstream.stages.reward import RewardSettings, RewardStage
+from rlstream.stages.teacher.replay import TeacherReplayStage
+from rlstream.stages.teacher.settings import TeacherSettings
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +102,8 @@ class ReplayStage(Stage):
 
     def __init__(self, settings: ReplaySettings):
         if not settings.reward_version:
-            raise ValueError("--reward-version is required: replayed rewards need a version of their own")
+            raise ValueError("--reward-version is required: replayed rewards need a version of their own "
+                             "(or --teacher-version and --teacher to replay a teacher)")
         self.name = f"replay.{settings.reward_version}"
         self.versions = parse_versions(settings.policy_version)
         # The reward logic is the reward stage's own, not a copy of it.
@@ -173,12 +178,14 @@ class ReplayResult:
 
 # -- from the topic ----------------------------------------------------------------------------------------------
 
-def _replay_topic(stage: ReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings,
+def _replay_topic(stage: ReplayStage | TeacherReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings,
                   s: ReplaySettings, archive_url: str = "") -> ReplayResult:
-    """The runtime over the trajectories topic's offsets as they stand now, from the requested start."""
+    """The runtime over the input topic's offsets as they stand now (trajectories for a reward, rewards for a
+    teacher), from the requested start."""
     started = time.monotonic()
     group = f"{kafka.run}.{stage.name}"
-    source = BoundedTopicSource(kafka, group, topic_name(kafka.run, "trajectories"), who=stage.name)
+    logical = stage.inputs[0]
+    source = BoundedTopicSource(kafka, group, topic_name(kafka.run, logical), who=stage.name)
     since = parse_since(s.since)
     try:
         by_time = source.offsets_for_time(since) if since is not None else {}
@@ -194,7 +201,7 @@ def _replay_topic(stage: ReplayStage, kafka: KafkaSettings, runtime: RuntimeSett
         total = source.plan(start_at)
     except (LookupError, KeyError) as exc:
         source.close()
-        raise UserError(f"no topic {topic_name(kafka.run, 'trajectories')} (is --run right?)") from exc
+        raise UserError(f"no topic {topic_name(kafka.run, logical)} (is --run right?)") from exc
     progress = _Progress(total, s.progress, "offsets")
     # One batch per transaction: the range's end is checked per batch.
     runner = StageRunner(stage, kafka, dataclasses.replace(runtime, pipeline=False), source,
@@ -233,18 +240,22 @@ class _Archived:
 
 
 class ArchiveSource:
-    """Archived trajectories, page by page in (partition, offset) order, as the runner's input.
+    """Archived trajectories (scored ones for a teacher replay: ``logical`` rewards), page by page in (partition,
+    offset) order, as the runner's input.
 
     Their original offsets commit in the replay's consumer group, as a replay from the topic would: a killed
     replay resumes after the last committed page, whichever source it ran from.
     """
 
-    def __init__(self, kafka: KafkaSettings, group_id: str, s: ReplaySettings, archive_url: str):
-        self.topic = topic_name(kafka.run, "trajectories")
+    def __init__(self, kafka: KafkaSettings, group_id: str, s: ReplaySettings, archive_url: str,
+                 logical: str = "trajectories"):
+        self.logical = logical
+        self.topic = topic_name(kafka.run, logical)
         # Never subscribed: it exists for the group's metadata, which the transactions commit offsets with.
         self.member = GroupMember(kafka, group_id, [self.topic], who=group_id)
         self.rows = ArchivedTrajectories(archive_url, kafka.run, since_ms=parse_since(s.since),
-                                         from_offset=s.from_offset, versions=parse_versions(s.policy_version))
+                                         from_offset=s.from_offset, versions=parse_versions(s.policy_version),
+                                         table=TOPIC_TABLE[logical])
         # What this replay's group already committed (from the topic or the archive) is done.
         done = self.member.committed_offsets(self.topic, self.rows.partitions())
         self.rows.resume(done)
@@ -267,8 +278,8 @@ class ArchiveSource:
             self._end = True
             return []
         self._after = (rows[-1][0], rows[-1][1])
-        return [_Archived(self.topic, partition, offset, key, records.encode("trajectories", traj), headers)
-                for partition, offset, key, headers, traj in rows]
+        return [_Archived(self.topic, partition, offset, key, records.encode(self.logical, record), headers)
+                for partition, offset, key, headers, record in rows]
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
         # Pages run in (partition, offset) order: after an abort, read again from the earliest rewound record.
@@ -294,11 +305,11 @@ class ArchiveSource:
             self.member.close()
 
 
-def _replay_archive(stage: ReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings,
+def _replay_archive(stage: ReplayStage | TeacherReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings,
                     s: ReplaySettings, archive_url: str) -> ReplayResult:
     started = time.monotonic()
     group = f"{kafka.run}.{stage.name}"
-    source = ArchiveSource(kafka, group, s, archive_url)
+    source = ArchiveSource(kafka, group, s, archive_url, stage.inputs[0])
     total = source.rows.count()
     progress = _Progress(total, s.progress, "traj")
     done = [0]
@@ -319,9 +330,13 @@ def _replay_archive(stage: ReplayStage, kafka: KafkaSettings, runtime: RuntimeSe
 # -- entry points ------------------------------------------------------------------------------------------------
 
 def replay(settings: ReplaySettings, kafka: KafkaSettings, runtime: RuntimeSettings = RuntimeSettings(),
-           loop: LoopSettings = LoopSettings()) -> ReplayResult:
-    """Run one replay to the end of its range; returns what it scored."""
-    stage = ReplayStage(settings)
+           loop: LoopSettings = LoopSettings(), teacher: TeacherSettings | None = None) -> ReplayResult:
+    """Run one replay to the end of its range; returns what it scored. With ``teacher`` (its ``teacher_version``
+    set, and no ``--reward-version``) the replay is the teacher's over the rewards topic."""
+    if teacher is not None and teacher.teacher_version and not settings.reward_version:
+        stage = TeacherReplayStage(teacher, loop, parse_versions(settings.policy_version))
+    else:
+        stage = ReplayStage(settings)
     run = _replay_archive if settings.source == "archive" else _replay_topic
     return run(stage, kafka, runtime, settings, loop.archive)
 
@@ -329,15 +344,17 @@ def replay(settings: ReplaySettings, kafka: KafkaSettings, runtime: RuntimeSetti
 def cmd_replay(args: argparse.Namespace) -> None:
     replay_settings, loop = load(ReplaySettings, args), load(LoopSettings, args)
     kafka, runtime = load(KafkaSettings, args), load(RuntimeSettings, args)
+    teacher = load(TeacherSettings, args)
     try:
         parse_since(replay_settings.since)
         parse_versions(replay_settings.policy_version)
-        result = replay(replay_settings, kafka, runtime, loop)
+        result = replay(replay_settings, kafka, runtime, loop, teacher)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    print(f"replayed {result.scored} trajectories from the {result.source} as reward version "
-          f"{replay_settings.reward_version} ({result.skipped} outside --policy-version) in {result.seconds:.1f} s "
-          f"({result.rate:.0f}/s)")
+    as_what = (f"reward version {replay_settings.reward_version}" if replay_settings.reward_version else
+               f"teacher version {teacher.teacher_version}")
+    print(f"replayed {result.scored} trajectories from the {result.source} as {as_what} "
+          f"({result.skipped} outside --policy-version) in {result.seconds:.1f} s ({result.rate:.0f}/s)")
 
 
 def add_command(subparsers) -> None:
@@ -346,5 +363,6 @@ def add_command(subparsers) -> None:
     add_arguments(p, LoopSettings)
     add_arguments(p, KafkaSettings)
     add_arguments(p, ReplaySettings)
+    add_arguments(p, TeacherSettings)
     add_arguments(p, RuntimeSettings, skip=("instance", "metrics_port", "max_record_bytes", "poll_timeout_s"))
     p.set_defaults(func=cmd_replay)

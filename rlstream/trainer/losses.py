@@ -6,15 +6,20 @@ tokens and 0 on prompt, observation and padding tokens. Stats are detached 0-dim
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = [
     "AGGREGATIONS",
     "aggregate",
+    "KL_DIRECTIONS",
     "kl_penalty",
     "masked_mean",
     "opd_reverse_kl_loss",
     "ppo_clip_loss",
+    "sampled_token_kl",
+    "topk_kl",
 ]
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "token-sum-norm")
@@ -132,16 +137,122 @@ def kl_penalty(
     return masked_mean(per_token, m)
 
 
+#: Directions of the distillation KL: reverse KL(student || teacher), forward KL(teacher || student), or a mix.
+KL_DIRECTIONS = ("reverse", "forward", "mixed")
+
+
+def _check_direction(direction: str, mix: float) -> None:
+    if direction not in KL_DIRECTIONS:
+        raise ValueError(f"unknown KL direction {direction!r}; valid: {list(KL_DIRECTIONS)}")
+    if not 0.0 <= mix <= 1.0:
+        raise ValueError(f"the mixed KL's forward weight must be in [0, 1], got {mix}")
+
+
+def sampled_token_kl(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    direction: str = "reverse",
+    mix: float = 0.5,
+    is_cap: float | None = 5.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distillation on the sampled-token form (the teacher's log-prob of each token the student sampled).
+
+    Returns ``(surrogate, kl)``, both ``[B, T]`` (0 outside ``mask``): the gradient of ``surrogate`` is the
+    per-token KL's, and ``kl`` is the detached per-token estimate. With ``s`` the current student's log-prob
+    (differentiable), ``t`` the teacher's and ``b`` the behaviour policy's that sampled the token:
+
+    - reverse, KL(student || teacher): ``kl = s - t`` (k1 on a token sampled from the student); ``surrogate =
+      kl.detach() * s`` (REINFORCE with reward ``t - s``: Thinking Machines' recipe). It assumes the token came from
+      the current student, which a stale sample did not: the trainer bounds its staleness.
+    - forward, KL(teacher || student): importance-weighted by the teacher, ``w = min(exp(t - b), is_cap)``
+      (detached): ``kl = w * (t - s)``, ``surrogate = -w * s``. The weight uses the behaviour log-prob the sample
+      carries, so a stale sample is corrected rather than biased.
+    - mixed: ``mix * forward + (1 - mix) * reverse``.
+    """
+    _check_direction(direction, mix)
+    m = mask.bool()
+    s = student_logprobs
+    t = teacher_logprobs.detach()
+    zero = torch.zeros_like(s)
+    reverse_kl = torch.where(m, s.detach() - t, 0)
+    reverse = (reverse_kl * s, reverse_kl)
+    if direction == "reverse":
+        return torch.where(m, reverse[0], zero), reverse[1]
+    # Zero the log-gap outside the mask so exp() cannot overflow there.
+    w = torch.exp(torch.where(m, t - behaviour_logprobs.detach(), 0).float())
+    if is_cap is not None:
+        w = w.clamp(max=is_cap)
+    forward = (-w * s, torch.where(m, w * (t - s.detach()), 0))
+    if direction == "forward":
+        return torch.where(m, forward[0], zero), forward[1]
+    surrogate = mix * forward[0] + (1 - mix) * reverse[0]
+    return torch.where(m, surrogate, zero), mix * forward[1] + (1 - mix) * reverse[1]
+
+
+#: log p of the teacher outside its top-k under ``zero_outside_topk`` in the reverse direction: log 0 would make any
+#: student mass there an infinite loss; a floor makes it a large, finite one (NeMo-RL's choice too).
+OUTSIDE_TOPK_LOG_FLOOR = math.log(1e-6)
+
+
+def topk_kl(
+    student_topk_logprobs: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    direction: str = "reverse",
+    mix: float = 0.5,
+    zero_outside_topk: bool = False,
+    student_neg_entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token KL ``[B, T]`` on the top-k form, exact over the teacher's k tokens, differentiable in the student.
+
+    ``student_topk_logprobs`` ``[B, T, K]`` are the current student's full-vocabulary log-probs of the teacher's
+    top-k ids, ``teacher_topk_logprobs`` the teacher's. The student's side is recomputed by the trainer's own
+    forward, so the reverse KL here is under the current student, however stale the sample. The teacher is
+    renormalised over its k tokens (``p^``) in both options:
+
+    - default: the student renormalised over the same k tokens too (``q^``): forward ``sum p^ log(p^/q^)``,
+      reverse ``sum q^ log(q^/p^)``; both >= 0, and blind to the student's mass outside the k.
+    - ``zero_outside_topk``: the teacher is zero outside its k tokens, the student keeps its whole vocabulary
+      (``q``). Forward ``sum_k p^ log(p^/q)`` is then exact. Reverse is ``sum_k q log(q/p^)`` plus, for the
+      student's mass outside the k, ``sum_rest q (log q - OUTSIDE_TOPK_LOG_FLOOR)``; that needs
+      ``student_neg_entropy`` ``[B, T]``, the student's ``sum_v q log q`` over the whole vocabulary.
+
+    Returns ``(kl, stats)``: the chosen direction's per-token KL (0 outside ``mask``), and the token-means of both
+    directions (``kl_forward``, ``kl_reverse``) for the step metrics.
+    """
+    _check_direction(direction, mix)
+    m = mask.bool()
+    q_log = student_topk_logprobs.float()
+    p_log = teacher_topk_logprobs.detach().float()
+    p_log = p_log - torch.logsumexp(p_log, dim=-1, keepdim=True)
+    if not zero_outside_topk:
+        q_log = q_log - torch.logsumexp(q_log, dim=-1, keepdim=True)
+    q = q_log.exp()
+    forward = (p_log.exp() * (p_log - q_log)).sum(-1)
+    reverse = (q * (q_log - p_log)).sum(-1)
+    if zero_outside_topk:
+        if student_neg_entropy is None:
+            raise ValueError("topk_kl: zero_outside_topk needs the student's negative entropy over its vocabulary")
+        rest_neg_entropy = student_neg_entropy.float() - (q * q_log).sum(-1)  # sum of q log q outside the k
+        reverse = reverse + rest_neg_entropy - OUTSIDE_TOPK_LOG_FLOOR * (1 - q.sum(-1))
+    chosen = {"forward": forward, "reverse": reverse}.get(direction)
+    if chosen is None:
+        chosen = mix * forward + (1 - mix) * reverse
+    with torch.no_grad():
+        stats = {"kl_forward": masked_mean(forward, m), "kl_reverse": masked_mean(reverse, m)}
+    return torch.where(m, chosen, 0), stats
+
+
 def opd_reverse_kl_loss(
     student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """On-policy distillation (Thinking Machines; GKD-style) by per-token reverse KL.
+    """On-policy distillation (Thinking Machines; GKD-style) by per-token reverse KL on the sampled-token form.
 
     On tokens sampled from the student, ``adv = -(student_lp - teacher_lp)`` (detached) is a
     policy-gradient reward; ``loss = -token_mean(adv * student_lp)`` has the gradient of
     KL(student || teacher). Stats: ``reverse_kl``, the token-mean of ``student_lp - teacher_lp``.
     """
-    m = mask.bool()
-    gap = torch.where(m, student_logprobs.detach() - teacher_logprobs.detach(), 0)
-    loss = -masked_mean(-gap * student_logprobs, m)
-    return loss, {"reverse_kl": masked_mean(gap, m)}
+    surrogate, kl = sampled_token_kl(student_logprobs, teacher_logprobs, student_logprobs, mask, "reverse")
+    return masked_mean(surrogate, mask), {"reverse_kl": masked_mean(kl, mask)}

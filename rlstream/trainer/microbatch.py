@@ -23,7 +23,8 @@ def rows_of(batch: Batch, rows: list[int]) -> Batch:
     cut = lambda t, w: t[index, :w] if t is not None else None  # noqa: E731
     return Batch(cut(batch.input_ids, width), cut(batch.attention_mask, width), cut(batch.loss_mask, width - 1),
                  cut(batch.behaviour_logprobs, width - 1), cut(batch.teacher_logprobs, width - 1),
-                 cut(batch.advantages, width - 1), batch.rewards[index], batch.temperature)
+                 cut(batch.advantages, width - 1), batch.rewards[index], batch.temperature,
+                 cut(batch.teacher_topk_ids, width - 1), cut(batch.teacher_topk_logprobs, width - 1), batch.opd_coef)
 
 
 def plan(batch: Batch, max_tokens: int, world: int = 1) -> list[list[list[int]]]:
@@ -36,24 +37,32 @@ def plan(batch: Batch, max_tokens: int, world: int = 1) -> list[list[list[int]]]
     trains none (``accumulated_update`` still runs it through a zero-weight pass for the collective).
     """
     lengths = batch.attention_mask.sum(-1).tolist()
-    order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
     if max_tokens <= 0:
+        order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
         micro = [c for c in (order[i::world] for i in range(world)) if c]
     else:
-        micro, current = [], []
-        for row in order:
-            longest = lengths[current[0]] if current else lengths[row]
-            if current and (len(current) + 1) * longest > max_tokens:
-                micro.append(current)
-                current = []
-            current.append(row)
-        if current:
-            micro.append(current)
+        micro = pack_by_length(lengths, max_tokens)
         while len(micro) < world and any(len(m) > 1 for m in micro):
             biggest = max(range(len(micro)), key=lambda i: len(micro[i]))
             rows = micro.pop(biggest)
             micro[biggest:biggest] = [rows[: len(rows) // 2], rows[len(rows) // 2:]]
     return [micro[r::world] for r in range(world)]
+
+
+def pack_by_length(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Row indices sorted by length (longest first) and packed greedily into chunks whose padded size (rows x the
+    longest) stays within ``max_tokens``; a row longer than that is a chunk alone. (The teacher's chunks too.)"""
+    order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
+    chunks, current = [], []
+    for row in order:
+        longest = lengths[current[0]] if current else lengths[row]
+        if current and (len(current) + 1) * longest > max_tokens:
+            chunks.append(current)
+            current = []
+        current.append(row)
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def accumulated_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None, max_tokens: int = 0,

@@ -41,6 +41,7 @@ from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, ScoredTrajectory, TeacherFeedback, is_eval
 from rlstream.trainer.chain import chain_stats
+from rlstream.trainer.distill import LOSSES, DistillConfig, admit_feedback, coef_at, reverse_kl_bound_applies
 from rlstream.trainer.distributed import Ranks, check_nproc, launch
 from rlstream.trainer.engine import make_engine
 from rlstream.trainer.microbatch import train_step
@@ -92,7 +93,22 @@ class TrainerSettings:
     window_groups: int = knob(32, "Windowed FIFO size W in groups")
     head_timeout_s: float = knob(120.0, "Evict (and record) an incomplete head group older than this")
     advantage: str = knob("grpo", "Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp")
-    loss: str = knob("ppo", "ppo (decoupled PPO-clip) or opd (on-policy distillation)", choices=("ppo", "opd"))
+    loss: str = knob("ppo", "ppo (decoupled PPO-clip), opd (on-policy distillation alone), ppo+opd (PPO on the "
+                            "per-token advantage A_t - λ·KL_t, as slime does) or ppo+opd-sum (PPO loss + λ·KL loss); "
+                            "the opd ones need --source feedback", choices=LOSSES)
+    opd_kl: str = knob("reverse", "Distillation KL: reverse KL(student||teacher), forward KL(teacher||student), or "
+                                  "mixed", choices=("reverse", "forward", "mixed"))
+    opd_kl_mix: float = knob(0.5, "--opd-kl mixed: the forward KL's weight (the reverse KL's is 1 minus it)")
+    opd_zero_outside_topk: bool = knob(False, "Top-k feedback: the teacher is zero outside its k tokens and the "
+                                              "student keeps its whole vocabulary (default: both renormalised over "
+                                              "the k tokens)")
+    opd_coef: float = knob(1.0, "λ, the teacher's weight in ppo+opd and ppo+opd-sum (at version 0 with a schedule)")
+    opd_coef_end: float = knob(-1.0, "λ at --opd-coef-versions and after, reached linearly (<0: λ is constant)")
+    opd_coef_versions: int = knob(0, "Versions over which λ goes from --opd-coef to --opd-coef-end (0: constant)")
+    opd_reverse_eta: int = knob(-1, "Staleness bound of reverse (and mixed) KL on sampled-token feedback, which "
+                                    "assumes the current student drew the token; at most η (-1: η). Forward KL and "
+                                    "top-k feedback keep η")
+    teacher_version: str = knob("", "Train only on feedback of this teacher version ('' = any)")
     lr: float = knob(1e-4, "AdamW learning rate (2e-4 collapsed the tiny model to zero reward here)")
     lr_warmup_steps: int = knob(0, "Linear learning-rate warm-up over this many updates (0: full --lr from the "
                                    "first); a pretrained model's first Adam steps are otherwise full-size")
@@ -143,8 +159,15 @@ class TrainerService:
         # Positions the resumed checkpoint had already trained (or evicted) beyond the committed offsets.
         self._done_ahead: set[tuple[str, int, int]] = set()
         self._log_start = 0  # the weights log's start offset after the last truncation
+        distill = DistillConfig(settings.opd_kl, settings.opd_kl_mix, settings.opd_zero_outside_topk)
         self.update_cfg = UpdateConfig(loss=settings.loss, clip_eps=settings.clip_eps, is_cap=settings.is_cap,
-                                       kl_coef=settings.kl_coef)
+                                       kl_coef=settings.kl_coef, distill=distill)
+        if settings.loss != "ppo" and settings.source != "feedback":
+            raise ValueError(f"--loss {settings.loss} needs the teacher's feedback: add --source feedback and run "
+                             "the teacher stage (rlstream run teacher)")
+        # Samples whose loss assumes the current student drew them are held to a bound of their own (distill.py).
+        reverse_eta = loop.eta if settings.opd_reverse_eta < 0 else min(loop.eta, settings.opd_reverse_eta)
+        self.reverse_filter = StalenessFilter(reverse_eta)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -302,6 +325,8 @@ class TrainerService:
                 # lane) still measures the policy and is never trained on.
                 self.window.skip(position)
                 continue
+            if isinstance(sample, TeacherFeedback) and not self._admit(m, sample, traj, position):
+                continue
             reward = sample.scored.reward if isinstance(sample, TeacherFeedback) else sample.reward
             if reward.failure_class in JUDGE_FAILURES:
                 # The judge failed, not the policy: its 0 is no reward. The group trains without the sample (a failed
@@ -315,7 +340,7 @@ class TrainerService:
                 self._letters.append((m, "invalid", str(exc)))
                 self.window.refuse(traj.group_id, traj.task.group_size, position)
                 continue
-            if not self._within_eta(traj, item.policy_version):
+            if not self._within_eta(traj, item.policy_version, self._filter_for(sample)):
                 # The version moved on between samples of one group: the group completes without this one
                 # rather than holding a window slot (and the pipeline behind it) until the head timeout.
                 self.window.refuse(traj.group_id, traj.task.group_size, position)
@@ -323,15 +348,15 @@ class TrainerService:
             self.window.add(WindowItem(traj.group_id, traj.task.group_size, position, time.monotonic(), sample))
         self._lag.maybe_update(self.consumer, self.consumer.assignment)
 
-    def _within_eta(self, traj, header_version: int) -> bool:
+    def _within_eta(self, traj, header_version: int, bound: StalenessFilter) -> bool:
         """The η bound, enforced here before a sample can reach a batch, under --stale-rule; counted either way.
 
         sample: the header (the oldest version of any token) decides. token: a sample the header refuses keeps the
         tokens of its turns' version segments within η (the others are masked out of its loss) and is dropped only
         when none of its trained tokens is left.
         """
-        if self.settings.stale_rule == "token" and self.filter.is_stale(self.version, header_version):
-            mask, masked, left = mask_stale_tokens(self.filter, self.version, traj.turns, traj.loss_mask,
+        if self.settings.stale_rule == "token" and bound.is_stale(self.version, header_version):
+            mask, masked, left = mask_stale_tokens(bound, self.version, traj.turns, traj.loss_mask,
                                                    header_version)
             if left:
                 traj.loss_mask = mask
@@ -340,9 +365,27 @@ class TrainerService:
                 metrics.STALE_TOKENS.labels("trainer").inc(masked)
                 metrics.count_staleness("trainer", True, self.counter.stale_ratio)
                 return True
-        accepted = self.counter.observe(self.filter, self.version, header_version)
+        accepted = self.counter.observe(bound, self.version, header_version)
         metrics.count_staleness("trainer", accepted, self.counter.stale_ratio)
         return accepted
+
+    def _admit(self, m, fb: TeacherFeedback, traj, position) -> bool:
+        """Whether a feedback sample goes on to the staleness check (distill.admit_feedback says why not)."""
+        verdict = admit_feedback(fb, self.settings.loss, self.settings.teacher_version)
+        if verdict.action == "take":
+            return True
+        if verdict.action == "dead_letter":
+            self._letters.append((m, verdict.reason, verdict.error))
+        if verdict.action in ("dead_letter", "refuse"):
+            metrics.FAILURES.labels("trainer", verdict.reason).inc()
+            self.window.refuse(traj.group_id, traj.task.group_size, position)  # the group completes without it
+        return False
+
+    def _filter_for(self, sample) -> StalenessFilter:
+        if isinstance(sample, TeacherFeedback) and reverse_kl_bound_applies(sample, self.settings.loss,
+                                                                            self.update_cfg.distill):
+            return self.reverse_filter
+        return self.filter
 
     # -- one step --------------------------------------------------------------------
 
@@ -350,6 +393,8 @@ class TrainerService:
         started, started_ms = time.monotonic(), hdr.now_ms()
         batch = build_batch([[it.payload for it in g.items] for g in groups], self.settings.advantage,
                             self.tokenizer.pad_token_id)  # load_tokenizer gave a pad-less tokenizer eos as pad
+        s = self.settings
+        batch.opd_coef = coef_at(self.version, s.opd_coef, s.opd_coef_end, s.opd_coef_versions)
         self.ranks.command("step", batch)
         stats = self._train(batch)
         stats.update(chain_stats((_trajectory(it.payload).stage_times for g in groups for it in g.items), started_ms))

@@ -8,7 +8,8 @@ import torch
 from rlstream.models.logprobs import token_logprobs
 from rlstream.schemas.records import ScoredTrajectory, TeacherFeedback
 from rlstream.trainer.advantages import compute_advantages, token_row, turn_advantages
-from rlstream.trainer.losses import kl_penalty, opd_reverse_kl_loss, ppo_clip_loss
+from rlstream.trainer.distill import DistillConfig, distill_loss
+from rlstream.trainer.losses import kl_penalty, ppo_clip_loss
 
 
 @dataclass
@@ -23,13 +24,18 @@ class Batch:
     advantages: torch.Tensor  # [B, L-1], per target token (per-turn scores make them differ within a row)
     rewards: torch.Tensor  # [B]
     temperature: float
+    # The top-k form of the teacher's feedback, where every sample carries it (trainer/distill.py).
+    teacher_topk_ids: torch.Tensor | None = None  # [B, L-1, K]
+    teacher_topk_logprobs: torch.Tensor | None = None  # [B, L-1, K]
+    opd_coef: float = 1.0  # λ of this step (the trainer sets it from its version's schedule)
 
     def to(self, device: torch.device) -> "Batch":
         """This batch on ``device`` (the same tensors when they are there already)."""
         move = lambda t: t.to(device) if t is not None else None  # noqa: E731
         return Batch(move(self.input_ids), move(self.attention_mask), move(self.loss_mask),
                      move(self.behaviour_logprobs), move(self.teacher_logprobs), move(self.advantages),
-                     move(self.rewards), self.temperature)
+                     move(self.rewards), self.temperature, move(self.teacher_topk_ids),
+                     move(self.teacher_topk_logprobs), self.opd_coef)
 
 
 def build_batch(groups: list[list[ScoredTrajectory | TeacherFeedback]], advantage: str, pad_id: int) -> Batch:
@@ -53,7 +59,8 @@ def build_batch(groups: list[list[ScoredTrajectory | TeacherFeedback]], advantag
         adv.append(token_row(per_sample[i], per_turn[i],
                              [(t.token_start, t.token_end) for t in traj.turns if t.role == "action"], n, width))
         if teacher is not None:
-            teacher.append([0.0] * n + s.teacher_logprobs + [0.0] * pad)
+            # A sample without feedback (status timeout) reaches a batch only under a loss that ignores the teacher.
+            teacher.append([0.0] * n + (s.teacher_logprobs or [0.0] * len(traj.token_ids)) + [0.0] * pad)
     ids = torch.tensor(ids, dtype=torch.long)
     attn = torch.tensor(attn, dtype=torch.long)
     mask = torch.tensor(mask, dtype=torch.float32)
@@ -61,9 +68,10 @@ def build_batch(groups: list[list[ScoredTrajectory | TeacherFeedback]], advantag
     teacher = torch.tensor(teacher, dtype=torch.float32) if teacher is not None else None
     first = samples[0].scored.trajectory if isinstance(samples[0], TeacherFeedback) else samples[0].trajectory
     temperature = first.task.sampling.temperature or 1.0
+    topk_ids, topk_lps = _teacher_topk(samples, scored, width) if teacher is not None else (None, None)
     # Token t is predicted from position t-1: masks and log-probs shift by one against the logits.
     return Batch(ids, attn, mask[:, 1:], behaviour[:, 1:], teacher[:, 1:] if teacher is not None else None,
-                 torch.tensor(adv, dtype=torch.float32)[:, 1:], rewards, temperature)
+                 torch.tensor(adv, dtype=torch.float32)[:, 1:], rewards, temperature, topk_ids, topk_lps)
 
 
 def _advantages(scored: list[ScoredTrajectory], sizes: list[int], rewards: torch.Tensor,
@@ -78,13 +86,29 @@ def _advantages(scored: list[ScoredTrajectory], sizes: list[int], rewards: torch
     return torch.cat(per_sample).tolist(), per_turn
 
 
+def _teacher_topk(samples: list[TeacherFeedback], scored: list[ScoredTrajectory], width: int):
+    """The top-k form as ``[B, L-1, K]`` tensors, K the smallest k in the batch (each sample's first K are its top
+    K: they are stored most likely first); (None, None) when a sample has none."""
+    k = min(s.teacher_top_k for s in samples)
+    if k <= 0:
+        return None, None
+    ids = torch.zeros((len(samples), width, k), dtype=torch.long)
+    lps = torch.zeros((len(samples), width, k), dtype=torch.float32)
+    for row, (s, sc) in enumerate(zip(samples, scored)):
+        start, n = len(sc.trajectory.task.prompt_token_ids), len(sc.trajectory.token_ids)
+        ids[row, start:start + n] = torch.tensor(s.teacher_topk_ids, dtype=torch.long).view(n, -1)[:, :k]
+        lps[row, start:start + n] = torch.tensor(s.teacher_topk_logprobs, dtype=torch.float32).view(n, -1)[:, :k]
+    return ids[:, 1:], lps[:, 1:]
+
+
 @dataclass(frozen=True)
 class UpdateConfig:
-    loss: str = "ppo"  # ppo | opd
+    loss: str = "ppo"  # ppo | opd | ppo+opd | ppo+opd-sum (trainer/distill.py)
     clip_eps: float = 0.2
     is_cap: float = 5.0
     kl_coef: float = 0.0
     max_grad_norm: float = 1.0
+    distill: DistillConfig = DistillConfig()
 
 
 def _next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
@@ -124,12 +148,12 @@ def batch_loss(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> tuple
     logits = engine.forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     targets = _next_tokens(batch.input_ids)
     # Behaviour log-probs were sampled at this temperature, so the ratio must be taken at it too.
-    logp = token_logprobs(_tempered(logits, batch.temperature), targets)[:, :-1]
+    tempered = _tempered(logits, batch.temperature)
+    logp = token_logprobs(tempered, targets)[:, :-1]
     stats: dict[str, float] = {}
-    if cfg.loss == "opd":
-        if batch.teacher_logprobs is None:
-            raise ValueError("loss opd needs teacher feedback: point the trainer at the feedback topic")
-        loss, s = opd_reverse_kl_loss(logp, batch.teacher_logprobs, batch.loss_mask)
+    if cfg.loss != "ppo":
+        loss, s = distill_loss(cfg.loss, tempered, logp, batch, cfg.clip_eps,
+                               cfg.is_cap, cfg.distill)
     else:
         # One step per batch: the proximal policy is the current one before the step (decoupled PPO),
         # and the truncated weight exp(proximal - behaviour) corrects samples from older versions.

@@ -1,0 +1,40 @@
+"""The teacher's knobs, and the limit of the top-k form; no torch here, so the command line stays quick to start."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from rlstream.config import knob
+
+#: The most top-k entries a feedback record carries per token (NeMo-RL stores up to 64); the trainer checks it too.
+MAX_TOP_K = 64
+
+
+@dataclass(frozen=True)
+class TeacherSettings:
+    """The teacher stage's knobs."""
+
+    ROLE: ClassVar[str] = "TEACHER"
+
+    teacher: str = knob("", "Teacher model: a Hugging Face folder or hub id, loaded like --model; '' follows the "
+                            "policy itself, reloading on each PolicyVersion")
+    dtype: str = knob("auto", "Teacher dtype: auto (the checkpoint's own), bf16, fp16, fp32",
+                      choices=("auto", "bf16", "fp16", "fp32"))
+    teacher_version: str = knob("", "Version label written on feedback ('' = the folder's name; a teacher that "
+                                    "follows the policy adds -v<policy version>)")
+    top_k: int = knob(0, f"Also send the teacher's k most likely tokens and their log-probs at every student token "
+                         f"(k <= {MAX_TOP_K}; 0: the sampled token's log-prob alone)")
+    backend: str = knob("transformers", "How the teacher runs: transformers (any temperature, --device), or vllm "
+                                        "in process (prompt log-probs; samples drawn at temperature 1 only)",
+                        choices=("transformers", "vllm"))
+    gpu_memory_utilization: float = knob(0.9, "--backend vllm: the share of GPU memory vLLM may take")
+    align_tokenizers: bool = knob(False, "A teacher with another tokenizer: score each student token by the teacher "
+                                         "tokens that spell its text (character offsets; sampled-token feedback "
+                                         "only); a sample that cannot be aligned goes on without feedback, status "
+                                         "alignment_failed and its failure class")
+    device: str = knob("auto", "Where the teacher runs: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N")
+    timeout_s: float = knob(20.0, "A batch's time budget: samples not scored within it go on without teacher "
+                                  "feedback (status timeout); keep it under --handler-timeout-s")
+    batch_tokens: int = knob(8192, "Most padded tokens in one teacher forward (a batch is scored in such chunks)")
+    threads: int = knob(1, "Torch threads for this process")
+    wait_policy_s: float = knob(600.0, "How long to wait at start for the student's first policy version")

@@ -1,0 +1,207 @@
+"""The teacher stage: each scored trajectory goes on to ``feedback`` with the teacher's signal on its tokens.
+
+A fixed teacher (``--teacher FOLDER``) is loaded once, with a version of its own (``--teacher-version``, default
+the folder's name); a teacher that follows the policy (no ``--teacher``) loads each PolicyVersion the trainer
+announces, between batches, and its version is the policy's. Either way the version is on every feedback record,
+in the record (archived) and in the ``teacher_version`` header.
+
+A batch has ``--timeout-s``: samples the teacher has not scored by then go on with status ``timeout`` and empty
+arrays, never a half-filled signal; a trainer whose loss needs the teacher refuses them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from rlstream import metrics
+from rlstream.config import LoopSettings
+from rlstream.errors import UserError
+from rlstream.models.devices import resolve_device
+from rlstream.models.loading import check_folder, load_model
+from rlstream.policy.watcher import PolicyWatcher
+from rlstream.policy.weights import PolicyWeights, tokenizer_hash
+from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.records import PolicyVersion, ScoredTrajectory, TeacherFeedback
+from rlstream.stages.teacher.scoring import TorchScorer, VllmScorer, response_feedback
+from rlstream.stages.teacher.settings import MAX_TOP_K, TeacherSettings
+from rlstream.stages.teacher.tokenizers import Aligner, AlignmentFailed, check_tokenizers, make_aligner
+
+log = logging.getLogger(__name__)
+
+
+class TeacherStage(Stage):
+    """Adds the teacher's per-token log-probs (0 where the student did not act), and its top-k, to each sample."""
+
+    name = "teacher"
+    inputs = ("rewards",)
+
+    def __init__(self, settings: TeacherSettings = TeacherSettings(), loop: LoopSettings = LoopSettings()):
+        if not 0 <= settings.top_k <= MAX_TOP_K:
+            raise ValueError(f"--top-k {settings.top_k}: the teacher sends at most {MAX_TOP_K} tokens per position")
+        if settings.timeout_s <= 0:
+            raise ValueError(f"--timeout-s {settings.timeout_s}: a batch's time budget must be positive")
+        self.loop = loop
+        self.settings = settings
+        self.scorer: TorchScorer | VllmScorer | None = None
+        self.watcher: PolicyWatcher | None = None
+        self.loaded = -1  # the policy version a following teacher holds
+        self.aligner: Aligner | None = None  # a teacher with another tokenizer (--align-tokenizers)
+        self.version = ""
+
+    @property
+    def following(self) -> bool:
+        """Whether the teacher is the policy itself (reloaded on each version)."""
+        return not self.settings.teacher
+
+    # -- loading ---------------------------------------------------------------------------------------------
+
+    def before_poll(self, ctx: StageContext) -> None:
+        if self.scorer is None:
+            self._start(ctx)
+        elif self.following and self.watcher.version > self.loaded:
+            self._follow(self.watcher.latest)
+
+    def _start(self, ctx: StageContext) -> None:
+        import torch
+        torch.set_num_threads(max(1, self.settings.threads))
+        self.device = resolve_device(self.settings.device)
+        self.watcher = PolicyWatcher(ctx.kafka.client_config(), ctx.kafka.run, self.loop.policy)
+        if not self.watcher.wait_for(0, self.settings.wait_policy_s):
+            raise UserError(f"no {self.loop.policy} policy announced within {self.settings.wait_policy_s}s; "
+                            "is the trainer running for this run?")
+        self.weights = PolicyWeights(self.loop.home_path / "weights-cache", ctx.kafka.client_config(), ctx.kafka.run)
+        student = self.watcher.latest
+        if self.following:
+            self._follow(student, first=True)
+            return
+        folder = check_folder(self.settings.teacher, "--teacher")
+        name = f"{student.policy} v{student.version}"
+        if self.settings.align_tokenizers and student.tokenizer_hash and \
+                tokenizer_hash(Path(folder)) != student.tokenizer_hash:
+            if self.settings.top_k:
+                raise UserError("--top-k needs the student's tokenizer: a teacher's top-k tokens are not the "
+                                "student's; drop --top-k with --align-tokenizers")
+            self.aligner = make_aligner(self.weights.folder(student), Path(folder), name)
+            log.info("teacher tokens aligned with the student's through the text")
+        else:
+            check_tokenizers(folder, student.tokenizer_hash, name)
+        self._load(folder, self.settings.teacher_version or Path(folder).name)
+
+    def _follow(self, pv: PolicyVersion, first: bool = False) -> None:
+        """Load the policy's version ``pv`` as the teacher; a version that cannot be loaded now keeps the one held
+        (tried again before the next batch), except the first, without which there is no teacher."""
+        try:
+            folder = self.weights.folder(pv)
+        except (OSError, ValueError) as exc:
+            if first:
+                raise UserError(f"the teacher cannot load {pv.policy} v{pv.version}: {exc}") from None
+            log.warning("teacher keeps %s: cannot load %s v%d yet: %s", self.version, pv.policy, pv.version, exc)
+            return
+        label = self.settings.teacher_version or pv.policy
+        self._load(folder, f"{label}-v{pv.version}")
+        self.loaded = pv.version
+
+    def _load(self, folder, version: str) -> None:
+        s = self.settings
+        if s.backend == "vllm":
+            self.vocab = vocab_size(folder)
+            if self.scorer is None:
+                self.scorer = VllmScorer(folder, s.dtype, s.threads, s.batch_tokens, s.gpu_memory_utilization)
+                self.device = "vllm"
+            else:
+                self.scorer.reload(folder)  # the engine stays; its weights change
+        else:
+            model = load_model(folder, s.dtype, flag="--teacher")
+            self.vocab = int(model.config.vocab_size)
+            self.scorer = TorchScorer(model, self.device, s.batch_tokens)
+        if s.top_k > self.vocab:
+            raise UserError(f"--top-k {s.top_k} exceeds the teacher's vocabulary of {self.vocab} tokens")
+        self.version = version
+        log.info("teacher %s loaded from %s on %s", version, folder, self.device)
+
+    # -- scoring ---------------------------------------------------------------------------------------------
+
+    def check(self, scored: ScoredTrajectory) -> None:
+        """InvalidRecord (dead-lettered, with what is wrong) for a sample the teacher cannot score."""
+        traj = scored.trajectory
+        if len(traj.loss_mask) != len(traj.token_ids):
+            raise InvalidRecord(f"trajectory {traj.trajectory_id}: loss_mask has {len(traj.loss_mask)} entries but "
+                                f"token_ids {len(traj.token_ids)}")
+        temperature = traj.task.sampling.temperature or 1.0
+        if isinstance(self.scorer, VllmScorer) and not self.scorer.supports(temperature):
+            raise InvalidRecord(f"trajectory {traj.trajectory_id} was sampled at temperature {temperature}; the vLLM "
+                                "teacher scores at temperature 1 (use --backend transformers)")
+        ids = traj.task.prompt_token_ids + traj.token_ids
+        if self.aligner is None and ids and not 0 <= min(ids) <= max(ids) < self.vocab:
+            raise InvalidRecord(f"trajectory {traj.trajectory_id}: token ids outside the teacher's vocabulary of "
+                                f"{self.vocab} (min {min(ids)}, max {max(ids)})")
+
+    def handle_batch(self, items: list[Incoming]) -> list[list[Output] | Exception]:
+        started = time.monotonic()
+        deadline = started + self.settings.timeout_s
+        k = self.settings.top_k
+        results: list = [None] * len(items)
+        valid: dict[float, list[int]] = {}  # temperature -> rows: each is scored at its own sampling temperature
+        for i, it in enumerate(items):
+            try:
+                self.check(it.record)
+            except InvalidRecord as exc:
+                results[i] = exc
+                continue
+            valid.setdefault(it.record.trajectory.task.sampling.temperature or 1.0, []).append(i)
+        scores: dict[int, tuple | None] = {}
+        aligned: dict[int, object] = {}  # row -> its Alignment, or AlignmentFailed
+        for temperature, rows in valid.items():
+            seqs = {i: self._row(items[i].record, aligned, i) for i in rows}
+            todo = [i for i in rows if seqs[i] is not None]
+            scores.update(zip(todo, self.scorer.score([seqs[i] for i in todo], temperature, k, deadline)))
+        latency = (time.monotonic() - started) * 1000 / max(1, len(items))
+        headers = ((hdr.TEACHER_VERSION, self.version),)
+        for i in (i for rows in valid.values() for i in rows):
+            fb = self._feedback(items[i].record, scores.get(i), k, latency, aligned.get(i))
+            results[i] = [Output("feedback", items[i].key, fb, extra_headers=headers)]
+        return results
+
+    def _row(self, scored: ScoredTrajectory, aligned: dict, i: int) -> list[int] | None:
+        """The ids the teacher reads: the student's, or their alignment's teacher ids (None: it failed)."""
+        traj = scored.trajectory
+        if self.aligner is None:
+            return traj.task.prompt_token_ids + traj.token_ids
+        try:
+            aligned[i] = self.aligner.align(traj.task.prompt_token_ids, traj.token_ids, traj.loss_mask)
+            return aligned[i].teacher_ids
+        except AlignmentFailed as failed:
+            aligned[i] = failed
+            return None
+
+    def _feedback(self, scored: ScoredTrajectory, score: tuple | None, k: int, latency: float,
+                  alignment=None) -> TeacherFeedback:
+        traj = scored.trajectory
+        traj.stage_times["teacher.end"] = hdr.now_ms()
+        common = dict(teacher_model=self.settings.teacher or self.loop.policy, latency_ms=latency,
+                      teacher_device=str(self.device))
+        if isinstance(alignment, AlignmentFailed):  # recorded with its class, never guessed
+            metrics.FAILURES.labels("teacher", f"alignment_{alignment.failure_class}").inc()
+            return TeacherFeedback(scored, self.version, [], status="alignment_failed",
+                                   failure_class=alignment.failure_class, **common)
+        if score is None:  # past the deadline: on without a signal, never with part of one
+            metrics.FAILURES.labels("teacher", "teacher_timeout").inc()
+            return TeacherFeedback(scored, self.version, [], status="timeout", **common)
+        if alignment is not None:
+            return TeacherFeedback(scored, self.version, alignment.student_logprobs(score[0]), **common)
+        arrays = response_feedback(score[0], score[1], score[2], len(traj.task.prompt_token_ids), traj.loss_mask, k)
+        return TeacherFeedback(scored, self.version, arrays.logprobs, teacher_top_k=k, teacher_topk_ids=arrays.topk_ids,
+                               teacher_topk_logprobs=arrays.topk_logprobs, **common)
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+
+
+def vocab_size(folder) -> int:
+    """The vocabulary size a model folder's config names (its text model's, for a multimodal config)."""
+    import json
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return int(config.get("text_config", config)["vocab_size"])
