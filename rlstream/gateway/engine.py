@@ -1,0 +1,103 @@
+"""The policy engine behind the gateway: the newest announced policy version, loaded into an inference backend.
+
+The same backends as rollout (``rlstream.stages.inference``): transformers or vLLM in this process, or a fleet of
+vLLM / SGLang servers that each version is pushed to. New versions go in between calls (the engine is used by one
+call at a time), so every token of a call carries the version whose weights sampled it, as the backend reports it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from rlstream import metrics
+from rlstream.config import KafkaSettings, LoopSettings
+from rlstream.errors import UserError
+from rlstream.models.loading import context_limit, load_tokenizer
+from rlstream.policy.watcher import PolicyWatcher
+from rlstream.policy.weights import PolicyWeights
+from rlstream.schemas.records import SamplingParams
+from rlstream.stages.inference import FleetOptions, Generation, make_backend, server_urls
+
+log = logging.getLogger(__name__)
+
+
+class PolicyEngine:
+    """``generate`` one continuation of token ids with the newest loadable policy version."""
+
+    name = "gateway"
+
+    def __init__(self, settings, loop: LoopSettings, kafka: KafkaSettings):
+        self.s, self.loop, self.kafka = settings, loop, kafka
+        self.backend = None
+        self.tokenizer = None
+        self.version = -1
+        self.max_context = settings.max_context
+        self.watcher: PolicyWatcher | None = None
+        self.weights = PolicyWeights(loop.home_path / "weights-cache")
+        self._lock = threading.Lock()
+        self._failed = -1  # a version that did not load (tried again on the next announcement only)
+
+    def start(self) -> None:
+        """Wait for the first loadable announced version and load it (UserError when none comes in time)."""
+        self.weights.bind(self.kafka.client_config(), self.kafka.run)
+        self.watcher = PolicyWatcher(self.kafka.client_config(), self.kafka.run, self.loop.policy)
+        deadline = time.monotonic() + self.s.wait_policy_s
+        version = 0
+        while self.watcher.wait_for(version, max(0.0, deadline - time.monotonic())):
+            pv = self.watcher.latest
+            try:
+                folder = self.weights.folder(pv)
+                break
+            except (OSError, ValueError) as exc:
+                log.warning("gateway: could not load v%d: %s", pv.version, exc)
+                version = pv.version + 1
+        else:
+            raise UserError(f"no loadable {self.loop.policy} policy announced on run {self.kafka.run!r} within "
+                            f"{self.s.wait_policy_s}s; is the trainer running (or give --wait-policy-s)?")
+        self.max_context = self.s.max_context or context_limit(folder)
+        s = self.s
+        remote = s.backend in ("vllm-server", "sglang", "openai")
+        self.tokenizer = load_tokenizer(folder, flag="policy folder")
+        self.backend = make_backend(s.backend, folder, threads=s.threads,
+                                    urls=server_urls(s.engine_url, s.engine_urls_file), model=s.engine_model,
+                                    version=pv.version, dtype=s.dtype, max_context=self.max_context,
+                                    fleet=FleetOptions(request_timeout_s=s.request_timeout_s),
+                                    tokenizer=self.tokenizer if remote else None, device=s.device,
+                                    api_key=os.environ.get("RLSTREAM_GATEWAY_API_KEY", ""))
+        self.tokenizer = getattr(self.backend, "tokenizer", None) or self.tokenizer
+        self.version = self.backend.version
+        metrics.POLICY_VERSION.labels(self.name).set(self.version)
+        log.info("gateway serving %s v%d on %s", pv.policy, pv.version, self.backend.name)
+
+    def _swap_to_latest(self) -> None:
+        """Load the newest announced version if newer (the caller holds the engine); a failed load keeps the old."""
+        latest = self.watcher.latest
+        if latest is None or latest.version <= self.version or latest.version == self._failed \
+                or not getattr(self.backend, "follows_policy", True):
+            return
+        try:
+            self.backend.load_weights(self.weights.folder(latest), latest.version)
+        except (OSError, ValueError) as exc:
+            self._failed = latest.version
+            log.warning("gateway: could not load v%d: %s", latest.version, exc)
+            return
+        self.version = self.backend.version
+        metrics.POLICY_VERSION.labels(self.name).set(self.version)
+
+    def generate(self, prompt: list[int], params: SamplingParams, key: str) -> tuple[Generation, int]:
+        """One continuation of ``prompt`` (``key``: the session, for a fleet's prefix affinity), and the version
+        the engine held when it started."""
+        with self._lock:
+            self._swap_to_latest()
+            version = self.version
+            [gen] = self.backend.generate([prompt], params, keys=[key])
+        metrics.GENERATED_TOKENS.labels(self.backend.name).inc(len(gen.token_ids))
+        return gen, version
+
+    def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
+        if self.backend is not None:
+            self.backend.close()
