@@ -15,7 +15,7 @@ from rlstream.stages.env import EnvSettings, EnvStage
 from tests.agent_envs import MALFORMED, call
 from tests.helpers import ROOT
 from tests.helpers.kafka import wait_for
-from tests.unit.test_agent_envs import episode
+from tests.helpers.episodes import episode
 
 pytestmark = [pytest.mark.slow]
 
