@@ -68,7 +68,7 @@ class GatewaySettings:
 
 def _error(status: int, message: str):
     from aiohttp import web
-    kind = "not_found_error" if status == 404 else "conflict_error" if status == 409 else "invalid_request_error"
+    kind = {404: "not_found_error", 409: "conflict_error", 500: "server_error"}.get(status, "invalid_request_error")
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
@@ -95,6 +95,9 @@ def make_app(gateway, workers: int = 16):
                 return await fn(request)
             except SessionError as exc:
                 return _error(exc.status, str(exc))
+            except Exception as exc:  # the engine's or the writer's fault: the agent gets a message, not a hang
+                log.exception("gateway: %s failed", request.path)
+                return _error(500, f"{type(exc).__name__}: {exc}")
         return handler
 
     async def call(request, method):

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def sampling(body: dict, default_max_tokens: int) -> SamplingParams:
     """The request's sampling parameters (OpenAI names); SessionError 400 for what the gateway cannot honour."""
-    if int(body.get("n") or 1) != 1:
+    if body.get("n") not in (None, 1):
         raise SessionError(400, "n must be 1: run the agent once per sample, each in its own session of one group")
     stop = body.get("stop") or []
     given = lambda name, default: default if body.get(name) is None else body[name]  # noqa: E731
