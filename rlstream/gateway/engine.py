@@ -2,7 +2,8 @@
 
 The same backends as rollout (``rlstream.stages.inference``): transformers or vLLM in this process, or a fleet of
 vLLM / SGLang servers that each version is pushed to. New versions go in between calls (the engine is used by one
-call at a time), so every token of a call carries the version whose weights sampled it, as the backend reports it.
+call at a time; a follower thread loads an announced version while the engine is idle, and a call checks before it
+starts), so every token of a call carries the version whose weights sampled it, as the backend reports it.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ class PolicyEngine:
         self.weights = PolicyWeights(loop.home_path / "weights-cache")
         self._lock = threading.Lock()
         self._failed = -1  # a version that did not load (tried again on the next announcement only)
+        self._stop = threading.Event()
+        self._follower = threading.Thread(target=self._follow, name="gateway-swap", daemon=True)
 
     def start(self) -> None:
         """Wait for the first loadable announced version and load it (UserError when none comes in time)."""
@@ -70,6 +73,20 @@ class PolicyEngine:
         self.version = self.backend.version
         metrics.POLICY_VERSION.labels(self.name).set(self.version)
         log.info("gateway serving %s v%d on %s", pv.policy, pv.version, self.backend.name)
+        self._follower.start()
+
+    def _follow(self) -> None:
+        """Load each announced version as soon as the engine is free, so the next call starts on it."""
+        while not self._stop.is_set():
+            if not self.watcher.wait_for(max(self.version, self._failed) + 1, 0.5):
+                continue
+            if self._lock.acquire(timeout=0.05):
+                try:
+                    self._swap_to_latest()
+                except Exception:  # the engine's error surfaces on the next call; keep following
+                    log.exception("gateway: loading new weights failed")
+                finally:
+                    self._lock.release()
 
     def _swap_to_latest(self) -> None:
         """Load the newest announced version if newer (the caller holds the engine); a failed load keeps the old."""
@@ -83,6 +100,7 @@ class PolicyEngine:
             self._failed = latest.version
             log.warning("gateway: could not load v%d: %s", latest.version, exc)
             return
+        log.info("gateway: now serving v%d", latest.version)
         self.version = self.backend.version
         metrics.POLICY_VERSION.labels(self.name).set(self.version)
 
@@ -97,6 +115,9 @@ class PolicyEngine:
         return gen, version
 
     def close(self) -> None:
+        self._stop.set()
+        if self._follower.is_alive():
+            self._follower.join(5)
         if self.watcher is not None:
             self.watcher.close()
         if self.backend is not None:

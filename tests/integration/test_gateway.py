@@ -10,51 +10,21 @@ into a failure record; the reward stage scores gateway episodes with the posted 
 """
 from __future__ import annotations
 
-import json
 import threading
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 
 from rlstream.gateway import chat
-from rlstream.infra.supervisor import StageProc, stage_env
 from rlstream.models.loading import load_tokenizer
-from tests.helpers import ROOT
 from tests.helpers.agent import TOOLS, run_agent
+from tests.helpers.gateway import post, start_gateway
 from tests.helpers.kafka import read_all, read_uncommitted, wait_for
 from tests.helpers.models import llama_folder
 from tests.helpers.policy import publish_version
 from tests.helpers.servers import free_port
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
-
-
-def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def start_gateway(bootstrap, run, tmp_path, port: int, n: int, *args: str) -> StageProc:
-    proc = StageProc("gateway", ["gateway", "--port", str(port), "--backend", "transformers", "--max-tokens", "6",
-                                 "--wait-policy-s", "120", "--home", str(tmp_path / "home"), *args],
-                     stage_env(bootstrap, run), tmp_path / f"gateway-{n}.log", cwd=ROOT).start()
-
-    def up():
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                return json.loads(r.read())["ok"]
-        except OSError:
-            return not proc.alive()
-    wait_for(up, 180, "the gateway to answer")
-    assert proc.alive(), proc.log_tail()
-    return proc
 
 
 @pytest.mark.timeout(600)
@@ -65,7 +35,7 @@ def test_an_agent_through_the_gateway_becomes_trajectories_and_a_killed_gateway_
     publish_version(bootstrap, run_name, folder, tmp_path / "weights")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    gateway = start_gateway(bootstrap, run_name, tmp_path, port, 0, "--commit-pause-s", "2")
+    gateway = start_gateway(bootstrap, run_name, port, tmp_path / "gateway-0.log", tmp_path / "home", "--commit-pause-s", "2")
     try:
         # Episode A: three calls (the second streamed), the agent's own tool between them, closed with a reward.
         assert post(base + "/v1/sessions", {"session_id": "A", "group_id": "gA", "answer": "42"})[0] == 201
@@ -109,7 +79,8 @@ def test_an_agent_through_the_gateway_becomes_trajectories_and_a_killed_gateway_
     finally:
         gateway.kill()
     # The next gateway of the instance fences the killed one and aborts its open transaction.
-    gateway = start_gateway(bootstrap, run_name, tmp_path, port, 1, "--session-timeout-s", "2")
+    gateway = start_gateway(bootstrap, run_name, port, tmp_path / "gateway-1.log", tmp_path / "home",
+                            "--session-timeout-s", "2")
     try:
         committed = read_all(bootstrap, run_name, "trajectories", expect=2, timeout=60)
         assert sorted(s.record.trajectory_id for s in committed) == ["A:0", "B:0"], "nothing of C or D is visible"
