@@ -1,16 +1,20 @@
 """The policy engine behind the gateway: the newest announced policy version, loaded into an inference backend.
 
 The same backends as rollout (``rlstream.stages.inference``): transformers or vLLM in this process, or a fleet of
-vLLM / SGLang servers that each version is pushed to. New versions go in between calls (the engine is used by one
-call at a time; a follower thread loads an announced version while the engine is idle, and a call checks before it
-starts), so every token of a call carries the version whose weights sampled it, as the backend reports it.
+vLLM / SGLang servers that each version is pushed to. One engine thread runs the calls: those waiting together
+with equal sampling parameters go to the backend as one batch (many agents at once keep the engine busy). New
+versions go in between batches (a follower thread loads an announced version while the engine is idle, and each
+batch checks before it starts), so every token carries the version whose weights sampled it, as the backend
+reports it.
 """
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
+from concurrent.futures import Future
 
 from rlstream import metrics
 from rlstream.config import KafkaSettings, LoopSettings
@@ -41,6 +45,8 @@ class PolicyEngine:
         self._failed = -1  # a version that did not load (tried again on the next announcement only)
         self._stop = threading.Event()
         self._follower = threading.Thread(target=self._follow, name="gateway-swap", daemon=True)
+        self._calls: queue.Queue = queue.Queue()
+        self._engine = threading.Thread(target=self._batches, name="gateway-engine", daemon=True)
 
     def start(self) -> None:
         """Wait for the first loadable announced version and load it (UserError when none comes in time)."""
@@ -74,6 +80,7 @@ class PolicyEngine:
         metrics.POLICY_VERSION.labels(self.name).set(self.version)
         log.info("gateway serving %s v%d on %s", pv.policy, pv.version, self.backend.name)
         self._follower.start()
+        self._engine.start()
 
     def _follow(self) -> None:
         """Load each announced version as soon as the engine is free, so the next call starts on it."""
@@ -106,18 +113,49 @@ class PolicyEngine:
 
     def generate(self, prompt: list[int], params: SamplingParams, key: str) -> tuple[Generation, int]:
         """One continuation of ``prompt`` (``key``: the session, for a fleet's prefix affinity), and the version
-        the engine held when it started."""
-        with self._lock:
-            self._swap_to_latest()
-            version = self.version
-            [gen] = self.backend.generate([prompt], params, keys=[key])
-        metrics.GENERATED_TOKENS.labels(self.backend.name).inc(len(gen.token_ids))
-        return gen, version
+        the engine held when it started. Calls that wait together are generated as one batch."""
+        done: Future = Future()
+        self._calls.put((prompt, params, key, done))
+        return done.result()
+
+    def _batches(self) -> None:
+        """Engine thread: take the calls waiting now (up to ``max_batch``, after ``batch_wait_s`` for more), and
+        generate those with equal sampling parameters together, on the newest loaded version."""
+        while not self._stop.is_set():
+            try:
+                calls = [self._calls.get(timeout=0.5)]
+            except queue.Empty:
+                continue
+            deadline = time.monotonic() + self.s.batch_wait_s
+            while len(calls) < self.s.max_batch:
+                try:
+                    calls.append(self._calls.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            groups: dict[tuple, list] = {}
+            for call in calls:
+                p = call[1]
+                groups.setdefault((p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed, tuple(p.stop)),
+                                  []).append(call)
+            for group in groups.values():
+                try:
+                    with self._lock:
+                        self._swap_to_latest()
+                        version = self.version
+                        gens = self.backend.generate([c[0] for c in group], group[0][1], keys=[c[2] for c in group])
+                except Exception as exc:  # each waiting call answers with the engine's error
+                    for c in group:
+                        c[3].set_exception(exc)
+                    continue
+                metrics.GENERATED_TOKENS.labels(self.backend.name).inc(sum(len(g.token_ids) for g in gens))
+                for c, gen in zip(group, gens):
+                    c[3].set_result((gen, version))
 
     def close(self) -> None:
         self._stop.set()
-        if self._follower.is_alive():
-            self._follower.join(5)
+        for thread in (self._follower, self._engine):
+            if thread.is_alive():
+                thread.join(5)
         if self.watcher is not None:
             self.watcher.close()
         if self.backend is not None:

@@ -63,7 +63,9 @@ class GatewaySettings:
                               "gateway with the same id aborts what a killed one left open")
     commit_pause_s: float = knob(0.0, "Seconds each transaction waits before its commit (tests kill inside it)")
     wait_policy_s: float = knob(600.0, "How long to wait at start for the first announced policy")
-    workers: int = knob(16, "Calls handled at once (threads); one engine serves them one at a time")
+    workers: int = knob(64, "Calls handled at once (threads); the engine batches those that wait together")
+    max_batch: int = knob(32, "Most calls generated together in one engine batch")
+    batch_wait_s: float = knob(0.005, "How long the engine waits for more calls to join a batch")
 
 
 def _error(status: int, message: str):
@@ -187,7 +189,7 @@ def cmd_gateway(args) -> None:
     from rlstream.gateway.service import Gateway
     from rlstream.gateway.writer import TrajectoryWriter
     s, loop, kafka = (load_settings(c, args) for c in (GatewaySettings, LoopSettings, KafkaSettings))
-    for name in ("session_timeout_s", "max_tokens", "workers"):
+    for name in ("session_timeout_s", "max_tokens", "workers", "max_batch"):
         if getattr(s, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     writer = TrajectoryWriter(kafka, s.instance, s.commit_pause_s)

@@ -3,6 +3,8 @@
 a later call's tokens carry version 1."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from tests.helpers.agent import run_agent
@@ -46,13 +48,17 @@ def test_gateway_episodes_reach_the_trainer_and_the_gateway_serves_the_new_versi
 
 
 def run_episodes(base: str) -> None:
-    """GROUPS groups of GROUP agent episodes, each closed with the reward its harness gave it."""
-    for g in range(GROUPS):
-        for i in range(GROUP):
-            sid = f"s{g}-{i}"
-            assert post(base + "/v1/sessions", {"session_id": sid, "group_id": f"g{g}", "group_size": GROUP,
-                                                "sample_index": i})[0] == 201
-            _, responses = run_agent(base + "/v1", sid, steps=2, seed=10 * g + i)
-            assert {r.model_extra["rlstream"]["policy_version"] for r in responses} == {0}
-            # The agent's harness scores its own episode: one good, one bad sample per group.
-            assert post(f"{base}/v1/sessions/{sid}/close", {"reward": float(i % 2)})[1]["trajectories"] == 1
+    """GROUPS groups of GROUP agent episodes, all at once (the gateway batches their calls), each closed with the
+    reward its harness gave it."""
+    def one(g: int, i: int) -> None:
+        sid = f"s{g}-{i}"
+        assert post(base + "/v1/sessions", {"session_id": sid, "group_id": f"g{g}", "group_size": GROUP,
+                                            "sample_index": i})[0] == 201
+        _, responses = run_agent(base + "/v1", sid, steps=2, seed=10 * g + i)
+        assert {r.model_extra["rlstream"]["policy_version"] for r in responses} == {0}
+        assert all(r.model_extra["rlstream"]["session_id"] == sid for r in responses)
+        # The agent's harness scores its own episode: one good, one bad sample per group.
+        assert post(f"{base}/v1/sessions/{sid}/close", {"reward": float(i % 2)})[1]["trajectories"] == 1
+    with ThreadPoolExecutor(GROUPS * GROUP) as pool:
+        for done in [pool.submit(one, g, i) for g in range(GROUPS) for i in range(GROUP)]:
+            done.result()
