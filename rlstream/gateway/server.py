@@ -60,7 +60,8 @@ class GatewaySettings:
                                            "(gateway_timeout)")
     auto_open: bool = knob(False, "Open a session on its first call instead of refusing an unknown session id")
     instance: str = knob("0", "Stable gateway id: its transactional id is <run>.gateway.<instance>; a restarted "
-                              "gateway with the same id aborts what a killed one left open")
+                              "gateway with the same id aborts what a killed one left open (several gateways of "
+                              "one run: give each its own, or the newest fences the others)")
     commit_pause_s: float = knob(0.0, "Seconds each transaction waits before its commit (tests kill inside it)")
     wait_policy_s: float = knob(600.0, "How long to wait at start for the first announced policy")
     workers: int = knob(64, "Calls handled at once (threads); the engine batches those that wait together")
