@@ -151,7 +151,8 @@ class SandboxSession:
         spare = os.open(fifo, os.O_RDWR)
         try:
             self._calls = os.open(fifo, os.O_WRONLY)
-            self._read(time.monotonic() + max(START_TIMEOUT_S, lim.timeout_s), lambda m: m.get("ready"))
+            if self._read(time.monotonic() + max(START_TIMEOUT_S, lim.timeout_s), lambda m: m.get("ready")) is None:
+                raise OSError(f"the sandbox session did not start within {max(START_TIMEOUT_S, lim.timeout_s):g}s")
         finally:
             os.close(spare)
 
@@ -201,6 +202,15 @@ class SandboxSession:
 
     def _stop(self) -> None:
         """Kill the session's init, and with its pid namespace every process of the episode; remove its folder."""
+        if self._calls >= 0:
+            # End of file first: the server kills its calls' process groups and exits (all there is to end them
+            # where no pid namespace holds them), then the init and the namespace are killed regardless.
+            os.close(self._calls)
+            self._calls = -1
+            try:
+                self._proc.wait(1.0)
+            except subprocess.TimeoutExpired:
+                pass
         if self._proc is not None:
             _kill_group(self._proc.pid)
             self._proc.wait()

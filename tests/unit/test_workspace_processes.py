@@ -38,9 +38,12 @@ def gone(marker: str, timeout: float = 10.0) -> bool:
     return not running(marker)
 
 
-@pytest.fixture
-def live(tmp_path):
-    envs = LiveEnvs(Sandbox(SandboxLimits(timeout_s=3.0), backend="subprocess"), workspace_root=str(tmp_path))
+@pytest.fixture(params=["auto", "audit"])
+def live(request, tmp_path):
+    """Live envs on the subprocess sandbox: with namespaces where they work (auto), and without (audit hooks and
+    process groups alone)."""
+    sandbox = Sandbox(SandboxLimits(timeout_s=3.0), backend="subprocess", network=request.param)
+    envs = LiveEnvs(sandbox, workspace_root=str(tmp_path))
     yield envs
     envs.close_all()
 
