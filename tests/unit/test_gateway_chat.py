@@ -12,17 +12,10 @@ from rlstream.gateway.reward import posted
 from rlstream.gateway.service import Gateway, sampling
 from rlstream.gateway.sessions import REWARD_KEY, SessionBook, SessionError
 from rlstream.schemas.records import Failure
-from rlstream.stages.inference import Generation
-from tests.helpers.models import chat_tokenizer
+from tests.helpers.gateway import KeptWriter, StandInEngine, engine_tokens, stand_in_tokenizer
 
-TOK = chat_tokenizer()
+TOK = stand_in_tokenizer()
 SYSTEM = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 12 + 30?"}]
-
-
-def engine_tokens(text: str, eos: bool = True) -> list[int]:
-    """Tokens an engine could have sampled for ``text``: one per character, which BPE would never give back."""
-    out = [TOK.convert_tokens_to_ids(TOK.tokenize(c))[0] for c in text]
-    return out + ([TOK.eos_token_id] if eos else [])
 
 
 def test_a_later_call_continues_the_engines_tokens_and_renders_only_what_the_agent_added():
@@ -102,37 +95,9 @@ def test_sessions_refuse_unknown_closed_and_duplicate_ids_and_time_out():
     assert auto.get("new").group_id == "new"
 
 
-class StandInEngine:
-    """The engine's interface (tokenizer, context, version, generate) answering a fixed text per call, so that
-    the test is about the gateway's bookkeeping, not about sampling."""
-
-    def __init__(self, answers: list[str]):
-        self.tokenizer, self.max_context, self.version = TOK, 512, 3
-        self.answers, self.prompts = list(answers), []
-
-    def generate(self, prompt, params, key):
-        self.prompts.append(list(prompt))
-        ids = engine_tokens(self.answers.pop(0))
-        return Generation(ids, [-0.25] * len(ids), "stop", versions=[3] * len(ids)), self.version
-
-
-class Committed:
-    """The writer's interface, keeping what it was given."""
-
-    def __init__(self):
-        self.written = []
-
-    def submit(self, trajs, traceparent):
-        from concurrent.futures import Future
-        self.written += trajs
-        done = Future()
-        done.set_result(len(trajs))
-        return done
-
-
 def test_an_episode_of_calls_becomes_one_trajectory_whose_turns_tile_the_engines_tokens():
     engine = StandInEngine(["Let me add.", "It is 42.", "Other."])
-    writer = Committed()
+    writer = KeptWriter()
     gw = Gateway(engine, SessionBook(60), writer)
     gw.open({"session_id": "s1", "group_id": "g1", "answer": "42"})
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
@@ -160,7 +125,7 @@ def test_an_episode_of_calls_becomes_one_trajectory_whose_turns_tile_the_engines
 
 def test_a_rewritten_history_starts_a_second_segment_and_an_unclosed_session_fails_as_timed_out():
     engine = StandInEngine(["One.", "Two."])
-    writer = Committed()
+    writer = KeptWriter()
     gw = Gateway(engine, SessionBook(0.05), writer)
     gw.open({"session_id": "s2"})
     gw.chat("s2", {"messages": SYSTEM})
