@@ -105,13 +105,16 @@ def read_uncommitted(bootstrap: str, run: str, logical: str, timeout: float = 30
         parts = consumer.list_topics(name, timeout=timeout).topics[name].partitions
         ends = {p: consumer.get_watermark_offsets(TopicPartition(name, p), timeout=timeout)[1] for p in parts}
         consumer.assign([TopicPartition(name, p, 0) for p in parts])
-        values, at = [], {p: 0 for p in parts}
+        values = []
         deadline = time.monotonic() + timeout
-        while any(at[p] < ends[p] for p in parts) and time.monotonic() < deadline:
-            m = consumer.poll(0.2)
+        while time.monotonic() < deadline:
+            m = consumer.poll(0.1)
             if m is not None and not m.error():
                 values.append(m.value())
-                at[m.partition()] = m.offset() + 1
+            # The position, not the last offset read: transaction markers take offsets and are never delivered.
+            at = {tp.partition: tp.offset for tp in consumer.position([TopicPartition(name, p) for p in parts])}
+            if all(at[p] >= ends[p] or ends[p] == 0 for p in parts):
+                break
         return values
     finally:
         consumer.close()

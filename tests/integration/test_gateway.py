@@ -35,7 +35,8 @@ def test_an_agent_through_the_gateway_becomes_trajectories_and_a_killed_gateway_
     publish_version(bootstrap, run_name, folder, tmp_path / "weights")
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    gateway = start_gateway(bootstrap, run_name, port, tmp_path / "gateway-0.log", tmp_path / "home", "--commit-pause-s", "2")
+    gateway = start_gateway(bootstrap, run_name, port, tmp_path / "gateway-0.log", tmp_path / "home",
+                            "--commit-pause-s", "3")
     try:
         # Episode A: three calls (the second streamed), the agent's own tool between them, closed with a reward.
         assert post(base + "/v1/sessions", {"session_id": "A", "group_id": "gA", "answer": "42"})[0] == 201
@@ -103,8 +104,8 @@ def test_an_agent_through_the_gateway_becomes_trajectories_and_a_killed_gateway_
     traj = a.record
     assert a.key == b"gA" and a.headers["policy_version"] == b"0"
     assert [t.role for t in traj.turns] == ["action", "observation"] * 2 + ["action"]
-    assert (traj.task.answer, traj.task.metadata["gateway.reward"], traj.group_id, traj.status) == (
-        "42", "1.0", "gA", "ok")
+    assert (traj.task.answer, traj.task.metadata["gateway.reward"], traj.group_id) == ("42", "1.0", "gA")
+    assert traj.status == ("truncated" if traj.turns[-1].finish_reason == "length" else "ok")
     actions = [t for t in traj.turns if t.role == "action"]
     for turn, response in zip([actions[0], actions[2]], responses):
         captured = response.model_extra["rlstream"]
