@@ -100,9 +100,11 @@ def test_a_server_down_killed_or_restarted_mid_episode(tmp_path):
     stage = EnvStage(EnvSettings(sandbox="subprocess", env_url=(f"http://127.0.0.1:{port}",), env_retries=1))
     actions = seeded_actions(7)
     try:
-        # Down from the start: the episode fails with its class after the retries; the stage goes on.
-        [out] = stage.handle(Incoming("actions", 0, 0, b"t1", {}, 0, episode(actions[0])))
+        # Down from the start: the episode fails with its class after the retries (and its task is sent back to
+        # prompts, once); the stage goes on.
+        [out, retry] = stage.handle(Incoming("actions", 0, 0, b"t1", {}, 0, episode(actions[0])))
         assert (out.topic, out.record.failure.failure_class) == ("trajectories", "env_unreachable")
+        assert (retry.topic, retry.record.task_id) == ("prompts", "t1.retry1")
         assert "tried 2 times" in out.record.failure.message
         server = start_server(tmp_path, port, 1)
         first = stage.handle(Incoming("actions", 0, 0, b"t1", {}, 0, episode(actions[0])))[0]
