@@ -189,10 +189,14 @@ def cmd_gateway(args) -> None:
     from rlstream.gateway.engine import PolicyEngine
     from rlstream.gateway.service import Gateway
     from rlstream.gateway.writer import TrajectoryWriter
-    s, loop, kafka = (load_settings(c, args) for c in (GatewaySettings, LoopSettings, KafkaSettings))
+    from rlstream import metrics
+    from rlstream.runtime.settings import RuntimeSettings
+    s, loop, kafka, runtime = (load_settings(c, args) for c in (GatewaySettings, LoopSettings, KafkaSettings,
+                                                                 RuntimeSettings))
     for name in ("session_timeout_s", "max_tokens", "workers", "max_batch"):
         if getattr(s, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    metrics.serve(runtime.metrics_port, runtime.metrics_addr)
     writer = TrajectoryWriter(kafka, s.instance, s.commit_pause_s)
     writer.start()  # first: a killed predecessor's open transaction is aborted before anything new
     engine = PolicyEngine(s, loop, kafka)
@@ -225,5 +229,7 @@ def add_command(subparsers) -> None:
                                               "trajectories")
     add_arguments(p, LoopSettings, only=("run", "policy", "home"))
     add_arguments(p, KafkaSettings)
+    from rlstream.runtime.settings import RuntimeSettings
+    add_arguments(p, RuntimeSettings, only=("metrics_port", "metrics_addr"))
     add_arguments(p, GatewaySettings)
     p.set_defaults(func=cmd_gateway)

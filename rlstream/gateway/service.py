@@ -122,6 +122,7 @@ class Gateway:
         started = now_ms()
         gen, version = self.engine.generate(prompt, params, session.session_id)
         finished = now_ms()
+        metrics.HANDLER_SECONDS.labels("gateway").observe((finished - started) / 1000)
         if cont is not None:
             seg.add_context(cont[0], cont[1], started)
         elif seg is not session.current:

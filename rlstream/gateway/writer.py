@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import Future
 
+from rlstream import metrics
 from rlstream.config import KafkaSettings
 from rlstream.kafka.records import encode
 from rlstream.kafka.topics import topic_name
@@ -69,6 +70,7 @@ class TrajectoryWriter:
                     done.set_exception(exc)
                 continue
             for trajs, _, done in batch:
+                metrics.RECORDS_OUT.labels("gateway", "trajectories").inc(len(trajs))
                 done.set_result(len(trajs))
 
     def _write(self, batch: list[tuple[list[Trajectory], str, Future]]) -> None:
