@@ -38,6 +38,22 @@ def sampling(body: dict, default_max_tokens: int) -> SamplingParams:
         raise SessionError(400, f"bad sampling parameter: {exc}") from None
 
 
+def cut_at_stop(tok, gen, stop: list[str]) -> str:
+    """The answer's text, ended before the first stop string (OpenAI's ``stop``); ``gen`` is cut after the token
+    that completed it (those tokens were sampled and stay in the episode; the rest are dropped)."""
+    text = tok.decode(gen.token_ids, skip_special_tokens=True)
+    hits = [(text.find(s), len(s)) for s in stop if s and s in text]
+    if not hits:
+        return text
+    end, length = min(hits)
+    for n in range(1, len(gen.token_ids) + 1):
+        if len(tok.decode(gen.token_ids[:n], skip_special_tokens=True)) >= end + length:
+            break
+    gen.token_ids, gen.logprobs, gen.versions = gen.token_ids[:n], gen.logprobs[:n], gen.versions[:n]
+    gen.finish_reason = "stop"
+    return text[:end]
+
+
 class Gateway:
     """Sessions, the engine and the writer, and what one call does with them."""
 
@@ -127,7 +143,7 @@ class Gateway:
             seg.add_context(cont[0], cont[1], started)
         elif seg is not session.current:
             session.segments.append(seg)
-        text = self.engine.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        text = cut_at_stop(self.engine.tokenizer, gen, params.stop)
         version = seg.add_generation(text, gen, version, self.engine.tokenizer.eos_token_id, started, finished)
         session.calls += 1
         return text, gen, version, added, started

@@ -147,3 +147,16 @@ def test_sampling_refuses_what_it_cannot_honour():
     with pytest.raises(SessionError, match="bad sampling"):
         sampling({"temperature": "hot"}, 16)
     assert sampling({"max_completion_tokens": 9, "stop": "x"}, 16).max_tokens == 9
+
+
+def test_a_stop_string_ends_the_answer_and_the_tokens_after_it_are_dropped():
+    from rlstream.gateway.service import cut_at_stop
+    from rlstream.stages.inference import Generation
+    ids = engine_tokens("It is 42. Then more", eos=False)
+    gen = Generation(list(ids), [-1.0] * len(ids), "length", versions=[0] * len(ids))
+    assert cut_at_stop(TOK, gen, ["nothing", ". T"]) == "It is 42"
+    # The tokens up to the one that completed the stop string were sampled, and stay; the rest go.
+    assert gen.token_ids == ids[:len("It is 42. T")] and len(gen.logprobs) == len(gen.versions) == len(gen.token_ids)
+    assert gen.finish_reason == "stop"
+    same = Generation(list(ids), [-1.0] * len(ids), "length", versions=[0] * len(ids))
+    assert cut_at_stop(TOK, same, []) == "It is 42. Then more" and same.token_ids == ids
