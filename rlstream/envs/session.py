@@ -25,8 +25,8 @@ import subprocess
 import threading
 import time
 
-from rlstream.sandbox import (_INIT, _classify, _kill_group, _read_reports, _wait_gone, Sandbox,  # noqa: F401
-                              SandboxResult)
+# The sandbox's own preparation and teardown, reused as they are (sandbox.py is at its size limit).
+from rlstream.sandbox import _INIT, Sandbox, SandboxResult, _classify, _kill_group, _read_reports, _wait_gone
 
 log = logging.getLogger(__name__)
 

@@ -28,16 +28,16 @@ def test_gateway_episodes_reach_the_trainer_and_the_gateway_serves_the_new_versi
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     start_stage("reward", bootstrap, run_name, "--reward", "rlstream.gateway.reward:posted")
-    gateway = start_gateway(bootstrap, run_name, port, tmp_path / "gateway.log", tmp_path / "home")
+    gateway = start_gateway(bootstrap, run_name, port, tmp_path / "gateway.log", tmp_path / "home", timeout=180)
     try:
         run_episodes(base)
-        assert trainer.wait(300) == 0, trainer.log_tail(3000)
+        assert trainer.wait(240) == 0, trainer.log_tail(3000)
         versions = [s.record for s in read_all(bootstrap, run_name, "policy-versions", expect=2)]
         assert [v.version for v in versions] == [0, 1] and versions[1].samples_trained == GROUPS * GROUP
         rewards = read_all(bootstrap, run_name, "rewards", expect=GROUPS * GROUP)
         assert sorted(s.record.reward.total for s in rewards) == [0.0, 0.0, 1.0, 1.0]
         # The gateway follows the policy: the next call is sampled by v1 and says so.
-        wait_for(lambda: (health(base) or {}).get("policy_version") == 1 or not gateway.alive(), 120,
+        wait_for(lambda: (health(base) or {}).get("policy_version") == 1 or not gateway.alive(), 60,
                  "the gateway to load v1")
         assert post(base + "/v1/sessions", {"session_id": "after"})[0] == 201
         _, [response] = run_agent(base + "/v1", "after", steps=1)

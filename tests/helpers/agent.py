@@ -20,7 +20,7 @@ def run_agent(base_url: str, session: str, steps: int = 3, seed: int = 0, stream
     """Run the agent for ``steps`` model calls (call ``stream_at`` streamed); the final conversation and each
     non-streamed response."""
     client = OpenAI(base_url=base_url, api_key="unused", default_headers={"X-Session-Id": session}, max_retries=0,
-                    timeout=120)
+                    timeout=60)
     messages: list[dict] = [{"role": "system", "content": "You are a calculator agent. Use the add tool."},
                             {"role": "user", "content": "What is 12 + 30?"}]
     responses = []

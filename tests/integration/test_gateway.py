@@ -36,7 +36,7 @@ def test_an_agent_through_the_gateway_becomes_trajectories_and_a_killed_gateway_
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     gateway = start_gateway(bootstrap, run_name, port, tmp_path / "gateway-0.log", tmp_path / "home",
-                            "--commit-pause-s", "3")
+                            "--commit-pause-s", "3", timeout=120)
     try:
         # Episode A: three calls (the second streamed), the agent's own tool between them, closed with a reward.
         assert post(base + "/v1/sessions", {"session_id": "A", "group_id": "gA", "answer": "42"})[0] == 201
@@ -45,7 +45,7 @@ def test_an_agent_through_the_gateway_becomes_trajectories_and_a_killed_gateway_
         assert (status, closed["trajectories"], closed["calls"]) == (200, 1, 3)
         # Episode B: completions, the second prompt extending the first's prompt and answer.
         assert post(base + "/v1/sessions", {"session_id": "B"})[0] == 201
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
         one = client.completions.create(model="policy", prompt="12 + 30 =", max_tokens=4, user="B", seed=1)
         two = client.completions.create(model="policy", prompt="12 + 30 =" + one.choices[0].text + " so", user="B",
                                         max_tokens=4, seed=2)
@@ -81,7 +81,7 @@ def test_an_agent_through_the_gateway_becomes_trajectories_and_a_killed_gateway_
         gateway.kill()
     # The next gateway of the instance fences the killed one and aborts its open transaction.
     gateway = start_gateway(bootstrap, run_name, port, tmp_path / "gateway-1.log", tmp_path / "home",
-                            "--session-timeout-s", "2")
+                            "--session-timeout-s", "2", timeout=120)
     try:
         committed = read_all(bootstrap, run_name, "trajectories", expect=2, timeout=60)
         assert sorted(s.record.trajectory_id for s in committed) == ["A:0", "B:0"], "nothing of C or D is visible"
