@@ -114,6 +114,11 @@ def test_an_agent_through_the_gateway_becomes_trajectories_and_a_killed_gateway_
         assert all(lp < 0 for lp in captured["logprobs"]) and captured["policy_version"] == 0
     assert all(t.policy_version == 0 for t in actions) and traj.min_policy_version == 0
     assert traj.loss_mask == [int(t.role == "action") for t in traj.turns for _ in range(t.token_start, t.token_end)]
+    # Episode B: the second completion continued the first (its prompt's new text " so" is context).
+    [b] = [s.record for s in committed if s.record.trajectory_id == "B:0"]
+    if two.model_extra["rlstream"]["chained"]:
+        assert [t.role for t in b.turns] == ["action", "observation", "action"] and b.turns[1].text == " so"
+        assert b.token_ids[:b.turns[0].token_end] == one.model_extra["rlstream"]["token_ids"]
     # Up to the last answer, the sequence is the agent's conversation (tools included) as the template renders
     # it: the agent's additions rendered, the answers the engine's own tokens.
     rendered = chat.render(tok, chat.normalize(messages[:-1]), TOOLS, True)
