@@ -111,7 +111,7 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     for extra in ("rlstream.sources.prompts", "rlstream.archive.query", "rlstream.stages.replay",
-                  "rlstream.archive.report", "rlstream.envs.server", "rlstream.demo"):
+                  "rlstream.archive.report", "rlstream.envs.server", "rlstream.gateway.server", "rlstream.demo"):
         try:
             module = importlib.import_module(extra)
         except ModuleNotFoundError as exc:

@@ -14,17 +14,33 @@ an episode the server does not hold (it restarted), 4xx for a request it cannot 
 the env raised. Failure classes on the client: a call that reaches no server (connection refused, DNS, reset
 before an answer) is tried again ``retries`` times with backoff, then ``env_unreachable``; no answer within
 ``timeout_s`` is ``env_timeout`` (never retried: the step may have happened); an error answer is its class.
+
+A server that stays down fails the episode as ``env_unreachable``, which is no verdict on the model: the env stage
+then sends the task back to ``prompts`` as a new task (``TaskRetries``), up to a limit.
 """
 from __future__ import annotations
 
 import json
+import logging
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import OrderedDict
 
 from rlstream.envs.api import Env, EnvFailure, StepResult
+from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Failure, Task, ToolCall, ToolResult
+
+log = logging.getLogger(__name__)
+
+#: Failure classes after which a task is run again (the env, not the model, failed it).
+RETRIED_CLASSES = ("env_unreachable",)
+#: Task metadata of a retried task: the task and group it retries, and its attempt (1 for the first retry).
+RETRY_OF, RETRY_GROUP, ATTEMPT = "env.retry_of", "env.retry_group", "env.attempt"
+#: Retried task ids remembered per process, so that the G failed episodes of one task retry it once.
+REMEMBERED = 100_000
 
 
 def step_result_to_dict(result: StepResult) -> dict:
@@ -116,3 +132,40 @@ class RemoteEnv(Env):
     def close(self) -> None:
         # Not retried: a server that is gone holds nothing to close.
         self.server.post("/close", {"episode_id": self.episode_id}, retries=0)
+
+
+class TaskRetries:
+    """Which failed tasks run again: a new task ``<task>.retry<N>`` in a group of its own (``<group>.retry<N>``),
+    for at most ``limit`` attempts after the first. Every episode of a task reaches the same env worker (they share
+    its key), so remembering the retried ids here makes one retry per task, not one per failed episode; after a
+    rebalance a task can be retried twice, which costs a group, never a sample."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._done: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def retry(self, task: Task, failure: Failure | None) -> list[Task]:
+        """The task to send back to ``prompts`` after an episode of ``task`` failed with ``failure`` (or none)."""
+        if failure is None or failure.failure_class not in RETRIED_CLASSES:
+            return []
+        attempt = int(task.metadata.get(ATTEMPT, "0")) + 1
+        original, group = task.metadata.get(RETRY_OF, task.task_id), task.metadata.get(RETRY_GROUP, task.group_id)
+        if attempt > self.limit:
+            log.warning("task %s failed as %s on attempt %d; not retried (--env-task-retries %d)", original,
+                        failure.failure_class, attempt, self.limit)
+            return []
+        again = Task.from_dict(task.to_dict())
+        again.task_id = f"{original}.retry{attempt}"
+        again.group_id = f"{group}.retry{attempt}"
+        again.metadata.update({RETRY_OF: original, RETRY_GROUP: group, ATTEMPT: str(attempt)})
+        again.created_at = now_ms()
+        with self._lock:
+            if again.task_id in self._done:
+                return []
+            self._done[again.task_id] = None
+            while len(self._done) > REMEMBERED:
+                self._done.popitem(last=False)
+        log.warning("task %s failed as %s; sent back to prompts as %s", original, failure.failure_class,
+                    again.task_id)
+        return [again]

@@ -1,9 +1,11 @@
 """An episode's workspace: one directory inside the sandbox that lives from the episode's first action to its end.
 
 Every tool call of the episode runs in the sandbox with the workspace as its cwd, HOME and TMPDIR, so files
-written by one step are there for the next; the directory is removed when the episode ends (or its env is
-evicted, or the stage shuts down). Processes do not outlive a call: the sandbox kills a call's whole process
-group (pid namespace) when it returns, so state that must persist lives in files.
+written by one step are there for the next. With the subprocess sandbox, processes persist too: the episode's calls
+run in one sandbox session (``rlstream.envs.session``), so a process a step starts in the background is running at
+the next step, until the episode ends and the session's pid namespace goes with every process in it. With the
+docker sandbox each call is a container of its own, and only files persist. The directory and the session are
+removed when the episode ends (or its env is evicted, or the stage shuts down).
 
 The built-in tools: ``shell`` (``/bin/sh -c``; the shell and what it starts run without the sandbox's Python
 audit hooks, so files are guarded by the namespaces and limits alone — the docker sandbox for adversarial
@@ -17,6 +19,7 @@ import shutil
 import tempfile
 import time
 
+from rlstream.envs.session import SandboxSession
 from rlstream.sandbox import Sandbox
 from rlstream.schemas.records import ToolResult
 
@@ -36,6 +39,7 @@ class Workspace:
     def __init__(self, sandbox: Sandbox, episode_id: str, root: str | None = None):
         self.sandbox, self.episode_id, self.root = sandbox, episode_id, root
         self._path: str | None = None
+        self._session: SandboxSession | None = None
         self.closed = False
 
     @property
@@ -49,13 +53,24 @@ class Workspace:
             self._path = os.path.realpath(tempfile.mkdtemp(prefix=f"rlstream-ws-{safe}-", dir=self.root))
         return self._path
 
+    @property
+    def session(self) -> SandboxSession | None:
+        """The episode's persistent sandbox (subprocess backend), started by its first call; None with docker."""
+        if self._session is None and self.sandbox.backend == "subprocess":
+            self._session = SandboxSession(self.sandbox, self.path)
+        return self._session
+
     def shell(self, command: str) -> ToolResult:
         """Run ``command`` with /bin/sh in the workspace; output and exit code as the tool result."""
+        if self.session is not None:
+            return self.session.run("shell", command).to_tool_result()
         return self.sandbox.run_python(_SHELL.format(cmd=command), workdir=self.path,
                                        programs=("/bin/sh",)).to_tool_result()
 
     def python(self, code: str) -> ToolResult:
         """Run Python ``code`` in the workspace."""
+        if self.session is not None:
+            return self.session.run("python", code).to_tool_result()
         return self.sandbox.run_python(code, workdir=self.path).to_tool_result()
 
     def read_file(self, path: str) -> ToolResult:
@@ -95,8 +110,10 @@ class Workspace:
         return full if full.startswith(self.path + os.sep) else None
 
     def close(self) -> None:
-        """Remove the workspace (idempotent)."""
+        """End the episode's processes and remove the workspace (idempotent)."""
         self.closed = True
+        if self._session is not None:
+            self._session.close()
         if self._path is not None:
             shutil.rmtree(self._path, ignore_errors=True)
 

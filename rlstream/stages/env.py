@@ -8,7 +8,9 @@ episode (``rlstream.envs.live``); built-ins see the whole episode each turn.
 
 Every record of an episode is keyed by its task id (``episode_key``), so its turns come back to the same
 rollout worker. Tool timeouts, env hangs, crashes and unreachable servers end the episode as a failed
-Trajectory with a failure class on that turn; the stage never stops for them.
+Trajectory with a failure class on that turn; the stage never stops for them. A task whose env server could not
+be reached is also sent back to ``prompts`` as a new task, up to ``--env-task-retries`` times
+(``rlstream.envs.remote.retried_task``).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from rlstream.envs.api import Env, StepResult, load_factory
 from rlstream.envs.builtin import (ENVIRONMENTS, Calculator, Environment, PythonExec, SingleTurn,  # noqa: F401
                                    action_turns, register_environment, tool_calls, turn_budget_used)
 from rlstream.envs.live import LiveEnvs
-from rlstream.envs.remote import RemoteEnvs
+from rlstream.envs.remote import RemoteEnvs, TaskRetries
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
 from rlstream.sandbox import Sandbox, SandboxLimits
 from rlstream.schemas.headers import now_ms
@@ -49,6 +51,8 @@ class EnvSettings:
     env_timeout_s: float = knob(30.0, "Remote env: most seconds one call (reset, step, close) may take")
     env_retries: int = knob(3, "Remote env: times a call that found no server is tried again (backoff "
                                "0.5 s doubling) before the episode fails as env_unreachable")
+    env_task_retries: int = knob(2, "Remote env: times a task whose episode failed as env_unreachable is sent "
+                                    "back to prompts as a new task (<task>.retryN, a group of its own); 0: never")
     step_timeout_s: float = knob(30.0, "Plugin and remote envs: most seconds one reset/step/close may take before "
                                        "the episode fails as env_timeout; keep it below --handler-timeout-s")
     max_live_envs: int = knob(1024, "Plugin and remote envs: most episodes whose env this process keeps; the "
@@ -102,8 +106,9 @@ class EnvStage(Stage):
                       "step_timeout_s", "max_live_envs"):
             if getattr(settings, field) <= 0:
                 raise ValueError(f"--{field.replace('_', '-')} must be positive")
-        if settings.env_retries < 0:
-            raise ValueError("--env-retries must be 0 or more")
+        if settings.env_retries < 0 or settings.env_task_retries < 0:
+            raise ValueError("--env-retries and --env-task-retries must be 0 or more")
+        self.retries = TaskRetries(settings.env_task_retries)
         self.settings = settings
         limits = SandboxLimits(timeout_s=settings.tool_timeout_s, memory_mb=settings.tool_memory_mb,
                                cpu_s=settings.tool_cpu_s, max_output_bytes=settings.max_output_bytes)
@@ -163,7 +168,8 @@ class EnvStage(Stage):
             result.failure = Failure("env_error", f"env {ep.task.env_name} went on without an observation", "env")
         if result.failure is not None:
             ep.failure = result.failure
-            return [self._finish(ep, "failed", item)]
+            return [self._finish(ep, "failed", item)] + [Output("prompts", t.task_id, t)
+                                                         for t in self.retries.retry(ep.task, ep.failure)]
         if result.done or turn_budget_used(ep):
             cut = result.truncated or not result.done or last.finish_reason == "length"
             return [self._finish(ep, "truncated" if cut else "ok", item)]

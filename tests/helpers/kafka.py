@@ -92,3 +92,29 @@ def free_base_port(n: int = 2) -> int:
             for sock in socks:
                 sock.close()
     raise RuntimeError("no run of free ports below the ephemeral range")
+
+
+def read_uncommitted(bootstrap: str, run: str, logical: str, timeout: float = 30.0) -> list[bytes]:
+    """The values of every record of a topic, committed or not (``read_uncommitted``), up to each partition's end:
+    what a transaction wrote before it was committed or aborted, which read_committed readers never see."""
+    from confluent_kafka import Consumer, TopicPartition
+    name = topic_name(run, logical)
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"uncommitted-{random.random()}",
+                         "isolation.level": "read_uncommitted", "enable.auto.commit": False})
+    try:
+        parts = consumer.list_topics(name, timeout=timeout).topics[name].partitions
+        ends = {p: consumer.get_watermark_offsets(TopicPartition(name, p), timeout=timeout)[1] for p in parts}
+        consumer.assign([TopicPartition(name, p, 0) for p in parts])
+        values = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = consumer.poll(0.1)
+            if m is not None and not m.error():
+                values.append(m.value())
+            # The position, not the last offset read: transaction markers take offsets and are never delivered.
+            at = {tp.partition: tp.offset for tp in consumer.position([TopicPartition(name, p) for p in parts])}
+            if all(at[p] >= ends[p] or ends[p] == 0 for p in parts):
+                break
+        return values
+    finally:
+        consumer.close()

@@ -15,7 +15,7 @@ from rlstream.stages.env import EnvSettings, EnvStage
 from tests.agent_envs import MALFORMED, call
 from tests.helpers import ROOT
 from tests.helpers.kafka import wait_for
-from tests.unit.test_agent_envs import episode
+from tests.helpers.episodes import episode
 
 pytestmark = [pytest.mark.slow]
 
@@ -100,9 +100,11 @@ def test_a_server_down_killed_or_restarted_mid_episode(tmp_path):
     stage = EnvStage(EnvSettings(sandbox="subprocess", env_url=(f"http://127.0.0.1:{port}",), env_retries=1))
     actions = seeded_actions(7)
     try:
-        # Down from the start: the episode fails with its class after the retries; the stage goes on.
-        [out] = stage.handle(Incoming("actions", 0, 0, b"t1", {}, 0, episode(actions[0])))
+        # Down from the start: the episode fails with its class after the retries (and its task is sent back to
+        # prompts, once); the stage goes on.
+        [out, retry] = stage.handle(Incoming("actions", 0, 0, b"t1", {}, 0, episode(actions[0])))
         assert (out.topic, out.record.failure.failure_class) == ("trajectories", "env_unreachable")
+        assert (retry.topic, retry.record.task_id) == ("prompts", "t1.retry1")
         assert "tried 2 times" in out.record.failure.message
         server = start_server(tmp_path, port, 1)
         first = stage.handle(Incoming("actions", 0, 0, b"t1", {}, 0, episode(actions[0])))[0]
@@ -122,3 +124,64 @@ def test_a_server_down_killed_or_restarted_mid_episode(tmp_path):
         assert (out.topic, out.record.failure.failure_class) == ("trajectories", "env_unreachable")
     finally:
         stage.close()
+
+
+def test_a_task_whose_server_is_down_is_retried_as_a_new_task_up_to_the_limit():
+    port = free_port()  # nothing listens there: the server is down
+    stage = EnvStage(EnvSettings(sandbox="subprocess", env_url=(f"http://127.0.0.1:{port}",), env_retries=0,
+                                 env_task_retries=2))
+    try:
+        first = episode(seeded_actions(1)[0])
+        failed, again = stage.handle(Incoming("actions", 0, 0, b"t1", {}, 0, first))
+        assert (failed.topic, failed.record.status, failed.record.failure.failure_class) == (
+            "trajectories", "failed", "env_unreachable")
+        assert (again.topic, again.key, again.record.task_id, again.record.group_id) == (
+            "prompts", "t1.retry1", "t1.retry1", "g1.retry1")
+        assert again.record.metadata["env.retry_of"] == "t1" and again.record.metadata["env.attempt"] == "1"
+        # Another episode of the same task (its group's sample 1) fails too: the task is retried once, not twice.
+        sibling = episode(seeded_actions(1)[0])
+        sibling.episode_id, sibling.sample_index = "g1:1", 1
+        assert [o.topic for o in stage.handle(Incoming("actions", 0, 1, b"t1", {}, 0, sibling))] == ["trajectories"]
+        # The retry fails again (still down): a second retry; the third failure is the last.
+        tasks = [again.record]
+        for attempt in (2, 3):
+            retried = episode(seeded_actions(1)[0])
+            retried.task = tasks[-1]
+            outs = stage.handle(Incoming("actions", 0, attempt, tasks[-1].task_id.encode(), {}, 0, retried))
+            assert outs[0].record.failure.failure_class == "env_unreachable"
+            tasks += [o.record for o in outs[1:]]
+        assert [t.task_id for t in tasks] == ["t1.retry1", "t1.retry2"]
+        assert tasks[-1].metadata["env.retry_of"] == "t1" and tasks[-1].group_id == "g1.retry2"
+    finally:
+        stage.close()
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(360)
+def test_the_env_stage_sends_a_task_back_to_prompts_when_its_server_is_killed(bootstrap, run_name, tmp_path,
+                                                                             start_stage):
+    from tests.helpers.kafka import produce, read_all
+    port = free_port()
+    server = start_server(tmp_path, port)
+    start_stage("env", bootstrap, run_name, "--env-url", f"http://127.0.0.1:{port}", "--env-retries", "1",
+                "--env-task-retries", "1", "--sandbox", "subprocess", "--workspace-root", str(tmp_path))
+    actions = seeded_actions(3)
+    produce(bootstrap, run_name, "actions", [(b"t1", episode(actions[0]), None)])
+    [obs] = read_all(bootstrap, run_name, "observations", expect=1, timeout=60)
+    assert obs.record.turns[-1].text.startswith("<tool_response>")
+    server.kill()  # killed mid-episode, and not coming back
+    second = episode(*actions[:2])
+    second.turns[1].text = obs.record.turns[-1].text
+    produce(bootstrap, run_name, "actions", [(b"t1", second, None)])
+    [traj] = read_all(bootstrap, run_name, "trajectories", expect=1, timeout=60)
+    [task] = read_all(bootstrap, run_name, "prompts", expect=1, timeout=20)
+    assert (traj.record.status, traj.record.failure.failure_class) == ("failed", "env_unreachable")
+    assert "tried 2 times" in traj.record.failure.message
+    assert (task.key, task.record.task_id, task.record.metadata["env.attempt"]) == (b"t1.retry1", "t1.retry1", "1")
+    # Rollout would start the retried task's episodes; its first one fails too, and the limit (1) is reached.
+    retried = episode(actions[0])
+    retried.task = task.record
+    produce(bootstrap, run_name, "actions", [(b"t1.retry1", retried, None)])
+    trajs = read_all(bootstrap, run_name, "trajectories", expect=2, timeout=60)
+    assert {t.record.task.task_id for t in trajs} == {"t1", "t1.retry1"}
+    assert len(read_all(bootstrap, run_name, "prompts", timeout=20)) == 1, "no retry past the limit"

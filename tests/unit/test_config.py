@@ -11,6 +11,7 @@ from rlstream.archive.report import ReportSettings
 from rlstream.archive.sink import ArchiveSettings
 from rlstream.config import KafkaSettings, LoopSettings, env_name, load
 from rlstream.errors import UsageError
+from rlstream.gateway.server import GatewaySettings
 from rlstream.monitoring.monitor import MonitorSettings
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.sources.prompts import PromptSettings
@@ -23,7 +24,7 @@ from rlstream.trainer.service import TrainerSettings
 
 ALL = [LoopSettings, KafkaSettings, RuntimeSettings, RewardSettings, EnvSettings, RolloutSettings, TeacherSettings,
        TrainerSettings, ArchiveSettings, MonitorSettings, ReplaySettings, PromptSettings, SqlSettings,
-       ReportSettings]
+       ReportSettings, GatewaySettings]
 
 
 def test_no_two_fields_share_an_environment_variable():
