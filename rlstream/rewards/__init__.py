@@ -46,14 +46,14 @@ budget), ``code`` (the share of ``task.metadata["tests"]`` the response's code p
 ``calculator`` (``calculator_reward``: the right answer after a successful ``calc`` call), and
 ``calculator_turns`` (the same total, with turn scores: the successful call's turn and the right answer's).
 """
-from rlstream.rewards.api import (JUDGE_FAILURES, RewardResult, action_turn_count, as_result, check_turn_scores,
-                                  final_text, import_reward)
+from rlstream.rewards.api import (JUDGE_FAILURES, NO_VERDICT, RewardResult, action_turn_count, as_result,
+                                  check_turn_scores, final_text, import_reward)
 from rlstream.rewards.builtin import calculator_reward, calculator_turns, exact_match, normalise_answer
 from rlstream.rewards.compose import load_reward, parse_spec
 from rlstream.rewards.verifiers import (FORMATS, VERIFIERS, code_tests, extract_answer, format_check, length_penalty,
                                         math_answer, normalise_loose, normalized_match, regex_match, regex_reward)
 
-__all__ = ["FORMATS", "JUDGE_FAILURES", "VERIFIERS", "RewardResult", "action_turn_count", "as_result",
+__all__ = ["FORMATS", "JUDGE_FAILURES", "NO_VERDICT", "VERIFIERS", "RewardResult", "action_turn_count", "as_result",
            "calculator_reward", "calculator_turns", "check_turn_scores", "code_tests",
            "exact_match", "extract_answer", "final_text", "format_check", "import_reward", "length_penalty",
            "load_reward", "math_answer", "normalise_answer", "normalise_loose", "normalized_match", "parse_spec",

@@ -13,6 +13,11 @@ from rlstream.schemas.records import Trajectory
 #: train on it. A failed episode's class (timeout, crash, env_error, ...) is not among these: that 0.0 is earned.
 JUDGE_FAILURES = ("judge_error", "judge_timeout")
 
+#: Every ``Reward.failure_class`` whose 0.0 is no verdict on the policy, so never trained on: the judge's own failures,
+#: and episodes the infrastructure failed (a remote env server that never answered, whose task the env stage sends
+#: again; a gateway stopped before its session closed). The reward stage carries an episode's class into the Reward.
+NO_VERDICT = JUDGE_FAILURES + ("env_unreachable", "gateway_stopped")
+
 
 @dataclass
 class RewardResult:

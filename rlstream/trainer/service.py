@@ -36,7 +36,7 @@ from rlstream.policy.staleness import StalenessCounter, StalenessFilter, mask_st
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weight_log import WeightLogWriter
 from rlstream.policy.weights import WeightStore, tokenizer_hash
-from rlstream.rewards import JUDGE_FAILURES, check_turn_scores
+from rlstream.rewards import NO_VERDICT, check_turn_scores
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, ScoredTrajectory, TeacherFeedback, is_eval
@@ -328,9 +328,9 @@ class TrainerService:
             if isinstance(sample, TeacherFeedback) and not self._admit(m, sample, traj, position):
                 continue
             reward = sample.scored.reward if isinstance(sample, TeacherFeedback) else sample.reward
-            if reward.failure_class in JUDGE_FAILURES:
-                # The judge failed, not the policy: its 0 is no reward. The group trains without the sample (a failed
-                # episode's 0, by contrast, is a real reward and is trained on).
+            if reward.failure_class in NO_VERDICT:
+                # The judge or the infrastructure failed, not the policy: its 0 is no reward. The group trains without
+                # the sample (a failed episode's 0, by contrast, is a real reward and is trained on).
                 metrics.FAILURES.labels("trainer", reward.failure_class).inc()
                 self.window.refuse(traj.group_id, traj.task.group_size, position)
                 continue

@@ -133,8 +133,9 @@ def test_groups_trained_past_a_held_head_are_not_trained_again_after_a_restart(b
 
 @pytest.mark.timeout(300)
 def test_a_failed_judgement_is_not_trained_on_and_its_group_trains_without_it(bootstrap, run_name, tmp_path):
-    """A reward whose judge raised or timed out (failure class judge_error / judge_timeout) is no reward: its group
-    trains with the other samples, and a failed episode's reward of 0 is still trained on."""
+    """A reward whose judge raised or timed out (failure class judge_error / judge_timeout), or whose episode the
+    infrastructure failed (env_unreachable), is no reward: its group trains with the other samples, and a failed
+    episode's reward of 0 is still trained on."""
     trainer, thread = start(bootstrap, run_name, tmp_path)
     wait_version(trainer, 0)
     items = []
@@ -144,6 +145,8 @@ def test_a_failed_judgement_is_not_trained_on_and_its_group_trains_without_it(bo
                 scored.reward.failure_class = "judge_timeout"
             if g == 1 and i == 1:
                 scored.reward.failure_class = "timeout"  # the episode failed: a real 0
+            if g == 2 and i == 0:
+                scored.reward.failure_class = "env_unreachable"  # the env server never answered: no verdict
             items.append((f"task-{g}".encode(), scored, hdr.build(0, hdr.new_traceparent(), "v1")))
     produce(bootstrap, run_name, "rewards", items)
     wait_version(trainer, 1)
@@ -151,4 +154,4 @@ def test_a_failed_judgement_is_not_trained_on_and_its_group_trains_without_it(bo
     thread.join(60)
     assert trainer.trained == [(0, ["task-1", "task-2"])]
     versions = [r.record for r in read_all(bootstrap, run_name, "policy-versions", expect=2)]
-    assert versions[-1].samples_trained == 2 * G - 1
+    assert versions[-1].samples_trained == 2 * G - 2
