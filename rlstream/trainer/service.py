@@ -32,18 +32,17 @@ from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.devices import enable_gradient_checkpointing, resolve_device
 from rlstream.models.loading import TINY, check_folder, load_model, load_tokenizer, read_chat_template, torch_dtype
 from rlstream.policy.deltas import content_hash, read_folder
-from rlstream.policy.staleness import StalenessCounter, StalenessFilter, mask_stale_tokens
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weight_log import WeightLogWriter
 from rlstream.policy.weights import WeightStore, tokenizer_hash
-from rlstream.rewards import NO_VERDICT, check_turn_scores
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.records import PolicyVersion, ScoredTrajectory, TeacherFeedback, is_eval
+from rlstream.schemas.records import PolicyVersion
 from rlstream.trainer.chain import chain_stats
-from rlstream.trainer.distill import LOSSES, DistillConfig, admit_feedback, coef_at, reverse_kl_bound_applies
+from rlstream.trainer.distill import LOSSES, DistillConfig, coef_at
 from rlstream.trainer.distributed import Ranks, check_nproc, launch
 from rlstream.trainer.engine import make_engine
+from rlstream.trainer.gate import SampleGate, trajectory_of
 from rlstream.trainer.microbatch import train_step
 from rlstream.trainer.update import UpdateConfig, build_batch
 from rlstream.trainer.window import WindowedFIFO, WindowItem
@@ -52,10 +51,6 @@ log = logging.getLogger(__name__)
 
 #: In each checkpoint: the samples consumed beyond the offsets its PolicyVersion's transaction committed.
 CONSUMED_AHEAD = "consumed_ahead.json"
-
-
-def _trajectory(sample: ScoredTrajectory | TeacherFeedback):
-    return sample.scored.trajectory if isinstance(sample, TeacherFeedback) else sample.trajectory
 
 
 @dataclass(frozen=True)
@@ -149,8 +144,6 @@ class TrainerService:
         self.ranks = Ranks()  # this process's rank; set by the launcher on several ranks
         self.ref_model = None  # the KL reference (_load_ref)
         self.store = WeightStore(settings.weights)
-        self.filter = StalenessFilter(loop.eta)
-        self.counter = StalenessCounter()
         self.evicted = 0
         self._counted = (0, 0, 0)  # (accepted, stale, stale tokens) at the last publish, for per-step counts
         self.version = -1
@@ -165,9 +158,8 @@ class TrainerService:
         if settings.loss != "ppo" and settings.source != "feedback":
             raise ValueError(f"--loss {settings.loss} needs the teacher's feedback: add --source feedback and run "
                              "the teacher stage (rlstream run teacher)")
-        # Samples whose loss assumes the current student drew them are held to a bound of their own (distill.py).
-        reverse_eta = loop.eta if settings.opd_reverse_eta < 0 else min(loop.eta, settings.opd_reverse_eta)
-        self.reverse_filter = StalenessFilter(reverse_eta)
+        self.gate = SampleGate(settings, loop.eta, distill)
+        self.counter = self.gate.counter  # the staleness counts each step publishes
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -314,78 +306,18 @@ class TrainerService:
             except Rejected as rej:
                 self._letters.append((m, rej.reason, str(rej)))
                 continue
-            # Compared as bytes: a null header is just another version, never a crash.
-            if self.settings.reward_version and item.headers.get(hdr.REWARD_VERSION) != \
-                    self.settings.reward_version.encode():
-                continue
             sample = item.record
-            traj = _trajectory(sample)
-            if is_eval(traj.task):
-                # The reward stage sends the eval lane to eval-rewards; one on this topic (a writer from before the
-                # lane) still measures the policy and is never trained on.
+            decision = self.gate.decide(sample, item.headers, item.policy_version, self.version)
+            if decision.letter:
+                self._letters.append((m, *decision.letter))
+            traj = trajectory_of(sample)
+            if decision.action == "add":
+                self.window.add(WindowItem(traj.group_id, traj.task.group_size, position, time.monotonic(), sample))
+            elif decision.action == "refuse":
+                self.window.refuse(traj.group_id, traj.task.group_size, position)
+            elif decision.action == "skip":
                 self.window.skip(position)
-                continue
-            if isinstance(sample, TeacherFeedback) and not self._admit(m, sample, traj, position):
-                continue
-            reward = sample.scored.reward if isinstance(sample, TeacherFeedback) else sample.reward
-            if reward.failure_class in NO_VERDICT:
-                # The judge or the infrastructure failed, not the policy: its 0 is no reward. The group trains without
-                # the sample (a failed episode's 0, by contrast, is a real reward and is trained on).
-                metrics.FAILURES.labels("trainer", reward.failure_class).inc()
-                self.window.refuse(traj.group_id, traj.task.group_size, position)
-                continue
-            try:
-                check_turn_scores(traj, reward.turn_scores)
-            except ValueError as exc:  # the reward stage checks this; a record from elsewhere may not fit
-                self._letters.append((m, "invalid", str(exc)))
-                self.window.refuse(traj.group_id, traj.task.group_size, position)
-                continue
-            if not self._within_eta(traj, item.policy_version, self._filter_for(sample)):
-                # The version moved on between samples of one group: the group completes without this one
-                # rather than holding a window slot (and the pipeline behind it) until the head timeout.
-                self.window.refuse(traj.group_id, traj.task.group_size, position)
-                continue
-            self.window.add(WindowItem(traj.group_id, traj.task.group_size, position, time.monotonic(), sample))
         self._lag.maybe_update(self.consumer, self.consumer.assignment)
-
-    def _within_eta(self, traj, header_version: int, bound: StalenessFilter) -> bool:
-        """The η bound, enforced here before a sample can reach a batch, under --stale-rule; counted either way.
-
-        sample: the header (the oldest version of any token) decides. token: a sample the header refuses keeps the
-        tokens of its turns' version segments within η (the others are masked out of its loss) and is dropped only
-        when none of its trained tokens is left.
-        """
-        if self.settings.stale_rule == "token" and bound.is_stale(self.version, header_version):
-            mask, masked, left = mask_stale_tokens(bound, self.version, traj.turns, traj.loss_mask,
-                                                   header_version)
-            if left:
-                traj.loss_mask = mask
-                self.counter.record(True)
-                self.counter.stale_tokens += masked
-                metrics.STALE_TOKENS.labels("trainer").inc(masked)
-                metrics.count_staleness("trainer", True, self.counter.stale_ratio)
-                return True
-        accepted = self.counter.observe(bound, self.version, header_version)
-        metrics.count_staleness("trainer", accepted, self.counter.stale_ratio)
-        return accepted
-
-    def _admit(self, m, fb: TeacherFeedback, traj, position) -> bool:
-        """Whether a feedback sample goes on to the staleness check (distill.admit_feedback says why not)."""
-        verdict = admit_feedback(fb, self.settings.loss, self.settings.teacher_version)
-        if verdict.action == "take":
-            return True
-        if verdict.action == "dead_letter":
-            self._letters.append((m, verdict.reason, verdict.error))
-        if verdict.action in ("dead_letter", "refuse"):
-            metrics.FAILURES.labels("trainer", verdict.reason).inc()
-            self.window.refuse(traj.group_id, traj.task.group_size, position)  # the group completes without it
-        return False
-
-    def _filter_for(self, sample) -> StalenessFilter:
-        if isinstance(sample, TeacherFeedback) and reverse_kl_bound_applies(sample, self.settings.loss,
-                                                                            self.update_cfg.distill):
-            return self.reverse_filter
-        return self.filter
 
     # -- one step --------------------------------------------------------------------
 
@@ -397,7 +329,7 @@ class TrainerService:
         batch.opd_coef = coef_at(self.version, s.opd_coef, s.opd_coef_end, s.opd_coef_versions)
         self.ranks.command("step", batch)
         stats = self._train(batch)
-        stats.update(chain_stats((_trajectory(it.payload).stage_times for g in groups for it in g.items), started_ms))
+        stats.update(chain_stats((trajectory_of(it.payload).stage_times for g in groups for it in g.items), started_ms))
         stats.update({"step_seconds": time.monotonic() - started, "stale": float(self.counter.stale),
                       "accepted": float(self.counter.accepted), "stale_ratio": self.counter.stale_ratio,
                       "evicted": float(self.evicted)})

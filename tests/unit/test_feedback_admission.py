@@ -66,14 +66,14 @@ def trainer(tmp_path, **knobs) -> TrainerService:
 def test_staleness_bound_per_loss(tmp_path, kl, k, accepted):
     svc = trainer(tmp_path, loss="opd", opd_kl=kl, opd_reverse_eta=0)
     # The trainer is at version 5; the sample is one version old (within η = 2).
-    assert svc._filter_for(feedback(k=k)).accepts(5, 4) is accepted
-    assert svc._filter_for(feedback(k=k)).accepts(5, 5)
-    assert not svc._filter_for(feedback(k=k)).accepts(5, 2)  # past η, whatever the loss
+    assert svc.gate._bound_for(feedback(k=k)).accepts(5, 4) is accepted
+    assert svc.gate._bound_for(feedback(k=k)).accepts(5, 5)
+    assert not svc.gate._bound_for(feedback(k=k)).accepts(5, 2)  # past η, whatever the loss
 
 
 def test_reverse_bound_defaults_to_eta_and_ppo_ignores_it(tmp_path):
-    assert trainer(tmp_path, loss="opd")._filter_for(feedback()).accepts(5, 3)
-    assert trainer(tmp_path, loss="ppo", opd_reverse_eta=0)._filter_for(feedback()).accepts(5, 4)
+    assert trainer(tmp_path, loss="opd").gate._bound_for(feedback()).accepts(5, 3)
+    assert trainer(tmp_path, loss="ppo", opd_reverse_eta=0).gate._bound_for(feedback()).accepts(5, 4)
 
 
 def test_a_teacher_loss_without_the_feedback_topic_is_refused(tmp_path):

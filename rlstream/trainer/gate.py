@@ -1,0 +1,107 @@
+"""The gate every consumed sample passes before the trainer's window: whether it is trained on, and if not, why.
+
+One decision per record, in this order, each rule stated where it is enforced below:
+another reward or teacher version than this trainer's → ignored; the eval lane → skipped (never trained on);
+teacher feedback the loss cannot use → refused (or dead-lettered when malformed); a reward that is no verdict on the
+policy → refused; turn scores that do not fit the trajectory → dead-lettered; older than η → refused (or, under
+``--stale-rule token``, its stale tokens masked). A refused sample's group completes without it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlstream import metrics
+from rlstream.policy.staleness import StalenessCounter, StalenessFilter, mask_stale_tokens
+from rlstream.rewards import NO_VERDICT, check_turn_scores
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.records import ScoredTrajectory, TeacherFeedback, Trajectory, is_eval
+from rlstream.trainer.distill import DistillConfig, admit_feedback, reverse_kl_bound_applies
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the trainer does with one consumed sample."""
+
+    #: add: into the window. refuse: not trained on, and its group completes without it. skip: a position done
+    #: with that belongs to no group. ignore: not this trainer's to count (another reward or teacher version).
+    action: str
+    #: (reason, error): dead-letter the record as well.
+    letter: tuple[str, str] | None = None
+
+
+ADD, REFUSE, SKIP, IGNORE = Decision("add"), Decision("refuse"), Decision("skip"), Decision("ignore")
+
+
+def trajectory_of(sample: ScoredTrajectory | TeacherFeedback) -> Trajectory:
+    return sample.scored.trajectory if isinstance(sample, TeacherFeedback) else sample.trajectory
+
+
+class SampleGate:
+    """The trainer's admission rules and the staleness counts they keep (``counter``)."""
+
+    def __init__(self, settings, eta: int, distill: DistillConfig):
+        self.settings = settings  # TrainerSettings: reward_version, teacher_version, loss, stale_rule, opd_reverse_eta
+        self.distill = distill
+        self.filter = StalenessFilter(eta)
+        # Samples whose loss assumes the current student drew them are held to a bound of their own (distill.py).
+        self.reverse_filter = StalenessFilter(eta if settings.opd_reverse_eta < 0 else
+                                              min(eta, settings.opd_reverse_eta))
+        self.counter = StalenessCounter()
+
+    def decide(self, sample, headers: dict[str, bytes], header_version: int, version: int) -> Decision:
+        """The decision for ``sample`` (with its record's headers and policy-version header) at trainer ``version``."""
+        # Compared as bytes: a null header is just another version, never a crash.
+        if self.settings.reward_version and headers.get(hdr.REWARD_VERSION) != self.settings.reward_version.encode():
+            return IGNORE
+        traj = trajectory_of(sample)
+        if is_eval(traj.task):
+            # The reward stage sends the eval lane to eval-rewards; one on this topic (a writer from before the lane)
+            # still measures the policy and is never trained on.
+            return SKIP
+        if isinstance(sample, TeacherFeedback):
+            verdict = admit_feedback(sample, self.settings.loss, self.settings.teacher_version)
+            if verdict.action == "skip":
+                return IGNORE
+            if verdict.action in ("dead_letter", "refuse"):
+                metrics.FAILURES.labels("trainer", verdict.reason).inc()
+                return Decision("refuse", (verdict.reason, verdict.error) if verdict.action == "dead_letter" else None)
+        reward = sample.scored.reward if isinstance(sample, TeacherFeedback) else sample.reward
+        if reward.failure_class in NO_VERDICT:
+            # The judge or the infrastructure failed, not the policy: its 0 is no reward. The group trains without the
+            # sample (a failed episode's 0, by contrast, is a real reward and is trained on).
+            metrics.FAILURES.labels("trainer", reward.failure_class).inc()
+            return REFUSE
+        try:
+            check_turn_scores(traj, reward.turn_scores)
+        except ValueError as exc:  # the reward stage checks this; a record from elsewhere may not fit
+            return Decision("refuse", ("invalid", str(exc)))
+        if not self._within_eta(traj, header_version, version, self._bound_for(sample)):
+            # The version moved on between samples of one group: the group completes without this one rather than
+            # holding a window slot (and the pipeline behind it) until the head timeout.
+            return REFUSE
+        return ADD
+
+    def _bound_for(self, sample) -> StalenessFilter:
+        if isinstance(sample, TeacherFeedback) and reverse_kl_bound_applies(sample, self.settings.loss, self.distill):
+            return self.reverse_filter
+        return self.filter
+
+    def _within_eta(self, traj: Trajectory, header_version: int, version: int, bound: StalenessFilter) -> bool:
+        """The η bound, enforced here before a sample can reach a batch, under --stale-rule; counted either way.
+
+        sample: the header (the oldest version of any token) decides. token: a sample the header refuses keeps the
+        tokens of its turns' version segments within η (the others are masked out of its loss) and is dropped only
+        when none of its trained tokens is left.
+        """
+        if self.settings.stale_rule == "token" and bound.is_stale(version, header_version):
+            mask, masked, left = mask_stale_tokens(bound, version, traj.turns, traj.loss_mask, header_version)
+            if left:
+                traj.loss_mask = mask
+                self.counter.record(True)
+                self.counter.stale_tokens += masked
+                metrics.STALE_TOKENS.labels("trainer").inc(masked)
+                metrics.count_staleness("trainer", True, self.counter.stale_ratio)
+                return True
+        accepted = self.counter.observe(bound, version, header_version)
+        metrics.count_staleness("trainer", accepted, self.counter.stale_ratio)
+        return accepted
