@@ -167,6 +167,24 @@ def _publish(rows: list[dict]) -> str:
             f"{human(ms[-1] / 1000)} s at worst")
 
 
+def _teacher(rows: list[dict]) -> str:
+    parts = []
+    for teacher in sorted({r["teacher_version"] for r in rows}):
+        mine = [r for r in rows if r["teacher_version"] == teacher]
+        n = sum(r["samples"] for r in mine)
+        mean = lambda key: sum((r[key] or 0) * r["samples"] for r in mine) / max(n, 1)  # noqa: E731
+        parts.append(f"teacher {teacher}: {human(n)} samples, {percent(mean('without_feedback_rate'))} without "
+                     f"feedback, {percent(mean('alignment_error_rate'))} not aligned, top-1 agreement "
+                     f"{percent(mean('top1_agreement_mean'))}, reverse KL {human(mean('reverse_kl_mean'))}")
+    return "; ".join(parts)
+
+
+def _distillation(rows: list[dict]) -> str:
+    first, last = rows[0], rows[-1]
+    return (f"KL to the teacher {human(first['opd_kl'])} at v{first['version']} → {human(last['opd_kl'])} at "
+            f"v{last['version']} (λ {human(first['opd_coef'])} → {human(last['opd_coef'])})")
+
+
 def _disagreement(rows: list[dict]) -> str:
     r = rows[0]
     return (f"the two reward versions disagree on {percent(r['disagreement_rate'])} of "
@@ -184,6 +202,8 @@ READINGS: dict[str, Callable[[list[dict]], str]] = {
     "goodput per hour": _hourly,
     "policy publish latency": _publish,
     "reward disagreement": _disagreement,
+    "teacher by version": _teacher,
+    "distillation by version": _distillation,
 }
 
 

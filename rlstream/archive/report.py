@@ -33,6 +33,8 @@ SECTIONS = [
     ("latency and queue delay per stage (ms)", "latency.png"),
     ("timeout and failure rates by class", "failures.png"),
     ("policy publish latency", "publish_latency.png"),
+    ("teacher by version", None),
+    ("distillation by version", None),
 ]
 
 #: Figures whose reading opens the page, in this order.

@@ -316,6 +316,13 @@ def standard_queries(run: str, versions: tuple[str, str] | None = None) -> dict[
         "timeout and failure rates by class":
             f"SELECT source, stage, failure_class, failures, trajectories, rate, is_timeout FROM {D}.failure_rates "
             f"WHERE run = {r} ORDER BY failures DESC, source, stage, failure_class",
+        "teacher by version":
+            f"SELECT teacher_version, policy_version, samples, without_feedback_rate, alignment_error_rate, "
+            f"latency_p50_ms, latency_p99_ms, reverse_kl_mean, top1_agreement_mean, teacher_verifier_disagreement "
+            f"FROM {D}.teacher_by_version WHERE run = {r} ORDER BY teacher_version, policy_version",
+        "distillation by version":
+            f"SELECT version, opd_coef, opd_kl, kl_forward, kl_reverse, teacher_top1_agreement, loss_rl, loss_opd "
+            f"FROM {D}.distillation_by_version WHERE run = {r} ORDER BY version",
         "goodput":
             f"SELECT trajectories, valid_trajectories, accepted_samples, span_s, valid_per_hour, accepted_per_hour "
             f"FROM {D}.goodput WHERE run = {r}",

@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from rlstream.archive.query import open_archive, read_endpoint
+from rlstream.archive.readings import reading
+from rlstream.archive.report import collect
 from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.models.tiny import build_model, save_pretrained
 from rlstream.runtime.settings import RuntimeSettings
@@ -77,6 +79,7 @@ def test_two_teacher_versions_are_archived_side_by_side(bootstrap, run_name, tmp
                 f"SELECT teacher_version, samples, without_feedback, latency_p50_ms, reverse_kl_mean, "
                 f"top1_agreement_mean, teacher_verifier_disagreement FROM rlstream.teacher_by_version "
                 f"WHERE run = '{run_name}' ORDER BY teacher_version")
+            report = collect(db, run_name)["teacher by version"]  # the report shows the same, with a reading
     finally:
         assert archive.stop() == 0, archive.log_tail()
     assert sorted(rows) == ["tA", "tB", "tC"] and len(rows["tA"]) == len(rows["tB"]) == len(rows["tC"]) == N
@@ -92,4 +95,6 @@ def test_two_teacher_versions_are_archived_side_by_side(bootstrap, run_name, tmp
         assert (by[version]["samples"], by[version]["without_feedback"]) == (N, 0)
         assert by[version]["latency_p50_ms"] > 0 and abs(by[version]["reverse_kl_mean"]) < 100
         assert 0 <= by[version]["teacher_verifier_disagreement"] <= 1
+    assert {r[0] for r in report["rows"]} == {"tA", "tB", "tC"}
+    assert reading("teacher by version", report).startswith(f"teacher tA: {N} samples, 0.0 % without feedback")
     assert by["tA"]["top1_agreement_mean"] is None and 0 <= by["tB"]["top1_agreement_mean"] <= 1

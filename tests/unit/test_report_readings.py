@@ -55,3 +55,18 @@ def test_readings_say_what_each_figure_shows():
         "the slowest stage at p99 is rollout (350 ms); the longest wait before a stage is at reward (90 ms p99); "
         "a trajectory takes 900 ms end to end at the median")
     assert reading("unknown figure", latency) == ""
+
+
+def test_teacher_and_distillation_readings():
+    teacher = {"columns": ["teacher_version", "policy_version", "samples", "without_feedback_rate",
+                           "alignment_error_rate", "latency_p50_ms", "latency_p99_ms", "reverse_kl_mean",
+                           "top1_agreement_mean", "teacher_verifier_disagreement"],
+               "rows": [["big-v1", 0, 30, 0.1, 0.0, 5.0, 9.0, 0.5, 0.6, 0.0],
+                        ["big-v1", 1, 10, 0.5, 0.2, 5.0, 9.0, 0.1, 0.2, 0.0]]}
+    assert reading("teacher by version", teacher) == (
+        "teacher big-v1: 40 samples, 20.0 % without feedback, 5.0 % not aligned, top-1 agreement 50.0 %, "
+        "reverse KL 0.4")
+    distill = {"columns": ["version", "opd_coef", "opd_kl", "kl_forward", "kl_reverse", "teacher_top1_agreement",
+                           "loss_rl", "loss_opd"],
+               "rows": [[1, 1.0, 2.5, 0, 0, 0, 0, 0], [9, 0.5, 0.75, 0, 0, 0, 0, 0]]}
+    assert reading("distillation by version", distill) == "KL to the teacher 2.5 at v1 → 0.75 at v9 (λ 1 → 0.5)"
