@@ -29,7 +29,7 @@ from rlstream.sources.prompts import PromptProducer, make_task, task_items
 #: The repository root: stage processes start there, so ``benchmarks.harness.workloads:...`` loads in them.
 ROOT = Path(__file__).resolve().parents[2]
 #: Stop order: the source is already stopped; upstream first so each stage finishes what it holds.
-STOP_ORDER = ["rollout", "rollout1", "env", "reward", "trainer"]
+STOP_ORDER = ["rollout", "rollout1", "env", "reward", "teacher", "trainer"]
 
 
 def log(tag: str, msg: str) -> None:

@@ -1,0 +1,139 @@
+"""On-policy distillation against RL alone, in one run: wall-clock for a fresh student to reach a held-out target
+with RL (PPO on the verifier's reward), with OPD alone (the teacher's reverse KL on the student's own samples), and
+with RL + OPD (PPO on A_t - λ·KL_t). Goal: OPD reaches the target in <= 0.5x RL's time.
+
+The teacher is the demo's policy after it has learned: a first loop trains the tiny model on the reverse task until
+held-out greedy accuracy reaches ``--teacher-target`` (or give ``--teacher DIR``, a model folder). Every student
+starts the same way (the demo's 300-step supervised warm-up from the same seed) and runs the same loop (η = 2, 16
+groups of 8 a step, lr 1e-4), with the teacher stage between reward and trainer in the two distillation runs. Time
+runs from rollout's first version; held-out accuracy is measured off the clock on snapshots, as vs_trl does.
+
+    python -m benchmarks.distill_vs_rl [--target 0.5] [--teacher-target 0.8] [--max-seconds 300] [--teacher DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+from benchmarks.harness.loop import ROOT, Loop, PacedSource, Versions, log, snapshot
+from benchmarks.harness.result import result
+
+MODES = {
+    "rl": {"trainer": ()},
+    "opd": {"trainer": ("--source", "feedback", "--loss", "opd")},
+    "rl+opd": {"trainer": ("--source", "feedback", "--loss", "ppo+opd", "--opd-coef", "1.0")},
+}
+
+
+def held_out(folder: Path) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlstream.models.tiny import build_tokenizer
+    from rlstream.trainer.warmup import greedy_exact_match
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return greedy_exact_match(model, build_tokenizer(), "reverse")
+
+
+def run_loop(name: str, trainer_extra: tuple, teacher: Path | None, target: float, args) -> dict:
+    """One loop until held-out greedy >= target or --max-seconds; its curve and the folder of its best version."""
+    loop = Loop(f"distill-{name.replace('+', '-')}")
+    loop.trainer(eta=2, groups_per_step=16, lr=1e-4, warmup_steps=300, extra=trainer_extra)
+    loop.rollout(eta=2, backend=args.backend)
+    loop.env_stage()
+    loop.reward("benchmarks.harness.workloads:exact")
+    if teacher is not None:
+        loop.add("teacher", ["run", "teacher", "--teacher", str(teacher), "--teacher-version", "demo-teacher",
+                             "--threads", "1", "--instance", "0"])
+    versions = Versions(loop)
+    source = PacedSource(loop, versions, mode="async", eta=2, groups_per_step=16)
+    snaps = loop.workdir / "snapshots"
+    curve, snapped, best = [], {}, (-1.0, None)
+    loop.start()
+    try:
+        deadline = time.monotonic() + args.startup_timeout
+        while loop.rollout_version() < 0:
+            if time.monotonic() > deadline or loop.dead():
+                raise RuntimeError(f"{name}: the loop did not start (dead {loop.dead()}); logs in {loop.workdir}")
+            time.sleep(0.2)
+        t0_ms = int(time.time() * 1000)
+        source.start()
+        while not loop.dead() and source.error is None:
+            for pv, _ in versions.all():
+                if pv.version % args.eval_every == 0 and pv.version not in snapped:
+                    # Copy at once: the store keeps only eta + 1 versions back.
+                    if snapshot(pv.weights_uri, snaps / f"v{pv.version}"):
+                        snapped[pv.version] = pv.published_at
+            todo = sorted(v for v in snapped if v not in {c["version"] for c in curve})
+            if not todo:
+                if (time.time() * 1000 - t0_ms) / 1000 > args.max_seconds:
+                    break
+                time.sleep(0.2)
+                continue
+            v = todo[0]
+            acc = held_out(snaps / f"v{v}")
+            secs = max(0.0, (snapped[v] - t0_ms) / 1000)
+            curve.append({"version": v, "seconds": secs, "heldout": acc})
+            log(name, f"v{v} {secs:.1f}s held-out {acc:.3f}")
+            if acc > best[0]:
+                best = (acc, snaps / f"v{v}")
+            if acc >= target or secs > args.max_seconds:
+                break
+    finally:
+        source.stop()
+        dead = loop.dead()
+        loop.stop()
+        versions.close()
+    reached = next((c for c in curve if c["heldout"] >= target), None)
+    return {"curve": curve, "run": loop.run, "dead": dead, "best": best[0], "best_folder": best[1],
+            "seconds_to_target": reached["seconds"] if reached else None}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", type=float, default=0.5, help="held-out greedy accuracy the students race to")
+    ap.add_argument("--teacher-target", type=float, default=0.8, help="held-out accuracy the teacher is trained to")
+    ap.add_argument("--teacher", default="", help="a model folder to use as the teacher (skips training one)")
+    ap.add_argument("--modes", default="rl,opd,rl+opd", help="students to run, comma-separated: rl, opd, rl+opd")
+    ap.add_argument("--max-seconds", type=float, default=300, help="longest a student runs")
+    ap.add_argument("--teacher-seconds", type=float, default=600, help="longest the teacher's own training runs")
+    ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N versions")
+    ap.add_argument("--backend", default="vllm", choices=("vllm", "transformers"))
+    ap.add_argument("--startup-timeout", type=float, default=300)
+    args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes takes {', '.join(MODES)}")
+    if args.teacher:
+        teacher = Path(args.teacher)
+    else:
+        trained = run_loop("teacher", (), None, args.teacher_target,
+                           argparse.Namespace(**{**vars(args), "max_seconds": args.teacher_seconds}))
+        if trained["best_folder"] is None:
+            raise SystemExit(f"the teacher's loop produced no version to use (logs: .rlstream/runs/{trained['run']})")
+        teacher = ROOT / ".rlstream" / "distill-teacher"
+        shutil.rmtree(teacher, ignore_errors=True)
+        shutil.copytree(trained["best_folder"], teacher)
+        log("teacher", f"held-out {trained['best']:.3f}, saved to {teacher}")
+    results = {m: run_loop(m, MODES[m]["trainer"], teacher if m != "rl" else None, args.target, args)
+               for m in modes}
+    print(f"time to held-out {args.target} (teacher: {teacher}):")
+    for m, r in results.items():
+        secs = r["seconds_to_target"]
+        print(f"  {m:7s} " + (f"{secs:7.1f} s" if secs is not None else
+                              f"not reached in {args.max_seconds:.0f} s (best {r['best']:.2f})"))
+    figures = {f"{m.replace('+', '_')}_s": r["seconds_to_target"] for m, r in results.items()}
+    rl = results.get("rl", {}).get("seconds_to_target")
+    for m in ("opd", "rl+opd"):
+        secs = results.get(m, {}).get("seconds_to_target")
+        if rl and secs is not None:
+            figures[f"{m.replace('+', '_')}_vs_rl"] = secs / rl
+            print(f"  {m} / rl: {secs / rl:.2f}x   (goal for opd <= 0.5x)")
+    result("distill_vs_rl", target=args.target, **{k: ("none" if v is None else v) for k, v in figures.items()})
+    return results
+
+
+if __name__ == "__main__":
+    main()
