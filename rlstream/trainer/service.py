@@ -31,6 +31,7 @@ from rlstream.kafka.topics import delete_before, topic_name
 from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.devices import enable_gradient_checkpointing, resolve_device
 from rlstream.models.loading import TINY, check_folder, load_model, load_tokenizer, read_chat_template, torch_dtype
+from rlstream.models.logprobs import check_packing
 from rlstream.policy.staleness import StalenessCounter, StalenessFilter
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.deltas import content_hash, read_folder
@@ -41,7 +42,7 @@ from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, TeacherFeedback
 from rlstream.trainer.distributed import Ranks, check_nproc, launch
-from rlstream.trainer.engine import make_engine
+from rlstream.trainer.engine import SHARDING, make_engine
 from rlstream.trainer.microbatch import train_step
 from rlstream.trainer.update import UpdateConfig, build_batch
 from rlstream.trainer.window import WindowedFIFO, WindowItem
@@ -94,8 +95,9 @@ class TrainerSettings:
     warmup_fraction: float = knob(0.005, "Fraction of training pairs used by the warm-up")
     max_steps: int = knob(0, "Stop after this many updates (0 = run until stopped)")
     threads: int = knob(1, "Torch threads for this process")
-    deepspeed_stage: int = knob(0, "0: plain torch (DDP across --nproc ranks); 1, 2 or 3: DeepSpeed ZeRO at that "
-                                   "stage (CPU runs it over gloo)", choices=(0, 1, 2, 3))
+    sharding: str = knob("none", "How the --nproc ranks share the training state: none (DDP: everything on every "
+                                 "rank), zero1, zero2, zero3 (DeepSpeed ZeRO at that stage) or fsdp2 (torch "
+                                 "fully_shard); CPU ranks run each over gloo", choices=SHARDING)
     nproc: int = knob(1, "Trainer ranks (torch.distributed: gloo on the CPU, NCCL on GPUs); rank 0 reads, commits "
                          "and publishes, every rank trains its share of each step")
     device: str = knob("auto", "Where each rank trains: auto (its CUDA device when CUDA is present, else the CPU), "
@@ -105,6 +107,9 @@ class TrainerSettings:
     gradient_checkpointing: bool = knob(False, "Recompute activations in the backward instead of keeping them")
     micro_batch_tokens: int = knob(0, "Split each step into micro-batches of at most this many padded tokens, "
                                       "gradients accumulated into one optimizer step (0: the whole batch at once)")
+    packed_sequences: bool = knob(False, "Padding-free: each (micro-)batch's rows packed into one sequence, attention "
+                                         "kept within each row (models whose masks follow position_ids, checked at "
+                                         "start); --micro-batch-tokens then counts real tokens")
     seed: int = knob(0, "Seed of the initial model and warm-up")
 
 
@@ -133,7 +138,7 @@ class TrainerService:
         self._done_ahead: set[tuple[str, int, int]] = set()
         self._log_start = 0  # the weights log's start offset after the last truncation
         self.update_cfg = UpdateConfig(loss=settings.loss, clip_eps=settings.clip_eps, is_cap=settings.is_cap,
-                                       kl_coef=settings.kl_coef)
+                                       kl_coef=settings.kl_coef, packed=settings.packed_sequences)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -253,9 +258,11 @@ class TrainerService:
 
     def _engine(self):
         s = self.settings
+        if s.packed_sequences:
+            check_packing(self.model)
         if s.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
-        engine = make_engine(self.model, s.lr, self.update_cfg.max_grad_norm, s.deepspeed_stage,
+        engine = make_engine(self.model, s.lr, self.update_cfg.max_grad_norm, s.sharding,
                              device=resolve_device(s.device, self.ranks.rank), autocast_mode=s.autocast,
                              world_size=self.ranks.world)
         self.model = engine.model

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlstream.models.logprobs import token_logprobs
+from rlstream.models.logprobs import pack_rows, token_logprobs, unpack_rows
 from rlstream.schemas.records import ScoredTrajectory, TeacherFeedback
 from rlstream.trainer.advantages import compute_advantages
 from rlstream.trainer.losses import kl_penalty, opd_reverse_kl_loss, ppo_clip_loss
@@ -72,6 +72,7 @@ class UpdateConfig:
     is_cap: float = 5.0
     kl_coef: float = 0.0
     max_grad_norm: float = 1.0
+    packed: bool = False  # rows packed into one sequence, no padding computed (sequence_logprobs)
 
 
 def _next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
@@ -88,6 +89,19 @@ def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """float32 logits at ``temperature``; at 1 no division (x / 1 is x to the bit, and it cost a pass each way)."""
     logits = logits.float()
     return logits if temperature == 1.0 else logits / temperature
+
+
+def sequence_logprobs(forward, batch: Batch, packed: bool = False) -> torch.Tensor:
+    """``[B, L-1]`` log-probs of each row's next tokens under ``forward`` (an engine's or a model's) at the batch's
+    temperature: the rows side by side with their padding, or ``packed`` into one sequence without it
+    (``models/logprobs.py``; a row's last token then predicts the next row's first, a position its loss mask
+    excludes as it does the padding's)."""
+    if packed:
+        ids, positions, keep = pack_rows(batch.input_ids, batch.attention_mask)
+        logits = forward(input_ids=ids, position_ids=positions, use_cache=False).logits
+        return unpack_rows(token_logprobs(_tempered(logits, batch.temperature), _next_tokens(ids))[0], keep)[:, :-1]
+    logits = forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return token_logprobs(_tempered(logits, batch.temperature), _next_tokens(batch.input_ids))[:, :-1]
 
 
 def policy_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> dict[str, float]:
@@ -108,10 +122,8 @@ def policy_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> di
 
 def batch_loss(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> tuple[torch.Tensor, dict[str, float]]:
     """The token-mean loss of ``batch`` (over its loss-mask tokens) and its token-mean stats."""
-    logits = engine.forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    targets = _next_tokens(batch.input_ids)
     # Behaviour log-probs were sampled at this temperature, so the ratio must be taken at it too.
-    logp = token_logprobs(_tempered(logits, batch.temperature), targets)[:, :-1]
+    logp = sequence_logprobs(engine.forward, batch, cfg.packed)
     stats: dict[str, float] = {}
     if cfg.loss == "opd":
         if batch.teacher_logprobs is None:
@@ -125,8 +137,7 @@ def batch_loss(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> tuple
     stats.update({k: float(v) for k, v in s.items()})
     if cfg.kl_coef > 0 and ref_model is not None:
         with torch.no_grad():
-            ref_logits = ref_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            ref_logp = token_logprobs(_tempered(ref_logits, batch.temperature), targets)[:, :-1]
+            ref_logp = sequence_logprobs(ref_model, batch, cfg.packed)
         kl = kl_penalty(logp, ref_logp, batch.loss_mask)
         loss = loss + cfg.kl_coef * kl
         stats["kl_ref"] = float(kl.detach())
