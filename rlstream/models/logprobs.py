@@ -68,6 +68,6 @@ def check_packing(model, atol: float | None = None) -> None:
     atol = atol if atol is not None else (1e-3 if param.dtype == torch.float32 else 5e-2)
     worst = float((padded[keep] - packed).abs().max())
     if worst > atol:
-        raise UsageError(f"--packed-sequences: {type(model).__name__} does not keep packed rows apart (packed and padded logits differ by "
-                         f"{worst:.3g}; its attention does not restart at each row's position 0): train it without "
-                         "--packed-sequences")
+        raise UsageError(f"--packed-sequences: {type(model).__name__} does not keep packed rows apart (packed and "
+                         f"padded logits differ by {worst:.3g}; its attention does not restart at each row's "
+                         "position 0): train it without --packed-sequences")
