@@ -125,7 +125,8 @@ def main() -> None:
                   f"{percentile(lat, 50):.3f} s p99 {percentile(lat, 99):.3f} s (checkpoint p50 "
                   f"{percentile([r[5] for r in rows if r[1] == kind], 50):.3f} s)")
     plain, size = [r[6] for r in rows], (work / "plain.safetensors").stat().st_size
-    print(f"baseline: save_file of the bf16 tensors to a local file ({size / 1e6:.1f} MB) p50 {percentile(plain, 50):.3f} s p99 {percentile(plain, 99):.3f} s")
+    print(f"baseline: save_file of the bf16 tensors to a local file ({size / 1e6:.1f} MB) p50 "
+          f"{percentile(plain, 50):.3f} s p99 {percentile(plain, 99):.3f} s")
 
 
 if __name__ == "__main__":
