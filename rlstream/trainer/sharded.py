@@ -120,6 +120,10 @@ class FSDP2Engine(TorchEngine):
                                     init_method=f"tcp://127.0.0.1:{free_port()}")
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         model = model.to(device)
+        # Every rank starts from rank 0's weights (its warm-up, or the checkpoint it named), as DDP's and ZeRO's
+        # construction make sure: fully_shard keeps each rank's own shard of whatever that rank holds.
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
         blocks = set(getattr(model, "_no_split_modules", None) or ())
         for module in model.modules():
             if type(module).__name__ in blocks:

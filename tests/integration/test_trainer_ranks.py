@@ -45,8 +45,12 @@ def train_fixed(ranks, out: str, sharding: str, budget: int) -> None:
     """A rank of the harness: the trainer's own step function on the fixed batches; rank 0 writes the losses."""
     torch.set_num_threads(1)
     from rlstream.models.tiny import build_model, build_tokenizer
-    engine = make_engine(build_model(build_tokenizer(), seed=0), lr=1e-3, sharding=sharding,
-                         world_size=ranks.world)
+    model = build_model(build_tokenizer(), seed=0)
+    if not ranks.lead:  # the trainer warms up rank 0 alone: every engine must start all ranks from rank 0's weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+    engine = make_engine(model, lr=1e-3, sharding=sharding, world_size=ranks.world)
     stats = [train_step(engine, b, UpdateConfig(), max_tokens=budget, rank=ranks.rank, world=ranks.world)
              for b in fixed_batches()]
     if ranks.lead:
