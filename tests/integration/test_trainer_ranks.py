@@ -108,6 +108,7 @@ def resume_fixed(ranks, out: str, sharding: str) -> None:
     if ranks.lead:
         folder.mkdir()
         write_optimizer_states(folder, states, first.sharded)
+        torch.save(weights, folder / "model.bin")
     carried = steps(first, batches[2:])
     resumed_engine = engine(weights)
     resumed_engine.load_state_dict(ranks.broadcast(read_optimizer_states(folder) if ranks.lead else None))
@@ -117,6 +118,22 @@ def resume_fixed(ranks, out: str, sharding: str) -> None:
         with open(out, "w") as f:
             json.dump({"carried": carried, "resumed": resumed, "fresh": fresh,
                        "files": sorted(str(p.relative_to(folder)) for p in folder.rglob("*.pt"))}, f)
+
+
+def resume_on_one_rank(ranks, out: str) -> None:
+    """The 2-rank FSDP2 checkpoint of ``resume_fixed`` resumed by one rank: the shards joined and sharded again."""
+    torch.set_num_threads(1)
+    from pathlib import Path
+
+    from rlstream.models.tiny import build_model, build_tokenizer
+    from rlstream.trainer.service import read_optimizer_states
+    folder = Path(out).parent / "checkpoint"
+    model = build_model(build_tokenizer(), seed=0)
+    model.load_state_dict(torch.load(folder / "model.bin", weights_only=True))
+    engine = make_engine(model, lr=1e-2, sharding="fsdp2", world_size=ranks.world)
+    engine.load_state_dict(read_optimizer_states(folder))
+    losses = [train_step(engine, b, UpdateConfig(), max_tokens=24)["loss"] for b in fixed_batches()[2:]]
+    Path(out).write_text(json.dumps(losses))
 
 
 @pytest.mark.slow
@@ -131,6 +148,10 @@ def test_optimizer_state_saved_per_rank_resumes_the_same_steps(tmp_path, shardin
     assert got["resumed"] == pytest.approx(got["carried"], rel=1e-6, abs=1e-9)
     # Without the saved state the same steps come out otherwise: the comparison above can fail.
     assert got["fresh"][1:] != pytest.approx(got["carried"][1:], rel=1e-6, abs=1e-9)
+    if sharding == "fsdp2":  # FSDP2's shards are joined on load: the checkpoint resumes on another number of ranks
+        one = tmp_path / "one.json"
+        launch(1, resume_on_one_rank, (str(one),), "cpu")
+        assert json.loads(one.read_text()) == pytest.approx(got["carried"], rel=TOLERANCE)
 
 
 def test_nproc_beyond_the_cores_says_how_many_there_are():
