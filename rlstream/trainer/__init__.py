@@ -1,4 +1,5 @@
 """The trainer: windowed-FIFO consumption, advantages, losses, the update step and its engine (plain torch or DDP:
-``engine``; DeepSpeed ZeRO or FSDP2, which shard state across ranks: ``sharded``), micro-batches with gradient accumulation (``microbatch``), several ranks as one trainer
-(``distributed``), the optional supervised warm-up, and the service that trains and publishes policy versions.
+``engine``; DeepSpeed ZeRO or FSDP2, which shard state across ranks: ``sharded``), micro-batches with gradient
+accumulation (``microbatch``), several ranks as one trainer (``distributed``), the optional supervised warm-up, and
+the service that trains and publishes policy versions.
 """
