@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from rlstream.errors import UsageError
+from rlstream.schemas import headers as hdr
 from rlstream.trainer.distributed import Ranks, cpu_cores, launch
 from rlstream.trainer.engine import make_engine
 from rlstream.trainer.microbatch import train_step
 from rlstream.trainer.update import UpdateConfig
-from tests.helpers.kafka import read_all, wait_for
-from tests.integration.test_trainer import G, produce_groups
+from tests.helpers.kafka import produce, read_all, wait_for
+from tests.integration.test_trainer import G, produce_groups, scored_group
 from tests.unit.test_microbatch import mixed_batch
 
 pytestmark = pytest.mark.skipif(cpu_cores() < 2, reason="2 ranks need 2 cores")
@@ -215,3 +216,47 @@ def _zombie(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     except OSError:
         return True
+
+
+def varied_group(gid: int):
+    """A group whose samples' tokens differ (``scored_group``'s are alike, so their advantages cancel to a zero
+    gradient)."""
+    group = scored_group(gid)
+    for i, sample in enumerate(group):
+        sample.trajectory.token_ids = [7 + (i * 5 + k) % 30 for k in range(len(sample.trajectory.token_ids))]
+    return group
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sharding", ["zero3", "fsdp2"])
+def test_a_sharded_trainer_publishes_whole_checkpoints_and_resumes_with_its_optimizer_shards(
+        bootstrap, run_name, tmp_path, start_stage, sharding):
+    """The trainer process on 2 ranks with sharded parameters: each version's folder holds the whole model (gathered
+    to rank 0), hash-equal to what its PolicyVersion announces, and one optimizer shard per rank; restarted, it
+    loads them and trains on."""
+    from rlstream.models.loading import load_model
+    from rlstream.policy.deltas import folder_hash
+    weights = tmp_path / "weights"
+    args = ("--nproc", "2", "--threads", "1", "--weights", str(weights), "--window-groups", "4",
+            "--groups-per-step", "2", "--warmup-steps", "0", "--device", "cpu", "--sharding", sharding,
+            "--micro-batch-tokens", "24", "--poll-timeout-s", "0.1", "--max-steps", "1")
+    log = tmp_path / "trainer.log"
+    for step, gids in ((1, [1, 2]), (2, [3, 4])):
+        trainer = start_stage("trainer", bootstrap, run_name, *args, log_path=log)
+        wait_for(lambda: len(versions(bootstrap, run_name)) >= step, 300, f"v{step - 1}")
+        header = hdr.build(step - 1, hdr.new_traceparent(), "v1")
+        produce(bootstrap, run_name, "rewards", [(f"task-{g}".encode(), sample, header)
+                                                 for g in gids for sample in varied_group(g)])
+        assert trainer.wait(300) == 0, log.read_text()[-3000:]
+    seen = versions(bootstrap, run_name)
+    assert [(v.version, v.parent_version) for v in seen] == [(0, -1), (1, 0), (2, 1)]
+    if sharding == "fsdp2":  # the second start loaded the shards (ZeRO logs its own way)
+        assert "resumed policy at v1" in log.read_text()
+    for pv in seen:
+        folder = weights / "policy" / f"v{pv.version}"
+        assert folder_hash(folder) == pv.content_hash
+        assert sorted(p.name for p in (folder / "optimizer").iterdir()) == ["rank0.pt", "rank1.pt"]
+    a, b = (load_model(weights / "policy" / f"v{v}").state_dict() for v in (1, 2))
+    assert set(a) == set(b) and any(not torch.equal(a[k], b[k]) for k in a), "the resumed step changed nothing"
