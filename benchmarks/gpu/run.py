@@ -66,8 +66,7 @@ def devices(wanted: str) -> list[torch.device]:
     out = []
     for name in wanted.split(","):
         if name == "cuda" and not torch.cuda.is_available():
-            print("cuda: not available here (torch.cuda.is_available() is False); CPU lines only")
-            continue
+            continue  # main() says so once
         out.append(torch.device(name))
     return out
 
@@ -86,10 +85,11 @@ def trainer_section(args) -> None:
     tokens = [int(b.attention_mask.sum()) for b in batches]
     padded = [int(b.attention_mask.numel()) for b in batches]
     per_step = sum(tokens[1:]) / (len(batches) - 1)
-    print(f"trainer: {len(batches) - 1} timed steps of {args.groups_per_step} groups x 8, {per_step:.0f} tokens a "
-          f"step ({sum(tokens[1:]) / sum(padded[1:]):.0%} of the padded rows), micro-batches of "
-          f"{args.micro_batch_tokens or 'all'} tokens")
-    print(f"{'device':>8} {'autocast':>8} {'rows':>7} {'tokens/s':>10} {'s/step p50':>10} {'peak GiB':>8}")
+    print(f"trainer: steps of {args.groups_per_step} groups x 8, {per_step:.0f} tokens a step "
+          f"({sum(tokens[1:]) / sum(padded[1:]):.0%} of the padded rows), micro-batches of "
+          f"{args.micro_batch_tokens or 'all'} tokens; the first step of each line is not timed")
+    print(f"{'device':>8} {'autocast':>8} {'rows':>7} {'steps':>5} {'tokens/s':>10} {'s/step p50':>10} "
+          f"{'peak GiB':>8}")
     results = {}
     for device in devices(args.devices):
         n = len(batches) if device.type == "cuda" else min(len(batches), args.cpu_steps + 1)
@@ -110,7 +110,7 @@ def trainer_section(args) -> None:
                 rate = sum(tokens[1:n]) / sum(times[1:])
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
                 results[(device.type, mode, packed)] = rate
-                print(f"{device.type:>8} {mode:>8} {'packed' if packed else 'padded':>7} {rate:>10.0f} "
+                print(f"{device.type:>8} {mode:>8} {'packed' if packed else 'padded':>7} {n - 1:>5} {rate:>10.0f} "
                       f"{percentile(times[1:], 50):>10.3f} {peak:>8.1f}")
                 del engine, model
                 if device.type == "cuda":
@@ -148,7 +148,7 @@ def publish_section(args, work: Path) -> Path:
         started = time.perf_counter()  # the PolicyVersion's creation: before the checkpoint is written
         state = {k: v.detach().to("cpu", torch.bfloat16) for k, v in model.state_dict().items()}
         folder = work / f"v{version}"
-        model.save_pretrained(folder, state_dict=state)
+        model.save_pretrained(folder, state_dict=dict(state))  # it empties the dict it is given
         tokenizer.save_pretrained(folder)
         content = read_folder(folder)
         digest = content_hash(content)
@@ -233,9 +233,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the figures, not the engine's start-up log
     skip = set(filter(None, args.skip.split(",")))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else \
+        "none (torch.cuda.is_available() is False: CPU lines only)"
     print(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  commit {commit}  load "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}  cores {os.cpu_count()}  threads {args.threads}  "
           f"gpu {gpu}  torch {torch.__version__}  size {args.size}")
