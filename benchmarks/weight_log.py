@@ -6,9 +6,12 @@ latency of a worker that shares no path with the trainer.
 A Qwen2 built in code (random init) trains with AdamW in fp32 on random tokens; each version is published as bf16
 (what rollout engines load) through ``WeightLogWriter`` in a transaction with its PolicyVersion, as the trainer
 does, and a ``WeightLogReader`` with its own cache directory rebuilds and hash-checks it at once. Printed: per
-version its kind, payload bytes and share of a full anchor, and the time from the start of the publishing
-transaction to the rebuilt, verified folder (p50 / p99 over deltas and anchors). Needs a broker
-($RLSTREAM_BOOTSTRAP). One process does both sides in turn, so the latency has no queueing in it.
+version its kind, payload bytes and share of a full anchor, the checkpoint's time (``save_pretrained``, read back,
+content hash), the publishing transaction's, and the time from the version's creation (before its checkpoint is
+written, as the trainer's PolicyVersion) to the rebuilt, verified folder (p50 / p99 over deltas and anchors); and
+the baseline: ``safetensors.save_file`` of the same bf16 tensors to one local file (what a store on a shared path
+costs the trainer). Needs a broker ($RLSTREAM_BOOTSTRAP). One process does both sides in turn, so the latency has
+no queueing in it. ``--hidden 768 --layers 8 --vocab 16384`` is a ~100 M-parameter model.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from benchmarks.harness.result import result
 from benchmarks.harness.stats import percentile
@@ -80,8 +84,13 @@ def main() -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
+        bf16 = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+        t0 = time.perf_counter()
+        save_file(bf16, str(work / "plain.safetensors"))
+        plain = time.perf_counter() - t0
+        created = time.perf_counter()
         folder = work / "trainer" / f"v{version}"
-        model.save_pretrained(folder, state_dict={k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+        model.save_pretrained(folder, state_dict=bf16)
         content = read_folder(folder)
         digest = content_hash(content)
         started = time.perf_counter()
@@ -99,23 +108,29 @@ def main() -> None:
         assert content_hash(read_folder(loaded)) == digest
         ref = parse_uri(pv.weights_uri)
         rows.append((version, "anchor" if ref.anchor == version else "delta", writer.last_payload_bytes,
-                     published - started, done - started))
+                     published - started, done - created, started - created, plain))
     full = [r[2] for r in rows if r[1] == "anchor"]
     anchor_bytes = sum(full) / len(full)
-    print(f"{'version':>7} {'kind':>6} {'payload MB':>10} {'of anchor':>9} {'publish s':>9} {'to loaded s':>11}")
-    for version, kind, size, pub, total in rows:
-        print(f"{version:>7} {kind:>6} {size / 1e6:>10.2f} {size / anchor_bytes:>9.1%} {pub:>9.3f} {total:>11.3f}")
+    print(f"{'version':>7} {'kind':>6} {'payload MB':>10} {'of anchor':>9} {'checkpoint s':>12} {'publish s':>9} "
+          f"{'to loaded s':>11} {'file s':>6}")
+    for version, kind, size, pub, total, ckpt, plain in rows:
+        print(f"{version:>7} {kind:>6} {size / 1e6:>10.2f} {size / anchor_bytes:>9.1%} {ckpt:>12.3f} {pub:>9.3f} "
+              f"{total:>11.3f} {plain:>6.3f}")
     for kind in ("delta", "anchor"):
         lat = [r[4] for r in rows if r[1] == kind]
         sizes = [r[2] for r in rows if r[1] == kind]
         if lat:
             print(f"{kind}: n={len(lat)} mean {sum(sizes) / len(sizes) / 1e6:.2f} MB "
                   f"({sum(sizes) / len(sizes) / anchor_bytes:.1%} of an anchor); publish->loaded p50 "
-                  f"{percentile(lat, 50):.3f} s p99 {percentile(lat, 99):.3f} s")
+                  f"{percentile(lat, 50):.3f} s p99 {percentile(lat, 99):.3f} s (checkpoint p50 "
+                  f"{percentile([r[5] for r in rows if r[1] == kind], 50):.3f} s)")
+    plain, size = [r[6] for r in rows], (work / "plain.safetensors").stat().st_size
+    print(f"baseline: save_file of the bf16 tensors to a local file ({size / 1e6:.1f} MB) p50 "
+          f"{percentile(plain, 50):.3f} s p99 {percentile(plain, 99):.3f} s")
     deltas = [r[2] for r in rows if r[1] == "delta"]
     result("weight_log", steps=args.steps, anchor_mb=anchor_bytes / 1e6,
            delta_of_anchor=sum(deltas) / len(deltas) / anchor_bytes if deltas else float("nan"),
-           loaded_p50_s=percentile([r[4] for r in rows], 50))
+           loaded_p50_s=percentile([r[4] for r in rows], 50), save_file_p50_s=percentile(plain, 50))
 
 
 if __name__ == "__main__":

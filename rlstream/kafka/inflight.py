@@ -74,6 +74,36 @@ def decode_done_ahead(base: int, metadata: str | None) -> set[int]:
     return {base + i * 8 + j for i, byte in enumerate(raw) for j in range(8) if byte >> j & 1}
 
 
+def done_ahead_offsets(offsets: dict[Partition, int], done: Iterable[tuple[str, int, int]]) -> tuple[list, int]:
+    """Commit points for a consumer that finishes records out of order without a pipelined window (the trainer):
+    per partition (topic, partition, offset, done-ahead metadata or None), and how many done offsets did not fit
+    the metadata (the highest ones are left out: read again after a restart, they are handled twice)."""
+    by_part: dict[Partition, list[int]] = {}
+    for topic, partition, offset in done:
+        by_part.setdefault((topic, partition), []).append(offset)
+    points, left_out = [], 0
+    for (topic, partition), base in offsets.items():
+        ahead = sorted(o for o in by_part.get((topic, partition), ()) if o >= base)
+        while True:
+            try:
+                metadata = encode_done_ahead(base, ahead)
+                break
+            except ValueError:
+                keep = ahead[:len(ahead) * 3 // 4]
+                left_out += len(ahead) - len(keep)
+                ahead = keep
+        points.append((topic, partition, base, metadata or None))
+    return points, left_out
+
+
+def committed_done_ahead(consumer, partitions: list) -> set[tuple[str, int, int]]:
+    """(topic, partition, offset) of every record the committed offsets' metadata of ``partitions`` lists as done."""
+    if not partitions:
+        return set()
+    return {(tp.topic, tp.partition, o) for tp in consumer.committed(partitions, timeout=30) if tp.offset >= 0
+            for o in decode_done_ahead(tp.offset, tp.metadata)}
+
+
 class _Partition:
     __slots__ = ("slots", "done_before", "first")
 

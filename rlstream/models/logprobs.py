@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from rlstream.errors import UsageError
+
 
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, chunk_tokens: int = 256) -> torch.Tensor:
     """Log-prob of ``target_ids[..., t]`` under ``logits[..., t, :]`` (caller shifts), as float32.
@@ -45,3 +47,52 @@ def top_k(logits: torch.Tensor, k: int, chunk_tokens: int = 256) -> tuple[torch.
         indices.append(i)
     shape = tuple(logits.shape[:-1]) + (k,)
     return torch.cat(indices).view(shape), torch.cat(values).view(shape)
+
+
+# -- padding-free: a batch's rows packed into one sequence -----------------------------------------------------------
+#
+# Transformers models that build their masks through ``masking_utils`` (Llama, Qwen2, Mistral, Gemma, ... in
+# transformers 5) treat ``position_ids`` that restart at 0 with no attention mask as packed sequences: eager and SDPA
+# attention get a block-diagonal causal mask, flash-attention its variable-length kernel. So packed rows attend only
+# within themselves, as padded ones do, and no pad token is computed. Only without a KV cache (``use_cache=False``):
+# with one, position ids are read as continuing a cached sequence. ``check_packing`` proves it for a given model.
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Right-padded ``[B, L]`` rows as one ``[1, T]`` sequence of their tokens end to end; returns (ids, position ids
+    restarting at 0 for each row, the ``[B, L]`` mask of real tokens that ``unpack_rows`` puts values back by)."""
+    keep = attention_mask.bool()
+    lengths = attention_mask.sum(-1).tolist()
+    positions = torch.cat([torch.arange(n, device=input_ids.device) for n in lengths])
+    return input_ids[keep][None], positions[None], keep
+
+
+def unpack_rows(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Per-token ``values`` of a packed sequence (``[T]``) back in the ``[B, L]`` rows, 0 at padding."""
+    return values.new_zeros(keep.shape).masked_scatter(keep, values)
+
+
+def check_packing(model, atol: float | None = None) -> None:
+    """UsageError unless ``model`` keeps packed rows apart: two rows' logits, packed and padded, must agree (to
+    ``atol``: 1e-3 in float32, 5e-2 in half precision, kernel rounding only; attention across rows moves them far
+    more)."""
+    param = next(model.parameters())
+    vocab = model.get_input_embeddings().num_embeddings
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (2, 7), generator=g).to(param.device)
+    attn = torch.tensor([[1] * 7, [1] * 4 + [0] * 3], device=param.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            padded = model(input_ids=ids, attention_mask=attn).logits.float()
+            packed_ids, positions, keep = pack_rows(ids, attn)
+            packed = model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits.float()[0]
+    finally:
+        model.train(was_training)
+    atol = atol if atol is not None else (1e-3 if param.dtype == torch.float32 else 5e-2)
+    worst = float((padded[keep] - packed).abs().max())
+    if worst > atol:
+        raise UsageError(f"--packed-sequences: {type(model).__name__} does not keep packed rows apart (packed and "
+                         f"padded logits differ by {worst:.3g}; its attention does not restart at each row's "
+                         "position 0): train it without --packed-sequences")

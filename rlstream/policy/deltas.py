@@ -29,8 +29,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file, save_file
 from safetensors.torch import save as st_save
 
-#: Files of a store folder that are the trainer's own, not the policy's (never hashed, never shipped).
-PRIVATE = frozenset({"optimizer.pt", "consumed_ahead.json", "COMPLETE"})
+#: Files (or folders) of a store folder that are the trainer's own, not the policy's (never hashed, never shipped):
+#: the optimizer state (``optimizer/`` holds a sharded engine's, a file per rank), the store's marker, and the skip
+#: list older trainers wrote.
+PRIVATE = frozenset({"optimizer.pt", "optimizer", "consumed_ahead.json", "COMPLETE"})
 
 ANCHOR, DELTA = "anchor", "delta"
 _META = "rlstream"
@@ -57,7 +59,7 @@ def read_folder(folder: Path) -> Content:
     content = Content()
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = path.relative_to(folder).as_posix()
-        if rel in PRIVATE:
+        if rel.split("/")[0] in PRIVATE:
             continue
         if path.suffix == ".safetensors":
             for name, tensor in load_file(str(path)).items():

@@ -35,8 +35,10 @@ chunk of the newest anchor at or below ``version - η - 1``: every retained delt
 version η can still need stays readable. Audit copies of every Nth version belong in the store
 (``--keep-every``).
 
-**Resume.** A restarted trainer resumes from its own store; a trainer on a new host without that store is not
-resumed from the log (the log has no optimizer state or skip list), it starts the run anew.
+**Resume.** A restarted trainer resumes from its own store (with the optimizer state). A trainer on a new host,
+whose store lacks the announced version, rebuilds it from the log as a worker does (the anchor and the deltas after
+it, hash-checked) and resumes from it with a new optimizer state; which samples it trained is in Kafka already
+(the committed offsets and their metadata), so it trains none twice.
 """
 from __future__ import annotations
 

@@ -27,21 +27,22 @@ def rows_of(batch: Batch, rows: list[int]) -> Batch:
                  cut(batch.teacher_topk_ids, width - 1), cut(batch.teacher_topk_logprobs, width - 1), batch.opd_coef)
 
 
-def plan(batch: Batch, max_tokens: int, world: int = 1) -> list[list[list[int]]]:
+def plan(batch: Batch, max_tokens: int, world: int = 1, packed: bool = False) -> list[list[list[int]]]:
     """Each rank's micro-batches, as lists of row indices.
 
     Rows are sorted by length (longest first) so a micro-batch pads little, and packed greedily while its padded
-    size (rows x its longest row) stays within ``max_tokens``; a row longer than the budget is a micro-batch alone
+    size (rows x its longest row; its tokens alone where rows are ``packed`` into one sequence) stays within
+    ``max_tokens``; a row longer than the budget is a micro-batch alone
     (a sequence is not cut). ``max_tokens`` 0 is no budget: one micro-batch per rank. Micro-batches go to the ranks
     round-robin, and are halved until every rank has one where there are rows enough; a rank left without one
-    trains none (``accumulated_update`` still runs it through a zero-weight pass for the collective).
+    trains none (``accumulated_update`` runs zero-weight passes to match the busiest rank's count).
     """
     lengths = batch.attention_mask.sum(-1).tolist()
     if max_tokens <= 0:
         order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
         micro = [c for c in (order[i::world] for i in range(world)) if c]
     else:
-        micro = pack_by_length(lengths, max_tokens)
+        micro = pack_by_length(lengths, max_tokens, packed)
         while len(micro) < world and any(len(m) > 1 for m in micro):
             biggest = max(range(len(micro)), key=lambda i: len(micro[i]))
             rows = micro.pop(biggest)
@@ -49,17 +50,20 @@ def plan(batch: Batch, max_tokens: int, world: int = 1) -> list[list[list[int]]]
     return [micro[r::world] for r in range(world)]
 
 
-def pack_by_length(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def pack_by_length(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
     """Row indices sorted by length (longest first) and packed greedily into chunks whose padded size (rows x the
-    longest) stays within ``max_tokens``; a row longer than that is a chunk alone. (The teacher's chunks too.)"""
+    longest; their tokens alone where rows are ``packed`` into one sequence) stays within ``max_tokens``; a row
+    longer than that is a chunk alone. (The teacher's chunks too.)"""
     order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
-    chunks, current = [], []
+    chunks, current, size = [], [], 0
     for row in order:
         longest = lengths[current[0]] if current else lengths[row]
-        if current and (len(current) + 1) * longest > max_tokens:
+        grown = size + lengths[row] if packed else (len(current) + 1) * longest
+        if current and grown > max_tokens:
             chunks.append(current)
-            current = []
+            current, grown = [], lengths[row]
         current.append(row)
+        size = grown
     if current:
         chunks.append(current)
     return chunks
@@ -73,11 +77,12 @@ def accumulated_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None, 
     """
     engine.model.train()
     batch = batch.to(engine.device)
-    mine = plan(batch, max_tokens, world)[rank]
+    planned = plan(batch, max_tokens, world, cfg.packed)
+    mine = planned[rank]
     total = float(batch.loss_mask.sum().clamp(min=1))
-    # A rank with nothing to train still runs one pass, weighted 0, so that the gradient reduction it joins
-    # happens on every rank.
-    passes = [(rows, 1.0) for rows in mine] or [([0], 0.0)]
+    # Every rank runs as many passes as the busiest one, the extra ones weighted 0: each forward and backward is a
+    # collective where parameters are sharded (ZeRO-3, FSDP2), and the gradient reduction happens on every rank.
+    passes = [(rows, 1.0) for rows in mine] + [([0], 0.0)] * (max(1, max(map(len, planned))) - len(mine))
     engine.zero_grad()
     sums: dict[str, float] = {}
     for i, (rows, keep) in enumerate(passes):

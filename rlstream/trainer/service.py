@@ -5,13 +5,17 @@ first, then the PolicyVersion record and the offsets of the samples used are
 committed together. A crash in between redoes the step; no version is announced
 whose samples were not consumed, and a restart resumes from the last announced one.
 
+The window trains complete groups out of log order, so a committed offset stops at the oldest sample still held;
+what was trained (or evicted) past it is listed in the offset's metadata, committed in the same transaction
+(``kafka.inflight``'s done-ahead map, as the pipelined stages keep theirs), and a trainer that reads the partition
+again skips it. Kept in Kafka, it reaches a trainer on any host.
+
 With ``--weights-transport kafka`` the version's weights also go on the run's weights topic, inside that same
 transaction (``rlstream.policy.weight_log``), and the PolicyVersion names them there; either way it carries the
 content hash every worker checks its load against.
 """
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -24,34 +28,33 @@ import torch
 
 from rlstream import metrics
 from rlstream.config import KafkaSettings, LoopSettings, knob
+from rlstream.errors import UserError
 from rlstream.kafka import records
 from rlstream.kafka.group import GroupMember
+from rlstream.kafka.inflight import committed_done_ahead, done_ahead_offsets
 from rlstream.kafka.records import Rejected
 from rlstream.kafka.topics import delete_before, topic_name
 from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.devices import enable_gradient_checkpointing, resolve_device
 from rlstream.models.loading import TINY, check_folder, load_model, load_tokenizer, read_chat_template, torch_dtype
+from rlstream.models.logprobs import check_packing
 from rlstream.policy.deltas import content_hash, read_folder
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weight_log import WeightLogWriter
-from rlstream.policy.weights import WeightStore, tokenizer_hash
+from rlstream.policy.weights import PolicyWeights, WeightStore, tokenizer_hash
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion
 from rlstream.trainer.chain import chain_stats
 from rlstream.trainer.distill import LOSSES, DistillConfig, coef_at
 from rlstream.trainer.distributed import Ranks, check_nproc, launch
-from rlstream.trainer.engine import make_engine
+from rlstream.trainer.engine import SHARDING, make_engine
 from rlstream.trainer.gate import SampleGate, trajectory_of
 from rlstream.trainer.microbatch import train_step
 from rlstream.trainer.update import UpdateConfig, build_batch
 from rlstream.trainer.window import WindowedFIFO, WindowItem
 
 log = logging.getLogger(__name__)
-
-#: In each checkpoint: the samples consumed beyond the offsets its PolicyVersion's transaction committed.
-CONSUMED_AHEAD = "consumed_ahead.json"
-
 
 @dataclass(frozen=True)
 class TrainerSettings:
@@ -116,8 +119,9 @@ class TrainerSettings:
     warmup_fraction: float = knob(0.005, "Fraction of training pairs used by the warm-up")
     max_steps: int = knob(0, "Stop after this many updates (0 = run until stopped)")
     threads: int = knob(1, "Torch threads for this process")
-    deepspeed_stage: int = knob(0, "0: plain torch (DDP across --nproc ranks); 1, 2 or 3: DeepSpeed ZeRO at that "
-                                   "stage (CPU runs it over gloo)", choices=(0, 1, 2, 3))
+    sharding: str = knob("none", "How the --nproc ranks share the training state: none (DDP: everything on every "
+                                 "rank), zero1, zero2, zero3 (DeepSpeed ZeRO at that stage) or fsdp2 (torch "
+                                 "fully_shard); CPU ranks run each over gloo", choices=SHARDING)
     nproc: int = knob(1, "Trainer ranks (torch.distributed: gloo on the CPU, NCCL on GPUs); rank 0 reads, commits "
                          "and publishes, every rank trains its share of each step")
     device: str = knob("auto", "Where each rank trains: auto (its CUDA device when CUDA is present, else the CPU), "
@@ -127,6 +131,9 @@ class TrainerSettings:
     gradient_checkpointing: bool = knob(False, "Recompute activations in the backward instead of keeping them")
     micro_batch_tokens: int = knob(0, "Split each step into micro-batches of at most this many padded tokens, "
                                       "gradients accumulated into one optimizer step (0: the whole batch at once)")
+    packed_sequences: bool = knob(False, "Padding-free: each (micro-)batch's rows packed into one sequence, attention "
+                                         "kept within each row (models whose masks follow position_ids, checked at "
+                                         "start); --micro-batch-tokens then counts real tokens")
     seed: int = knob(0, "Seed of the initial model and warm-up")
 
 
@@ -149,12 +156,13 @@ class TrainerService:
         self.version = -1
         self._stopping = False
         self._letters: list = []  # (message, reason, error) to dead-letter in the next transaction
-        # Positions the resumed checkpoint had already trained (or evicted) beyond the committed offsets.
+        # Positions trained (or evicted) beyond the committed offsets before this consumer read them (their metadata).
         self._done_ahead: set[tuple[str, int, int]] = set()
         self._log_start = 0  # the weights log's start offset after the last truncation
         distill = DistillConfig(settings.opd_kl, settings.opd_kl_mix, settings.opd_zero_outside_topk)
         self.update_cfg = UpdateConfig(loss=settings.loss, clip_eps=settings.clip_eps, is_cap=settings.is_cap,
-                                       kl_coef=settings.kl_coef, distill=distill)
+                                       kl_coef=settings.kl_coef, distill=distill,
+                                       packed=settings.packed_sequences)
         if settings.loss != "ppo" and settings.source != "feedback":
             raise ValueError(f"--loss {settings.loss} needs the teacher's feedback: add --source feedback and run "
                              "the teacher stage (rlstream run teacher)")
@@ -190,7 +198,7 @@ class TrainerService:
         self._member = GroupMember(kafka, self.group_id, [topic_name(kafka.run, self.settings.source)],
                                    instance=self.loop.policy, session_timeout_ms=runtime.session_timeout_ms,
                                    on_revoke=lambda c, parts: self.window.clear(),
-                                   on_assign=lambda c, parts: self.window.clear(), who="trainer").subscribe()
+                                   on_assign=self._assigned, who="trainer").subscribe()
         steps = 0
         try:
             while not self._stopping:
@@ -213,23 +221,25 @@ class TrainerService:
 
     # -- resume / create -------------------------------------------------------------
 
+    def _assigned(self, consumer, parts) -> None:
+        """Partitions (re)assigned: read again from their committed offsets, skipping what was trained past them."""
+        self.window.clear()
+        self._done_ahead = committed_done_ahead(consumer, parts)
+
     def _load_or_create(self) -> None:
         announced = last_policy_version(self.kafka.client_config(), self.kafka.run, self.loop.policy)
-        # Resumed from the trainer's own store (with the optimizer state and the skip list), whatever transport
-        # announced the version; a trainer without that store starts anew (the weights log holds neither).
-        if announced is not None and announced.version in self.store.versions(self.loop.policy):
-            folder = self.store.fetch(self.loop.policy, announced.version, self.loop.home_path / "weights-cache")
-            self._build(self.ranks.broadcast(folder))
+        if announced is not None:
+            self._build(self.ranks.broadcast(self._resume_folder(announced)))
             self.version = announced.version
-            ahead = folder / CONSUMED_AHEAD
-            if ahead.exists():
-                self._done_ahead = {tuple(p) for p in json.loads(ahead.read_text())}
             log.info("trainer resumed %s at v%d", self.loop.policy, self.version)
         else:
             self._build(self.ranks.broadcast(None))
             self._publish(0, {"warmup_steps": float(self.settings.warmup_steps)}, offsets=None, samples=0)
         ref = None
         if self.settings.kl_coef > 0:
+            if 0 not in self.store.versions(self.loop.policy):
+                raise UserError(f"--kl-coef: the KL reference, {self.loop.policy} v0, is not in the store "
+                                f"{self.settings.weights!r}: point --weights at the store that holds it")
             ref = self.store.fetch(self.loop.policy, 0, self.loop.home_path / "weights-cache")
             self.ranks.command("ref", ref)
         self._load_ref(ref)
@@ -256,6 +266,23 @@ class TrainerService:
             self.engine.load_state_dict(states)
         self.model.eval()
 
+    def _resume_folder(self, announced: PolicyVersion) -> Path:
+        """The announced version's folder: from the trainer's own store (with its optimizer state), else, on a host
+        without it, from where workers load it (the weights log, or the store it names), hash-checked; the optimizer
+        state then starts anew (it travels with neither)."""
+        policy, cache = self.loop.policy, self.loop.home_path / "weights-cache"
+        if announced.version in self.store.versions(policy):
+            return self.store.fetch(policy, announced.version, cache)
+        try:
+            folder = PolicyWeights(cache, self.kafka.client_config(), self.kafka.run).folder(announced)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"trainer: {policy} v{announced.version} is announced in run {self.kafka.run!r} but is "
+                            f"not in the store {self.settings.weights!r} nor loadable from {announced.weights_uri} "
+                            f"({exc}). Point --weights at the store that holds it, or start a new --run") from None
+        log.warning("resuming %s at v%d from %s: not in this trainer's store, so the optimizer state starts anew",
+                    policy, announced.version, announced.weights_uri)
+        return folder
+
     def _load_ref(self, folder: Path | None) -> None:
         """The KL reference (version 0), on this rank's device; None without --kl-coef."""
         self.ref_model = None if folder is None else \
@@ -279,9 +306,11 @@ class TrainerService:
 
     def _engine(self):
         s = self.settings
+        if s.packed_sequences:
+            check_packing(self.model)
         if s.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
-        engine = make_engine(self.model, s.lr, self.update_cfg.max_grad_norm, s.deepspeed_stage,
+        engine = make_engine(self.model, s.lr, self.update_cfg.max_grad_norm, s.sharding,
                              device=resolve_device(s.device, self.ranks.rank), autocast_mode=s.autocast,
                              world_size=self.ranks.world, lr_warmup_steps=s.lr_warmup_steps)
         self.model = engine.model
@@ -369,9 +398,6 @@ class TrainerService:
             written["content"] = read_folder(folder)
             written["tokenizer_hash"] = tokenizer_hash(folder)
             write_optimizer_states(folder, optimizer_states, self.engine.sharded)
-            # The window trains complete groups out of log order, so the committed offsets stop at the oldest
-            # held sample; what was trained past it is listed here for a restart to skip.
-            (folder / CONSUMED_AHEAD).write_text(json.dumps(self.window.released_ahead()))
 
         # The checkpoint exists before the record that announces it.
         uri = self.store.put(policy, version, write)
@@ -389,9 +415,14 @@ class TrainerService:
             records.produce(self.txn, self.kafka.run, "policy-versions", policy, record, version)
             for m, reason, error in self._pop_letters():
                 self.txn.dead_letter("trainer", m, reason, error)
-            # The samples this version was trained on are consumed in the same transaction (version 0 is announced
-            # before the trainer joins its group: it has no samples, so no offsets).
-            return [(t, p, o, None) for (t, p), o in (offsets or {}).items()]
+            # The samples this version was trained on are consumed in the same transaction, those past each offset
+            # in its metadata (version 0 is announced before the trainer joins its group: no samples, no offsets).
+            points, left_out = done_ahead_offsets(offsets or {}, self.window.released_ahead() if offsets else ())
+            if left_out:
+                log.warning("%d samples trained past the held head do not fit the offsets' metadata: a restart "
+                            "would train them again (a smaller --head-timeout-s or --window-groups keeps it short)",
+                            left_out)
+            return points
         if not self.txn.transact(body, lambda: self.consumer.consumer_group_metadata()):
             # The model has moved on past what the log says: exit, and a restart resumes from the last announced
             # version and the committed offsets (the step is redone).

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlstream.models.logprobs import token_logprobs
+from rlstream.models.logprobs import pack_rows, token_logprobs, unpack_rows
 from rlstream.schemas.records import ScoredTrajectory, TeacherFeedback
 from rlstream.trainer.advantages import compute_advantages, token_row, turn_advantages
 from rlstream.trainer.distill import DistillConfig, distill_loss
@@ -109,6 +109,7 @@ class UpdateConfig:
     kl_coef: float = 0.0
     max_grad_norm: float = 1.0
     distill: DistillConfig = DistillConfig()
+    packed: bool = False  # rows packed into one sequence, no padding computed (sequence_logprobs)
 
 
 def _next_tokens(input_ids: torch.Tensor) -> torch.Tensor:
@@ -125,6 +126,26 @@ def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """float32 logits at ``temperature``; at 1 no division (x / 1 is x to the bit, and it cost a pass each way)."""
     logits = logits.float()
     return logits if temperature == 1.0 else logits / temperature
+
+
+def sequence_logprobs(forward, batch: Batch, packed: bool = False, with_logits: bool = False):
+    """``[B, L-1]`` log-probs of each row's next tokens under ``forward`` (an engine's or a model's) at the batch's
+    temperature: the rows side by side with their padding, or ``packed`` into one sequence without it
+    (``models/logprobs.py``; a row's last token then predicts the next row's first, a position its loss mask
+    excludes as it does the padding's). ``with_logits``: also the tempered ``[B, L, V]`` logits in the rows' padded
+    layout (else None), for losses that read the whole distribution."""
+    if packed:
+        ids, positions, keep = pack_rows(batch.input_ids, batch.attention_mask)
+        tempered = _tempered(forward(input_ids=ids, position_ids=positions, use_cache=False).logits, batch.temperature)
+        logp = unpack_rows(token_logprobs(tempered, _next_tokens(ids))[0], keep)[:, :-1]
+        if not with_logits:
+            return logp, None
+        rows = tempered.new_zeros((*keep.shape, tempered.shape[-1]))
+        rows[keep] = tempered[0]
+        return logp, rows
+    logits = forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    tempered = _tempered(logits, batch.temperature)
+    return token_logprobs(tempered, _next_tokens(batch.input_ids))[:, :-1], tempered if with_logits else None
 
 
 def policy_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> dict[str, float]:
@@ -145,11 +166,9 @@ def policy_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> di
 
 def batch_loss(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> tuple[torch.Tensor, dict[str, float]]:
     """The token-mean loss of ``batch`` (over its loss-mask tokens) and its token-mean stats."""
-    logits = engine.forward(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    targets = _next_tokens(batch.input_ids)
     # Behaviour log-probs were sampled at this temperature, so the ratio must be taken at it too.
-    tempered = _tempered(logits, batch.temperature)
-    logp = token_logprobs(tempered, targets)[:, :-1]
+    # The distillation losses read the student's whole distribution (the teacher's top-k tokens), PPO its log-probs.
+    logp, tempered = sequence_logprobs(engine.forward, batch, cfg.packed, with_logits=cfg.loss != "ppo")
     stats: dict[str, float] = {}
     if cfg.loss != "ppo":
         loss, s = distill_loss(cfg.loss, tempered, logp, batch, cfg.clip_eps,
@@ -162,8 +181,7 @@ def batch_loss(engine, batch: Batch, cfg: UpdateConfig, ref_model=None) -> tuple
     stats.update({k: float(v) for k, v in s.items()})
     if cfg.kl_coef > 0 and ref_model is not None:
         with torch.no_grad():
-            ref_logits = ref_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            ref_logp = token_logprobs(_tempered(ref_logits, batch.temperature), targets)[:, :-1]
+            ref_logp, _ = sequence_logprobs(ref_model, batch, cfg.packed)
         kl = kl_penalty(logp, ref_logp, batch.loss_mask)
         loss = loss + cfg.kl_coef * kl
         stats["kl_ref"] = float(kl.detach())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -129,3 +130,69 @@ def test_workers_without_a_shared_path_load_versions_from_the_log_and_refuse_a_b
         for runner, thread in workers:
             runner.request_stop()
             thread.join(60)
+
+
+@pytest.mark.timeout(600)
+def test_a_trainer_on_a_new_host_resumes_from_the_weights_log_and_trains_no_sample_twice(bootstrap, run_name,
+                                                                                        tmp_path, caplog):
+    """Trainer A trains v1..v3 (v2 an anchor, v3 a delta) past a held head group, then its host goes away. Trainer
+    B, with an empty store, resumes at v3 rebuilt from the log, skips the samples A trained past the head (the
+    committed offsets' metadata says which), and trains on from v3."""
+    from rlstream.trainer.service import TrainerSettings
+    from tests.integration.test_trainer import G, SpyTrainer, produce_groups, scored_group, wait_version
+    caplog.set_level(logging.INFO)
+    kafka = KafkaSettings(bootstrap=bootstrap, run=run_name)
+
+    def start(host):
+        settings = TrainerSettings(weights=str(host / "weights"), weights_transport="kafka", weights_anchor_every=2,
+                                   warmup_steps=0, window_groups=4, lr=1e-2)
+        trainer = SpyTrainer(settings, LoopSettings(run=run_name, home=str(host), groups_per_step=2, eta=8))
+        thread = threading.Thread(target=trainer.serve, args=(kafka, RuntimeSettings(poll_timeout_s=0.1)),
+                                  daemon=True)
+        thread.start()
+        return trainer, thread
+
+    head = scored_group(0)
+    produce(bootstrap, run_name, "rewards", [(b"task-0", s, hdr.build(0, hdr.new_traceparent(), "v1"))
+                                             for s in head[:G - 1]])
+    a, thread_a = start(tmp_path / "host-a")
+    try:
+        for v, gids in ((1, [1, 2]), (2, [3, 4]), (3, [5, 6])):
+            produce_groups(bootstrap, run_name, gids, version=v - 1)
+            wait_version(a, v)
+    finally:
+        a.stop()
+        thread_a.join(60)
+    assert [sorted(groups) for _, groups in a.trained] == [[f"task-{g}", f"task-{g + 1}"] for g in (1, 3, 5)]
+    v3 = [s.record for s in read_all(bootstrap, run_name, "policy-versions", expect=4)][-1]
+    assert v3.version == 3 and parse_uri(v3.weights_uri).anchor == 2
+    truth = read_folder(tmp_path / "host-a" / "weights" / "policy" / "v3")
+    shutil.move(tmp_path / "host-a", tmp_path / "gone")  # nothing of host A is left to read
+
+    caplog.clear()
+    b, thread_b = start(tmp_path / "host-b")
+    try:
+        wait_for(lambda: b.version == 3, 120, "trainer B to resume at v3")
+        assert "resuming policy at v3 from kafka:weights?" in caplog.text
+        assert "v3 is a delta whose base v2 is not held here (nothing held yet): rebuilding from anchor v2" \
+            in caplog.text
+        state = b.model.state_dict()
+        assert content_hash(Content({n: state[n] for n in truth.tensors}, {}, truth.files)) == v3.content_hash, \
+            f"B does not hold v3 (trained since on: {b.trained})"
+        # Groups 1-6 lie past the held head group 0 in the log; B reads from the head again and must skip them.
+        produce_groups(bootstrap, run_name, [7], version=3)  # one complete group: not a step of two yet
+        wait_for(lambda: b.window.pending_samples >= 2 * G - 1, 60, "trainer B to read groups 0 and 7")
+        time.sleep(2)  # what B took for new it would train now
+        assert b.trained == [], "trainer B trained again what trainer A had trained"
+        produce(bootstrap, run_name, "rewards", [(b"task-0", head[G - 1], hdr.build(3, hdr.new_traceparent(), "v1"))])
+        wait_version(b, 4)
+    finally:
+        b.stop()
+        thread_b.join(60)
+    assert [(v, sorted(groups)) for v, groups in b.trained] == [(3, ["task-0", "task-7"])]
+    versions = [s.record for s in read_all(bootstrap, run_name, "policy-versions", expect=5)]
+    assert [(pv.version, pv.parent_version) for pv in versions][-2:] == [(3, 2), (4, 3)]
+    chunks = [s.record for s in read_all(bootstrap, run_name, "weights")]
+    # B's first version is an anchor: B holds no base that the log's readers hold.
+    assert [(c.version, c.kind) for c in chunks if c.chunk == 0][-2:] == [(3, "delta"), (4, "anchor")]
+    assert sum(pv.samples_trained for pv in versions) == 8 * G  # groups 0-7, every sample once

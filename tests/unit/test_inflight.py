@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlstream.kafka.inflight import OffsetWindow, Slot, decode_done_ahead, encode_done_ahead
+from rlstream.kafka.inflight import OffsetWindow, Slot, decode_done_ahead, done_ahead_offsets, encode_done_ahead
 
 
 class Msg:
@@ -122,3 +122,17 @@ def test_every_record_is_emitted_once_and_commit_points_never_pass_an_unfinished
 
 def slots_done(slots, partition, offset):
     return any(s.msg.partition() == partition and s.msg.offset() == offset and s.future.done() for s in slots)
+
+
+def test_done_ahead_offsets_list_each_partitions_records_past_its_offset_and_what_did_not_fit():
+    points, left_out = done_ahead_offsets({("r", 0): 10, ("r", 1): 5}, [("r", 0, 12), ("r", 0, 15), ("r", 1, 3)])
+    assert left_out == 0
+    assert [(t, p, o) for t, p, o, _ in points] == [("r", 0, 10), ("r", 1, 5)]
+    assert decode_done_ahead(10, points[0][3]) == {12, 15}
+    assert points[1][3] is None  # nothing past partition 1's offset
+    # More than the broker's metadata limit takes: the lowest offsets are kept, the rest counted.
+    far = [("r", 0, 10 + 8 * k) for k in range(1, 4000)]
+    (point,), left_out = done_ahead_offsets({("r", 0): 10}, far)
+    kept = decode_done_ahead(10, point[3])
+    assert left_out > 0 and len(kept) + left_out == len(far)
+    assert kept == {o for _, _, o in far[:len(kept)]}

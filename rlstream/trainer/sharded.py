@@ -1,0 +1,193 @@
+"""Engines that shard training state across the ranks: DeepSpeed ZeRO (stage 1: optimizer state; 2: and gradients;
+3: and parameters) and torch's FSDP2 (``fully_shard``: parameters, gradients and optimizer state, as DTensors).
+
+Both run on the CPU over gloo as on GPUs over NCCL, and on a single process as a world of one. Under ZeRO-3 and
+FSDP2 every forward and backward is a collective (parameters are gathered per layer), so every rank must run as
+many micro-batches as the others (``trainer/microbatch.py`` pads with zero-weight passes).
+
+Checkpoints: each rank's optimizer shard is saved as its own file (``state_dict``) and the full parameters are
+gathered to rank 0 (``full_state_dict``, a collective). On resume every rank is handed every rank's shard:
+ZeRO merges and re-partitions them; FSDP2 concatenates the dim-0 shards into the full state and shards it again
+for the current world, so a checkpoint resumes on any number of ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from rlstream.models.devices import autocast
+from rlstream.trainer.engine import TorchEngine, adam_steps, set_lr, warmup_lr
+
+
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) sharded across ranks.
+
+    ZeRO 1/2 keep full parameters on every rank, so ``model`` saves as a normal checkpoint; ZeRO-3's are gathered to
+    rank 0 for it (``full_state_dict``).
+    """
+
+    sharded = True
+
+    def __init__(self, model, lr: float, max_grad_norm: float, stage: int, device: torch.device = torch.device("cpu"),
+                 autocast_mode: str = "off", lr_warmup_steps: int = 0):
+        # A single process is a world of one; the rank launcher (trainer/distributed.py) sets these for more.
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+        if device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+        self.device = device
+        self.stage = stage
+        self.autocast_mode = autocast_mode
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": max_grad_norm,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
+        }
+        deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl")
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        self.model = self.engine.module
+        # Counted from this process's start: a resumed ZeRO run warms up again (its Adam moments are restored).
+        self.lr, self.lr_warmup_steps, self.steps = lr, lr_warmup_steps, 0
+
+    def forward(self, **inputs):
+        with autocast(self.device, self.autocast_mode):
+            return self.engine(**inputs)
+
+    def step(self, loss) -> float:
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.backward(loss)
+        return self.optimizer_step()
+
+    def zero_grad(self) -> None:
+        pass  # DeepSpeed zeroes the gradients in its step
+
+    def accumulating(self, last: bool):
+        # Only the boundary micro-batch reduces the gradients; the step after it applies them once.
+        self.engine.set_gradient_accumulation_boundary(last)
+        return contextlib.nullcontext()
+
+    def backward(self, loss) -> None:
+        # The caller scales each micro-batch's loss by its share of the step (microbatch.py), not by a fixed count.
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def optimizer_step(self) -> float:
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.steps += 1
+        set_lr(self.engine.optimizer.param_groups, warmup_lr(self.lr, self.steps, self.lr_warmup_steps))
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def state_dict(self) -> dict:
+        import deepspeed
+        # This rank's partition; ZeRO's loader asks for the version that wrote it.
+        return {**self.engine.optimizer.state_dict(), "ds_version": deepspeed.__version__}
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        # ZeRO merges the saved partitions and takes its own: every rank gets them all.
+        self.engine.optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
+
+    def full_state_dict(self):
+        if self.stage < 3:
+            return None
+        import deepspeed
+        # Collective: every rank takes part, rank 0 keeps the gathered copy.
+        params = list(self.model.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            if int(os.environ.get("RANK", "0")) == 0:
+                return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return None
+
+
+class FSDP2Engine(TorchEngine):
+    """torch's FSDP2: each of the model's blocks (its ``_no_split_modules``: decoder layers) and then the whole model
+    are ``fully_shard``-ed over one mesh of every rank; AdamW steps on the local shards."""
+
+    sharded = True
+
+    def __init__(self, model, lr: float, max_grad_norm: float, device: torch.device = torch.device("cpu"),
+                 autocast_mode: str = "off", lr_warmup_steps: int = 0):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        if not dist.is_initialized():  # a single process: a world of one (the launcher sets up more)
+            from rlstream.trainer.distributed import free_port
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                                    init_method=f"tcp://127.0.0.1:{free_port()}")
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        model = model.to(device)
+        # Every rank starts from rank 0's weights (its warm-up, or the checkpoint it named), as DDP's and ZeRO's
+        # construction make sure: fully_shard keeps each rank's own shard of whatever that rank holds.
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+        blocks = set(getattr(model, "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in blocks:
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # what no block holds (embeddings, final norm, head)
+        self.device, self.model, self.autocast_mode = device, model, autocast_mode
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        self.max_grad_norm = max_grad_norm
+        self.lr, self.lr_warmup_steps, self.steps = lr, lr_warmup_steps, 0
+
+    def accumulating(self, last: bool):
+        # Gradients reduce-scatter once per step, in the last micro-batch's backward (the others accumulate).
+        self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def optimizer_step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.steps += 1
+        set_lr(self.optimizer.param_groups, warmup_lr(self.lr, self.steps, self.lr_warmup_steps))
+        self.optimizer.step()
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        # Keyed by parameter name; each DTensor as this rank's dim-0 shard.
+        return _to_local(get_optimizer_state_dict(self.model, self.optimizer))
+
+    def load_state_dict(self, states: list[dict]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        if any(not isinstance(k, str) for s in states for k in s.get("state", {})):
+            raise ValueError("the checkpoint's optimizer state is not FSDP2's (keyed by parameter index, from "
+                             "--sharding none): resume with the --sharding that wrote it")
+        full = {"state": {name: {key: _concat([s["state"][name][key] for s in states])
+                                 for key in value} for name, value in states[0]["state"].items()},
+                "param_groups": states[0]["param_groups"]}
+        # Every rank holds the full state: each keeps its own shard of it for the current world.
+        set_optimizer_state_dict(self.model, self.optimizer, full, options=StateDictOptions(full_state_dict=True))
+        self.steps = adam_steps(self.optimizer)
+
+    def full_state_dict(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        # Collective: every rank takes part; with the CPU offload only rank 0 keeps the gathered copy.
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return full if int(os.environ.get("RANK", "0")) == 0 else None
+
+
+def _to_local(obj):
+    """``obj`` with every DTensor as this rank's local shard, on the CPU (a plain pickle, loadable anywhere)."""
+    if isinstance(obj, dict):
+        return {k: _to_local(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_local(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return (obj.to_local() if hasattr(obj, "to_local") else obj).detach().cpu().clone()
+    return obj
+
+
+def _concat(parts: list):
+    """Every rank's shard of one state entry as the whole: dim-0 shards joined in rank order; a scalar (AdamW's
+    step) is the same on every rank."""
+    if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0:
+        return torch.cat(parts)
+    return parts[0]
