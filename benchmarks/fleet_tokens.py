@@ -47,7 +47,8 @@ def tasks(n: int, group_size: int, max_tokens: int, tag: str) -> list[Task]:
                  sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens)) for i in range(n)]
 
 
-def stage_round(bootstrap: str, urls: list[str], folder: Path, root: Path, args, k: int) -> tuple[float, list]:
+def stage_round(bootstrap: str, urls: list[str], folder: Path, root: Path, args, k: int,
+                backend: str = "vllm-server") -> tuple[float, list]:
     """(tokens/s, the prompts' token ids) of the rollout stage over a fresh run's prompts.
 
     One warm-up prompt goes first: the stage starts its fleet and pushes version 0 to both servers on its first
@@ -73,7 +74,7 @@ def stage_round(bootstrap: str, urls: list[str], folder: Path, root: Path, args,
         if clock["n"] >= 1 + args.tasks:
             runner.request_stop()
 
-    stage = RolloutStage(RolloutSettings(backend="vllm-server", engine_url=tuple(urls), max_context=MAX_CONTEXT,
+    stage = RolloutStage(RolloutSettings(backend=backend, engine_url=tuple(urls), max_context=args.max_context,
                                          health_interval_s=5.0))
     runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run),
                          RuntimeSettings(batch_size=args.batch_tasks, instance=f"bench-{k}"),
@@ -97,9 +98,10 @@ def stage_round(bootstrap: str, urls: list[str], folder: Path, root: Path, args,
     return tokens / (clock["last"] - clock["first"]), prompts
 
 
-def direct_round(urls: list[str], prompts: list[list[int]], args) -> float:
-    """Tokens/s of the same requests sent straight to the servers, as many in flight as one stage batch."""
-    apis = [VLLMServerAPI(u) for u in urls]
+def direct_round(urls: list[str], prompts: list[list[int]], args, api=VLLMServerAPI) -> float:
+    """Tokens/s of the same requests sent straight to the servers (through ``api``, the stage's own client of their
+    kind), as many in flight as one stage batch."""
+    apis = [api(u) for u in urls]
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens)
     servers = itertools.cycle(apis)
     jobs = [(next(servers), p) for p in prompts]
@@ -117,6 +119,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-tasks", type=int, default=8, help="prompts per stage batch (in flight: x G)")
     ap.add_argument("--rounds", type=int, default=2, help="stage/direct pairs")
     args = ap.parse_args(argv)
+    args.max_context = MAX_CONTEXT
     bootstrap = broker.up()
     root = Path(tempfile.mkdtemp(prefix="rlstream-fleetbench-"))
     folder = llama_folder(root / "model", tokenizer=chat_tokenizer(), never_stop=True, max_positions=MAX_CONTEXT)
