@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import time
 from pathlib import Path
 
-from benchmarks.harness.loop import ROOT, Loop, PacedSource, Versions, log, snapshot
+from benchmarks.harness.loop import ROOT, Loop, PacedSource, Versions, log
+from benchmarks.harness.race import race
 from benchmarks.harness.result import result
 
 MODES = {
@@ -25,16 +25,6 @@ MODES = {
     "opd": {"trainer": ("--source", "feedback", "--loss", "opd")},
     "rl+opd": {"trainer": ("--source", "feedback", "--loss", "ppo+opd", "--opd-coef", "1.0")},
 }
-
-
-def held_out(folder: Path) -> float:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from rlstream.models.tiny import build_tokenizer
-    from rlstream.trainer.warmup import greedy_exact_match
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    return greedy_exact_match(model, build_tokenizer(), "reverse")
 
 
 def run_loop(name: str, trainer_extra: tuple, teacher: Path | None, target: float, args) -> dict:
@@ -49,46 +39,16 @@ def run_loop(name: str, trainer_extra: tuple, teacher: Path | None, target: floa
                              "--threads", "1", "--instance", "0"])
     versions = Versions(loop)
     source = PacedSource(loop, versions, mode="async", eta=2, groups_per_step=16)
-    snaps = loop.workdir / "snapshots"
-    curve, snapped, best = [], {}, (-1.0, None)
-    loop.start()
     try:
-        deadline = time.monotonic() + args.startup_timeout
-        while loop.rollout_version() < 0:
-            if time.monotonic() > deadline or loop.dead():
-                raise RuntimeError(f"{name}: the loop did not start (dead {loop.dead()}); logs in {loop.workdir}")
-            time.sleep(0.2)
-        t0_ms = int(time.time() * 1000)
-        source.start()
-        while not loop.dead() and source.error is None:
-            for pv, _ in versions.all():
-                if pv.version % args.eval_every == 0 and pv.version not in snapped:
-                    # Copy at once: the store keeps only eta + 1 versions back.
-                    if snapshot(pv.weights_uri, snaps / f"v{pv.version}"):
-                        snapped[pv.version] = pv.published_at
-            todo = sorted(v for v in snapped if v not in {c["version"] for c in curve})
-            if not todo:
-                if (time.time() * 1000 - t0_ms) / 1000 > args.max_seconds:
-                    break
-                time.sleep(0.2)
-                continue
-            v = todo[0]
-            acc = held_out(snaps / f"v{v}")
-            secs = max(0.0, (snapped[v] - t0_ms) / 1000)
-            curve.append({"version": v, "seconds": secs, "heldout": acc})
-            log(name, f"v{v} {secs:.1f}s held-out {acc:.3f}")
-            if acc > best[0]:
-                best = (acc, snaps / f"v{v}")
-            if acc >= target or secs > args.max_seconds:
-                break
+        run = race(loop, versions, source, target=target, max_seconds=args.max_seconds, eval_every=args.eval_every,
+                   startup_timeout=args.startup_timeout, tag=name)
     finally:
         source.stop()
         dead = loop.dead()
         loop.stop()
         versions.close()
-    reached = next((c for c in curve if c["heldout"] >= target), None)
-    return {"curve": curve, "run": loop.run, "dead": dead, "best": best[0], "best_folder": best[1],
-            "seconds_to_target": reached["seconds"] if reached else None}
+    return {"curve": run.curve, "run": loop.run, "dead": dead, "best": run.best[0], "best_folder": run.best[1],
+            "seconds_to_target": run.seconds_to(target)}
 
 
 def main(argv=None) -> dict:

@@ -145,12 +145,10 @@ def run_trl(latency: float, args, sync_reward: bool = False) -> dict:
 def run_rlstream(latency: float, args) -> dict:
     """The demo's loop with the given judge latency until held-out greedy >= target; the timed curve."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from benchmarks.harness.loop import Loop, PacedSource, Versions, log, snapshot
-    from rlstream.models.tiny import build_tokenizer
+    from benchmarks.harness.loop import Loop, PacedSource, Versions
+    from benchmarks.harness.race import race
     from rlstream.trainer.chain import summarize
-    from rlstream.trainer.warmup import greedy_exact_match
 
     torch.set_num_threads(1)
     from transformers.utils import logging as hf_logging
@@ -164,42 +162,12 @@ def run_rlstream(latency: float, args) -> dict:
     loop.reward(fn, concurrency=256)
     versions = Versions(loop)
     source = PacedSource(loop, versions, mode="async", eta=2, groups_per_step=16)
-    tok = build_tokenizer()
-    snaps = loop.workdir / "snapshots"
-    curve, evaluated, snapped = [], set(), {}
-    launched = time.monotonic()
-    loop.start()
+    cpu0: dict[str, float] = {}
     try:
-        deadline = time.monotonic() + args.startup_timeout
-        while loop.rollout_version() < 0:
-            if time.monotonic() > deadline or loop.dead():
-                raise RuntimeError(f"loop did not start (dead {loop.dead()}); logs {loop.workdir}/logs")
-            time.sleep(0.2)
-        t0_ms = int(time.time() * 1000)
-        startup = time.monotonic() - launched
-        cpu0, v_start = cpu_seconds(loop), max(versions.latest(), 0)
-        source.start()
-        while not loop.dead() and source.error is None:
-            for pv, _ in versions.all():
-                if pv.version % args.eval_every == 0 and pv.version not in snapped:
-                    # Copy at once: the store keeps only eta + 1 versions back.
-                    if snapshot(pv.weights_uri, snaps / f"v{pv.version}"):
-                        snapped[pv.version] = pv.published_at
-            todo = sorted(v for v in snapped if v not in evaluated)
-            if not todo:
-                if (time.time() * 1000 - t0_ms) / 1000 > args.max_seconds:
-                    break
-                time.sleep(0.2)
-                continue
-            v = todo[0]
-            evaluated.add(v)
-            model = AutoModelForCausalLM.from_pretrained(snaps / f"v{v}", dtype=torch.float32)
-            acc = greedy_exact_match(model, tok, "reverse")
-            secs = max(0.0, (snapped[v] - t0_ms) / 1000)
-            curve.append({"step": v, "seconds": secs, "heldout": acc})
-            log("rlstream", f"v{v} {secs:.1f}s held-out {acc:.3f}")
-            if acc >= args.target or secs > args.max_seconds:
-                break
+        run = race(loop, versions, source, target=args.target, max_seconds=args.max_seconds,
+                   eval_every=args.eval_every, startup_timeout=args.startup_timeout, tag="rlstream",
+                   on_start=lambda: cpu0.update(cpu_seconds(loop)))
+        v_start = run.first_version
         updates = max(1, versions.latest() - v_start)
         cpu1 = cpu_seconds(loop)
         per_update = {n: (cpu1[n] - cpu0.get(n, 0.0)) / updates for n in cpu1}
@@ -210,7 +178,7 @@ def run_rlstream(latency: float, args) -> dict:
         dead = loop.dead()
         loop.stop()
         versions.close()
-    return {"curve": curve, "startup_s": startup, "run": loop.run, "dead_stages": dead,
+    return {"curve": run.curve, "startup_s": run.startup_s, "run": loop.run, "dead_stages": dead,
             "cpu_s_per_update": per_update,
             "trainer_update_s": sum(trainer_steps) / max(1, len(trainer_steps)), "chain": chain}
 

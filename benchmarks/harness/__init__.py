@@ -5,6 +5,7 @@
 - ``groups``: a consumer group's committed offsets, which show a stage's progress;
 - ``workloads``: the reward functions stage processes load by dotted path, the seeded latency and length draws,
   and the trajectories the bus benchmarks produce;
+- ``race``: a loop racing to a held-out target, versions scored off the clock (vs_trl, distill_vs_rl);
 - ``stats``: percentiles;
 - ``result``: every script's last line, ``RESULT <name> date=… commit=… load=… figures…``.
 """
