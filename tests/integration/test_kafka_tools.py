@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from rlstream.kafka.topics import topic_name
+from rlstream.infra import broker_image
+from rlstream.infra.broker_jars import kafka_lib
+from rlstream.kafka.topics import TOPICS, topic_name
 from rlstream.schemas import headers as hdr
 from tests.helpers import ROOT
 from tests.helpers.kafka import make_trajectory, produce
@@ -39,6 +41,17 @@ def test_kafka_console_consumer_prints_our_records_keys_and_headers(bootstrap, r
         assert fields[hdr.REWARD_VERSION] == "v2"
         assert int(fields[hdr.PRODUCED_AT]) > 0
     assert "Processed a total of 2 messages" in done.stderr
+
+
+@pytest.mark.timeout(90)
+def test_the_broker_images_tool_commands_run_on_the_same_jars(bootstrap, run_name, tmp_path):
+    # The compose broker image's /opt/kafka, written here with the jars rlstream up runs from.
+    broker_image.write(tmp_path)
+    (tmp_path / "libs").symlink_to(kafka_lib())
+    done = subprocess.run([str(tmp_path / "bin" / "kafka-topics"), "--bootstrap-server", bootstrap, "--list"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert {topic_name(run_name, t) for t in TOPICS} <= set(done.stdout.split())
 
 
 def test_an_unknown_tool_names_the_known_ones():
