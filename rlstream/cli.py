@@ -25,6 +25,14 @@ STAGES: dict[str, tuple[str, str, str | None]] = {
 }
 
 
+def kafka_settings(args: argparse.Namespace) -> KafkaSettings:
+    """The command's Kafka settings, returned once the broker answers (--broker-wait-s)."""
+    from rlstream.kafka.topics import wait_for_broker
+    kafka = settings(KafkaSettings, args)
+    wait_for_broker(kafka.client_config(), kafka.broker_wait_s)
+    return kafka
+
+
 def cmd_up(args: argparse.Namespace) -> None:
     from rlstream.infra import broker
     print(broker.up(settings(LoopSettings, args).home_path, brokers=args.brokers))
@@ -39,7 +47,7 @@ def cmd_down(args: argparse.Namespace) -> None:
 
 def cmd_topics(args: argparse.Namespace) -> None:
     from rlstream.kafka.topics import TOPICS, create_topics, topic_name
-    kafka = settings(KafkaSettings, args)
+    kafka = kafka_settings(args)
     created = create_topics(kafka.client_config(), kafka.run, replication=args.replication)
     for logical in TOPICS:
         name = topic_name(kafka.run, logical)
@@ -57,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     from rlstream import metrics
     from rlstream.runtime.runner import StageRunner
     from rlstream.runtime.settings import RuntimeSettings
-    kafka = settings(KafkaSettings, args)
+    kafka = kafka_settings(args)
     runtime = settings(RuntimeSettings, args)
     stage_cls, settings_cls = _stage_parts(args.stage)
     stage_settings = settings(settings_cls, args) if settings_cls else None

@@ -173,6 +173,8 @@ class KafkaSettings:
 
     bootstrap: str = knob("127.0.0.1:9092", "Kafka bootstrap servers (host:port[,host:port])")
     kafka_config: str = knob("", "Extra librdkafka settings as k=v,k=v (SASL/SSL pass through here)")
+    broker_wait_s: float = knob(60.0, "At start, wait this long for the broker to answer, saying so every 10 s, "
+                                      "before giving up (containers started before their broker; 0: ask once)")
     # Topic and group names carry the run; its flag is LoopSettings.run.
     run: str = knob("demo", "Run name", flag=False)
 

@@ -108,24 +108,15 @@ def new_cluster_id() -> str:
 # ---------------------------------------------------------------- configuration files
 
 
-def server_properties(home: Path, layout: dict, node_id: int) -> str:
-    """server.properties of one node: combined broker and controller, replication sized to the cluster."""
-    n = layout["brokers"]
-    port = layout["port"]
-    replicas = min(n, 3)
-    min_isr = 2 if n >= 3 else 1
-    voters = ",".join(f"{i}@{HOST}:{controller_port(port, i)}" for i in node_ids(layout))
-    bport, cport = broker_port(port, node_id), controller_port(port, node_id)
-    props = {
+def cluster_properties(brokers: int) -> dict:
+    """The settings every node of a cluster of ``brokers`` nodes shares, wherever it runs (rlstream up, or the
+    compose stack's broker image, see broker_image): replication sized to the cluster, message size, threads."""
+    replicas = min(brokers, 3)
+    min_isr = 2 if brokers >= 3 else 1
+    return {
         "process.roles": "broker,controller",
-        "node.id": node_id,
-        "controller.quorum.voters": voters,
-        "listeners": f"PLAINTEXT://{HOST}:{bport},CONTROLLER://{HOST}:{cport}",
-        "advertised.listeners": f"PLAINTEXT://{HOST}:{bport}",
         "controller.listener.names": "CONTROLLER",
         "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
-        "log.dirs": node_dir(home, node_id) / "data",
         "num.partitions": 4,
         "auto.create.topics.enable": "false",
         "default.replication.factor": replicas,
@@ -148,7 +139,41 @@ def server_properties(home: Path, layout: dict, node_id: int) -> str:
         "num.network.threads": 2,
         "num.io.threads": 4,
     }
+
+
+def render(props: dict) -> str:
+    """A .properties file of ``props``, in their order."""
     return "".join(f"{k}={v}\n" for k, v in props.items())
+
+
+def server_properties(home: Path, layout: dict, node_id: int) -> str:
+    """server.properties of one local node: combined broker and controller, on HOST only."""
+    port = layout["port"]
+    voters = ",".join(f"{i}@{HOST}:{controller_port(port, i)}" for i in node_ids(layout))
+    bport, cport = broker_port(port, node_id), controller_port(port, node_id)
+    return render({
+        "node.id": node_id,
+        "controller.quorum.voters": voters,
+        "listeners": f"PLAINTEXT://{HOST}:{bport},CONTROLLER://{HOST}:{cport}",
+        "advertised.listeners": f"PLAINTEXT://{HOST}:{bport}",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "log.dirs": node_dir(home, node_id) / "data",
+        **cluster_properties(layout["brokers"]),
+    })
+
+
+def container_properties(name: str, data_dir: str, host_port: int) -> str:
+    """server.properties of a one-node broker in a container named ``name``: other containers reach it as
+    name:9092, the host (through a published port) as localhost:host_port; the controller stays inside."""
+    return render({
+        "node.id": 1,
+        "controller.quorum.voters": "1@127.0.0.1:9093",
+        "listeners": f"PLAINTEXT://0.0.0.0:9092,CONTROLLER://127.0.0.1:9093,HOST://0.0.0.0:{host_port}",
+        "advertised.listeners": f"PLAINTEXT://{name}:9092,HOST://localhost:{host_port}",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,HOST:PLAINTEXT",
+        "log.dirs": data_dir,
+        **cluster_properties(1),
+    })
 
 
 def log4j2_properties(log_dir: Path) -> str:
@@ -171,6 +196,26 @@ appender.file.strategy.max = 3
 rootLogger.level = INFO
 rootLogger.appenderRef.file.ref = file
 # Request logging and the state-change chatter are noise for a local broker.
+logger.request.name = kafka.request.logger
+logger.request.level = WARN
+logger.state.name = state.change.logger
+logger.state.level = WARN
+"""
+
+
+def console_log4j2_properties(level: str) -> str:
+    """log4j2.properties that log at ``level`` to standard error: the compose broker (its container's log) and the
+    Kafka command-line tools (whose standard output is the records they print)."""
+    return f"""\
+status = warn
+shutdownHook = disable
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = {level}
+rootLogger.appenderRef.console.ref = console
 logger.request.name = kafka.request.logger
 logger.request.level = WARN
 logger.state.name = state.change.logger

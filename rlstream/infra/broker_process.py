@@ -91,23 +91,34 @@ def _prepare_node(home: Path, layout: dict, node_id: int, java_exe: str, lib: Pa
     (ndir / "log4j2.properties").write_text(log4j2_properties(ndir / "logs"))
     if (ndir / "data" / "meta.properties").exists():
         return None
-    cmd = [java_exe, *JVM_HEAP, f"-Dlog4j2.configurationFile={ndir / 'log4j2.properties'}",
-           "-cp", str(lib / "*"), "kafka.tools.StorageTool", "format",
-           "-t", layout["cluster_id"], "-c", str(ndir / "server.properties"), "--ignore-formatted"]
+    cmd = format_command(java_exe, lib, ndir / "log4j2.properties", layout["cluster_id"], ndir / "server.properties")
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def format_command(java_exe: str, lib: Path | str, log4j: Path | str, cluster_id: str,
+                   properties: Path | str) -> list[str]:
+    """The command that formats a node's storage for the cluster (does nothing to storage already formatted)."""
+    return [java_exe, *JVM_HEAP, f"-Dlog4j2.configurationFile={log4j}", "-cp", f"{lib}/*", "kafka.tools.StorageTool",
+            "format", "-t", cluster_id, "-c", str(properties), "--ignore-formatted"]
+
+
+def server_command(java_exe: str, lib: Path | str, log4j: Path | str, logs: Path | str,
+                   properties: Path | str) -> list[str]:
+    """The command that runs a node (also the compose broker image's, see broker_image)."""
+    return [
+        java_exe, *JVM_HEAP,
+        "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:+ExitOnOutOfMemoryError",
+        "-Djava.awt.headless=true",
+        f"-Dlog4j2.configurationFile={log4j}",
+        f"-Dkafka.logs.dir={logs}",
+        "-cp", f"{lib}/*", "kafka.Kafka", str(properties),
+    ]
 
 
 def _launch(home: Path, node_id: int, java_exe: str, lib: Path) -> int:
     """Start a node's JVM in a session of its own (it outlives this process) and record its pid."""
     ndir = node_dir(home, node_id)
-    cmd = [
-        java_exe, *JVM_HEAP,
-        "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:+ExitOnOutOfMemoryError",
-        "-Djava.awt.headless=true",
-        f"-Dlog4j2.configurationFile={ndir / 'log4j2.properties'}",
-        f"-Dkafka.logs.dir={ndir / 'logs'}",
-        "-cp", str(lib / "*"), "kafka.Kafka", str(ndir / "server.properties"),
-    ]
+    cmd = server_command(java_exe, lib, ndir / "log4j2.properties", ndir / "logs", ndir / "server.properties")
     with open(ndir / "logs" / "stdout.log", "ab") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=ndir)

@@ -1,10 +1,16 @@
-"""The run's topics: names, partition counts, retention and compaction."""
+"""The run's topics: names, partition counts, retention and compaction; waiting for the broker to answer."""
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
-from confluent_kafka import TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
+
+from rlstream.errors import UserError
+
+log = logging.getLogger(__name__)
 
 #: Large enough for a long multi-turn trajectory with per-token log-probs.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -100,13 +106,43 @@ def delete_before(admin_config: dict, run: str, logical: str, partition: int, of
     return future.result(timeout=timeout).low_watermark
 
 
+def wait_for_broker(admin_config: dict, wait_s: float, every_s: float = 10.0) -> None:
+    """Return once the broker answers a metadata request. Until then, say every ``every_s`` that this process is
+    waiting for it; after ``wait_s`` (0: one try) raise a UserError that says what to do."""
+    where = admin_config.get("bootstrap.servers", "?")  # never the whole config: it may hold a password
+    quiet = logging.getLogger(__name__ + ".librdkafka")  # connection-refused chatter while the broker starts
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
+    admin = AdminClient({**admin_config, "log_level": 0, "logger": quiet})
+    started = time.monotonic()
+    said = None
+    while True:
+        waited = time.monotonic() - started
+        try:
+            admin.list_topics(timeout=max(0.5, min(2.0, wait_s - waited)))
+            if said is not None:
+                log.info("the Kafka broker at %s answers, after %.0f s", where, time.monotonic() - started)
+            return
+        except KafkaException as exc:
+            error = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
+        waited = time.monotonic() - started
+        if waited >= wait_s:
+            raise UserError(f"no Kafka broker answered at {where} within {waited:.0f} s ({error}): start one "
+                            "(`rlstream up` starts a local one; in docker compose, the kafka service) or point "
+                            "--bootstrap / RLSTREAM_BOOTSTRAP at yours; --broker-wait-s waits longer")
+        if said is None or time.monotonic() - said >= every_s:
+            said = time.monotonic()
+            log.warning("waiting for the Kafka broker at %s to answer (%.0f s so far, giving up after %.0f s)",
+                        where, waited, wait_s)
+        time.sleep(min(1.0, max(0.0, wait_s - waited)))
+
+
 def _wait_for_leaders(admin: AdminClient, names: list[str], timeout: float) -> None:
     """Block until every partition of the new topics has a leader.
 
     Creation returns before leaders are elected; a client that asks for watermarks or
     produces in between gets NOT_LEADER_FOR_PARTITION (seen on a loaded 2-core machine).
     """
-    import time
     deadline = time.monotonic() + timeout
     while True:
         topics = admin.list_topics(timeout=timeout).topics

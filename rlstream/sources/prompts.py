@@ -22,7 +22,7 @@ from typing import ClassVar
 from rlstream.config import KafkaSettings, LoopSettings, add_arguments, knob, load
 from rlstream.errors import UsageError
 from rlstream.kafka.records import TypedProducer
-from rlstream.kafka.topics import topic_name
+from rlstream.kafka.topics import topic_name, wait_for_broker
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import SamplingParams, Task, prompt_topic
 from rlstream.sources.dataset import Columns, DatasetSource, Item, clean_id
@@ -277,6 +277,7 @@ def _dataset_paced(kafka: KafkaSettings, s: PromptSettings, loop: LoopSettings, 
 
 def cmd_prompts(args: argparse.Namespace) -> None:
     kafka, s, loop = load(KafkaSettings, args), load(PromptSettings, args), load(LoopSettings, args)
+    wait_for_broker(kafka.client_config(), kafka.broker_wait_s)
     try:
         n = produce(kafka, s, loop)
     except ValueError as exc:
