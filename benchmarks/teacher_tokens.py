@@ -33,11 +33,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+from benchmarks.harness.result import result  # noqa: E402
+from rlstream.config import KafkaSettings  # noqa: E402
 from rlstream.infra.supervisor import StageProc, stage_env  # noqa: E402
+from rlstream.kafka.records import TypedProducer  # noqa: E402
 from rlstream.kafka.tail import read_to_end  # noqa: E402
 from rlstream.kafka.topics import create_topics  # noqa: E402
-from rlstream.kafka.records import TypedProducer  # noqa: E402
-from rlstream.config import KafkaSettings  # noqa: E402
 from rlstream.policy.weights import tokenizer_hash  # noqa: E402
 from rlstream.schemas import headers as hdr  # noqa: E402
 from rlstream.schemas.records import (PolicyVersion, Reward, SamplingParams, ScoredTrajectory, Task,  # noqa: E402
@@ -128,7 +129,8 @@ def time_vllm(folder: Path, rows: list[list[int]], k: int) -> float | None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     try:
-        from vllm import LLM, SamplingParams as VSampling
+        from vllm import LLM
+        from vllm import SamplingParams as VSampling
         from vllm.inputs import TokensPrompt
     except ImportError:
         return None
@@ -179,6 +181,8 @@ def main() -> None:
     print("  stage / " + ", stage / ".join(f"{n}: {r:.2f}x" for n, r in ratios.items()))
     print(json.dumps({"samples": a.samples, "tokens": tokens, "top_k": a.top_k, "load": load,
                       "seconds": figures, "stage_over": ratios}))
+    result("teacher_tokens", samples=a.samples, tokens=tokens, top_k=a.top_k, stage_tokens_per_s=stage,
+           **{f"stage_over_{n}": r for n, r in ratios.items()})
 
 
 if __name__ == "__main__":

@@ -186,10 +186,10 @@ async def _stream(request, answer: dict):
 def cmd_gateway(args) -> None:
     from aiohttp import web
 
+    from rlstream import metrics
     from rlstream.gateway.engine import PolicyEngine
     from rlstream.gateway.service import Gateway
     from rlstream.gateway.writer import TrajectoryWriter
-    from rlstream import metrics
     from rlstream.runtime.settings import RuntimeSettings
     s, loop, kafka, runtime = (load_settings(c, args) for c in (GatewaySettings, LoopSettings, KafkaSettings,
                                                                  RuntimeSettings))

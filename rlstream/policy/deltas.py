@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load as st_load
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from safetensors.torch import save as st_save
+from safetensors.torch import save_file
 
 #: Files (or folders) of a store folder that are the trainer's own, not the policy's (never hashed, never shipped):
 #: the optimizer state (``optimizer/`` holds a sharded engine's, a file per rank), the store's marker, and the skip

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode, urlparse
 
-
 from rlstream import metrics
 from rlstream.kafka import records
 from rlstream.kafka.tail import read_from

@@ -88,6 +88,7 @@ class DeepSpeedEngine:
 
     def state_dict(self) -> dict:
         import deepspeed
+
         # This rank's partition; ZeRO's loader asks for the version that wrote it.
         return {**self.engine.optimizer.state_dict(), "ds_version": deepspeed.__version__}
 
@@ -99,6 +100,7 @@ class DeepSpeedEngine:
         if self.stage < 3:
             return None
         import deepspeed
+
         # Collective: every rank takes part, rank 0 keeps the gathered copy.
         params = list(self.model.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
@@ -152,6 +154,7 @@ class FSDP2Engine(TorchEngine):
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         # Keyed by parameter name; each DTensor as this rank's dim-0 shard.
         return _to_local(get_optimizer_state_dict(self.model, self.optimizer))
 
@@ -169,6 +172,7 @@ class FSDP2Engine(TorchEngine):
 
     def full_state_dict(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
         # Collective: every rank takes part; with the CPU offload only rank 0 keeps the gathered copy.
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return full if int(os.environ.get("RANK", "0")) == 0 else None

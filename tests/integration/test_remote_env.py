@@ -14,8 +14,8 @@ from rlstream.runtime.stage import Incoming
 from rlstream.stages.env import EnvSettings, EnvStage
 from tests.agent_envs import MALFORMED, call
 from tests.helpers import ROOT
-from tests.helpers.kafka import wait_for
 from tests.helpers.episodes import episode
+from tests.helpers.kafka import wait_for
 
 pytestmark = [pytest.mark.slow]
 

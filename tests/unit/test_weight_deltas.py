@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from rlstream.policy.deltas import (Content, apply, content_hash, encode, folder_hash, payload_kind, read_folder,
-                                    split, write_folder)
+from rlstream.policy.deltas import (Content, apply, content_hash, encode, folder_hash, payload_kind, read_folder, split,
+                                    write_folder)
 
 
 def content(seed: int = 0) -> Content:

@@ -100,6 +100,7 @@ class VllmScorer:
         from vllm import LLM
 
         from rlstream.models.loading import context_limit, dtype_name, torch_dtype
+
         # No tokenizer: the teacher reads the student's token ids, never text.
         self.llm = LLM(model=str(folder), dtype=dtype_name(torch_dtype(dtype, folder)),
                        max_model_len=context_limit(folder), enforce_eager=True, skip_tokenizer_init=True,
