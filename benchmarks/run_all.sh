@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make bench`: every benchmark of benchmarks/README.md, at settings that finish within about 45 minutes on 2 cores.
+# `make bench`: every benchmark of benchmarks/README.md, at settings that finish within about 90 minutes on 2 cores.
 # SMOKE=1 runs each at the smallest size that still goes through all of it (CI's tests/e2e/test_benchmarks.py):
 # the figures are then meaningless, only that each script reaches its RESULT line is checked.
 # Each script has a hard time limit, so one that hangs cannot take the rest down; logs land in $OUT.
