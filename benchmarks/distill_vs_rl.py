@@ -55,7 +55,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=float, default=0.5, help="held-out greedy accuracy the students race to")
     ap.add_argument("--teacher-target", type=float, default=0.8, help="held-out accuracy the teacher is trained to")
-    ap.add_argument("--teacher", default="", help="a model folder to use as the teacher (skips training one)")
+    ap.add_argument("--teacher", default="", help="a model folder to use as the teacher (skips training one); "
+                                                  "untrained: the tiny model as built, for a smoke run")
     ap.add_argument("--modes", default="rl,opd,rl+opd", help="students to run, comma-separated: rl, opd, rl+opd")
     ap.add_argument("--max-seconds", type=float, default=300, help="longest a student runs")
     ap.add_argument("--teacher-seconds", type=float, default=600, help="longest the teacher's own training runs")
@@ -66,7 +67,12 @@ def main(argv=None) -> dict:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         ap.error(f"--modes takes {', '.join(MODES)}")
-    if args.teacher:
+    if args.teacher == "untrained":
+        from rlstream.models.tiny import build_model, build_tokenizer, save_pretrained
+        teacher = ROOT / ".rlstream" / "distill-teacher-untrained"
+        tok = build_tokenizer()
+        save_pretrained(build_model(tok), tok, teacher)
+    elif args.teacher:
         teacher = Path(args.teacher)
     else:
         trained = run_loop("teacher", (), None, args.teacher_target,

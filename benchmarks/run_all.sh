@@ -49,7 +49,7 @@ bench chaos 600 "--kills 5 --seed 7" "--kills 1 --tasks 8"
 bench vs_trl 900 "--target 0.3 --max-seconds 120 --sync-probe-steps 0 --json $OUT/vs_trl.json" \
   "--target 0.05 --max-seconds 20 --latencies 0 --sync-probe-steps 0 --eval-every 5"
 bench distill_vs_rl 1800 "--target 0.5 --max-seconds 300" \
-  "--teacher-target 0 --teacher-seconds 30 --target 0 --max-seconds 30 --modes opd --eval-every 1"
+  "--teacher untrained --target 0 --max-seconds 30 --modes opd --eval-every 1"
 bench learning_probe 300 "--max-seconds 120" "--steps 2 --max-seconds 20 --warmup-steps 5 --eval-every 1"
 echo "== done in $(( $(date +%s) - started )) s; logs and JSON in $OUT"
 if (( ${#failed[@]} )); then

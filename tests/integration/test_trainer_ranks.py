@@ -61,8 +61,10 @@ def train_fixed(ranks, out: str, sharding: str, budget: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("sharding,budget", [("none", 0), ("none", 24), ("zero2", 24), ("zero3", 24), ("fsdp2", 24),
-                                             ("fsdp2", 0)])
+# One variant per mechanism, within CI's time: DDP micro-batched (accumulation across ranks), ZeRO-3 micro-batched
+# (parameters gathered per pass, zero-weight padding passes), FSDP2 on the whole batch. ZeRO-2, DDP whole-batch and
+# FSDP2 micro-batched passed the same check when they were written; add them back here to run them.
+@pytest.mark.parametrize("sharding,budget", [("none", 24), ("zero3", 24), ("fsdp2", 0)])
 def test_two_ranks_match_one_rank_on_the_same_batches(tmp_path, sharding, budget):
     one = tmp_path / "one.json"
     train_fixed(Ranks(), str(one), "none", 0)  # the reference: one rank, plain torch, the whole batch at once
@@ -139,7 +141,8 @@ def resume_on_one_rank(ranks, out: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("sharding", ["none", "zero2", "zero3", "fsdp2"])
+# The sharded ones (plain DDP's single file is the resume the trainer tests cover; ZeRO-2 shards as ZeRO-3 does).
+@pytest.mark.parametrize("sharding", ["zero3", "fsdp2"])
 def test_optimizer_state_saved_per_rank_resumes_the_same_steps(tmp_path, sharding):
     out = tmp_path / "out.json"
     launch(2, resume_fixed, (str(out), sharding), "cpu")
@@ -230,7 +233,8 @@ def varied_group(gid: int):
 @pytest.mark.kafka
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("sharding", ["zero3", "fsdp2"])
+# FSDP2 (ZeRO-3's sharded resume is covered above, without the trainer process; add it back here to run it too).
+@pytest.mark.parametrize("sharding", ["fsdp2"])
 def test_a_sharded_trainer_publishes_whole_checkpoints_and_resumes_with_its_optimizer_shards(
         bootstrap, run_name, tmp_path, start_stage, sharding):
     """The trainer process on 2 ranks with sharded parameters: each version's folder holds the whole model (gathered
