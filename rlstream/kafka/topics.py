@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -108,33 +110,50 @@ def delete_before(admin_config: dict, run: str, logical: str, partition: int, of
 
 def wait_for_broker(admin_config: dict, wait_s: float, every_s: float = 10.0) -> None:
     """Return once the broker answers a metadata request. Until then, say every ``every_s`` that this process is
-    waiting for it; after ``wait_s`` (0: one try) raise a UserError that says what to do."""
+    waiting for it, with librdkafka's last word on why (a refused connection, a failed SASL handshake); after
+    ``wait_s`` (0: one try) raise a UserError that says what to do. A SIGTERM while waiting ends the process
+    cleanly: nothing has been consumed yet, so there is nothing to finish."""
     where = admin_config.get("bootstrap.servers", "?")  # never the whole config: it may hold a password
     quiet = logging.getLogger(__name__ + ".librdkafka")  # connection-refused chatter while the broker starts
     quiet.addHandler(logging.NullHandler())
     quiet.propagate = False
-    admin = AdminClient({**admin_config, "log_level": 0, "logger": quiet})
+    why: list[str] = []  # librdkafka's errors (they name hosts and mechanisms, never credentials)
+    admin = AdminClient({**admin_config, "log_level": 0, "logger": quiet, "error_cb": lambda e: why.append(e.str())})
+    stopped: list = []
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # signal handlers belong to the main thread
+        previous = signal.signal(signal.SIGTERM, lambda *_: stopped.append(1))
     started = time.monotonic()
     said = None
-    while True:
-        waited = time.monotonic() - started
-        try:
-            admin.list_topics(timeout=max(0.5, min(2.0, wait_s - waited)))
-            if said is not None:
-                log.info("the Kafka broker at %s answers, after %.0f s", where, time.monotonic() - started)
-            return
-        except KafkaException as exc:
-            error = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
-        waited = time.monotonic() - started
-        if waited >= wait_s:
-            raise UserError(f"no Kafka broker answered at {where} within {waited:.0f} s ({error}): start one "
-                            "(`rlstream up` starts a local one; in docker compose, the kafka service) or point "
-                            "--bootstrap / RLSTREAM_BOOTSTRAP at yours; --broker-wait-s waits longer")
-        if said is None or time.monotonic() - said >= every_s:
-            said = time.monotonic()
-            log.warning("waiting for the Kafka broker at %s to answer (%.0f s so far, giving up after %.0f s)",
-                        where, waited, wait_s)
-        time.sleep(min(1.0, max(0.0, wait_s - waited)))
+    try:
+        while True:
+            waited = time.monotonic() - started
+            try:
+                admin.list_topics(timeout=max(0.5, min(2.0, wait_s - waited)))
+                if said is not None:
+                    log.info("the Kafka broker at %s answers, after %.0f s", where, time.monotonic() - started)
+                return
+            except KafkaException as exc:
+                error = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
+            admin.poll(0)  # serves error_cb
+            # The newest specific reason; "N/N brokers are down" only repeats that none answered.
+            error = next((w for w in reversed(why) if "brokers are down" not in w), error)
+            waited = time.monotonic() - started
+            if stopped:
+                log.info("stopped while waiting for the Kafka broker at %s", where)
+                raise SystemExit(0)
+            if waited >= wait_s:
+                raise UserError(f"no Kafka broker answered at {where} within {waited:.0f} s ({error}): start one "
+                                "(`rlstream up` starts a local one; in docker compose, the kafka service) or point "
+                                "--bootstrap / RLSTREAM_BOOTSTRAP at yours; --broker-wait-s waits longer")
+            if said is None or time.monotonic() - said >= every_s:
+                said = time.monotonic()
+                log.warning("waiting for the Kafka broker at %s to answer (%.0f s so far, giving up after %.0f s): %s",
+                            where, waited, wait_s, error)
+            time.sleep(min(1.0, max(0.0, wait_s - waited)))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _wait_for_leaders(admin: AdminClient, names: list[str], timeout: float) -> None:
