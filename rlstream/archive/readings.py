@@ -87,27 +87,30 @@ def by_version_ranges(figure: dict, version: str = "version", max_rows: int = MA
 
 # -- one sentence per figure -------------------------------------------------------------------------------------
 
+def _points(rows: list[dict], column: str, value: str) -> list[tuple]:
+    """(policy version, mean reward) of the rows whose ``column`` is ``value``, oldest version first."""
+    return sorted((r["policy_version"], r["reward_mean"]) for r in rows
+                  if r.get(column) == value and r.get("reward_mean") is not None)
+
+
+def _from_to(points: list[tuple]) -> str:
+    (v0, r0), (v1, r1) = points[0], points[-1]
+    return f"{human(r0)} at v{v0} → {human(r1)} at v{v1}"
+
+
 def _reward(rows: list[dict]) -> str:
     parts = []
     for split in ("heldout", "train"):
-        points = sorted((r["policy_version"], r["reward_mean"]) for r in rows if r.get("split") == split
-                        and r.get("reward_mean") is not None)
+        points = _points(rows, "split", split)
         if len(points) >= 2:
-            (v0, r0), (v1, r1) = points[0], points[-1]
             best = max(points, key=lambda p: p[1])
-            parts.append(f"{split} reward {human(r0)} at v{v0} → {human(r1)} at v{v1} (best {human(best[1])} at "
-                         f"v{best[0]})")
+            parts.append(f"{split} reward {_from_to(points)} (best {human(best[1])} at v{best[0]})")
     return "; ".join(parts) or "too few versions scored to show a trend yet"
 
 
 def _eval(rows: list[dict]) -> str:
-    parts = []
-    for task in sorted({r["task_name"] for r in rows}):
-        points = sorted((r["policy_version"], r["reward_mean"]) for r in rows if r["task_name"] == task
-                        and r.get("reward_mean") is not None)
-        if points:
-            (v0, r0), (v1, r1) = points[0], points[-1]
-            parts.append(f"{task}: {human(r0)} at v{v0} → {human(r1)} at v{v1}")
+    parts = [f"{task}: {_from_to(points)}" for task in sorted({r["task_name"] for r in rows})
+             if (points := _points(rows, "task_name", task))]
     return "eval lane " + "; ".join(parts) if parts else ""
 
 

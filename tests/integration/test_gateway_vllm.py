@@ -18,7 +18,6 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 @pytest.mark.timeout(720)
 def test_an_agent_through_the_gateway_on_a_vllm_server(bootstrap, run_name, tmp_path):
-    pytest.importorskip("vllm")
     folder = llama_folder(tmp_path / "v0", max_positions=512)
     publish_version(bootstrap, run_name, folder, tmp_path / "weights")
     server = start_vllm_server(folder, tmp_path / "vllm.log", max_model_len=512)

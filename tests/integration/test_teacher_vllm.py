@@ -12,7 +12,6 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(300)
 def test_vllm_prompt_logprobs_match_the_transformers_teacher(tmp_path):
-    pytest.importorskip("vllm")
     tok = build_tokenizer()
     model = build_model(tok, seed=5)
     save_pretrained(model, tok, tmp_path / "t")
