@@ -17,7 +17,9 @@ and from the archive (SQL through ``open_archive``):
   and unique ids; the archive holds exactly the committed records of the topics;
 - policy versions strictly increase, each the child of the one before;
 - no trajectory failed and nothing was dead-lettered: a kill costs time, never a sample (each one found is
-  printed with its reason).
+  printed with its reason);
+- the trainer trained each sample at most once: over every PolicyVersion, samples trained + refused (stale) +
+  evicted + skipped = the rewards its group committed (``trainer_books``).
 
 Recovery of a kill is the time from the SIGKILL until the killed stage's consumer group
 commits offsets beyond those it had at the kill: the restarted process has consumed,
@@ -42,14 +44,15 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
 
-from benchmarks.harness.groups import advanced, group_offsets
+from benchmarks.harness.groups import advanced, committed_with_metadata, group_offsets
 from benchmarks.harness.loop import ROOT, wait_until
 from benchmarks.harness.result import result
 from benchmarks.harness.stats import percentile
 from rlstream.config import KafkaSettings
 from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
+from rlstream.kafka.inflight import decode_done_ahead
 from rlstream.kafka.tail import TopicTail
-from rlstream.kafka.topics import create_topics
+from rlstream.kafka.topics import create_topics, topic_name
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import RECORD_TYPES, SamplingParams
 from rlstream.sources.prompts import PromptProducer, make_task, task_items
@@ -80,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stages", default=",".join(STAGES), help="stages that may be killed (comma-separated)")
     p.add_argument("--backend", default="transformers", choices=("auto", "transformers", "vllm"),
                    help="rollout engine (transformers restarts fastest)")
+    p.add_argument("--eta", type=int, default=2,
+                   help="the loop's staleness bound η (0 refuses every sample of an older version: exercises the "
+                        "trainer's books with refusals)")
     p.add_argument("--partitions", type=int, default=4, help="partitions per topic of the fresh run")
     p.add_argument("--bootstrap", default=os.environ.get("RLSTREAM_BOOTSTRAP", ""),
                    help="Kafka bootstrap (default $RLSTREAM_BOOTSTRAP, else the local broker, started if needed)")
@@ -129,7 +135,7 @@ class PromptSource(threading.Thread):
 
 def start_loop(args, bootstrap: str, run: str, workdir: Path, archive: str) -> Supervisor:
     """The loop's stage processes, supervised, not started yet."""
-    env = stage_env(bootstrap, run, **ONE_THREAD)
+    env = stage_env(bootstrap, run, RLSTREAM_ETA=str(args.eta), **ONE_THREAD)
     if args.kafka_config:
         env["RLSTREAM_KAFKA_CONFIG"] = args.kafka_config
     logs = workdir / "logs"
@@ -241,6 +247,31 @@ def policy_order(tail: TopicTail) -> list[str]:
             elif cur.parent_version != prev.version:
                 problems.append(f"{policy} v{cur.version} has parent v{cur.parent_version}, not v{prev.version}")
     return problems
+
+
+def trainer_books(admin: AdminClient, run: str, tail: TopicTail) -> dict[str, int]:
+    """The trainer's train-at-most-once books, from the topics alone.
+
+    ``consumed``: the rewards the trainer's group has committed (read_committed records below each committed offset,
+    plus those its offset metadata lists as done ahead of it). Every version's PolicyVersion says, in the transaction
+    that committed them, how many of them it trained and what became of the rest (trainer/gate.py:OutcomeBooks); a
+    sample trained twice after a SIGKILL, or one lost from the books, breaks the sum.
+    """
+    committed = committed_with_metadata(admin, f"{run}.trainer")
+    topic = topic_name(run, "rewards")
+    done = {tp: (offset, decode_done_ahead(offset, metadata)) for tp, (offset, metadata) in committed.items()
+            if tp[0] == topic}
+    consumed = 0
+    for s in tail.snapshot("rewards"):
+        offset, ahead = done.get((topic, s.partition), (0, set()))
+        consumed += s.offset < offset or s.offset in ahead
+    versions = [s.record for s in tail.snapshot("policy-versions") if s.record is not None]
+    books = {"consumed": consumed, "trained": sum(v.samples_trained for v in versions)}
+    for key in ("refused", "evicted", "skipped"):
+        books[key] = int(sum(v.metrics.get(f"{key}_step", 0.0) for v in versions))
+    books["stale"] = int(sum(v.metrics.get("stale_step", 0.0) for v in versions))
+    books["left"] = len(tail.snapshot("rewards")) - consumed  # in the window at the stop (never committed)
+    return books
 
 
 def archive_check(url: str, run: str, tail: TopicTail) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -410,6 +441,12 @@ def main(argv: list[str] | None = None) -> int:
         if s.record:
             print(f"dead letter from {s.record.stage}: {s.record.reason}: {s.record.error[:200]}")
     n_versions = len(tail.snapshot("policy-versions"))
+    tb = trainer_books(admin, run, tail)
+    books_ok = tb["trained"] + tb["refused"] + tb["evicted"] + tb["skipped"] == tb["consumed"]
+    print(f"trainer books: trained {tb['trained']} + refused {tb['refused']} (stale {tb['stale']}) + evicted "
+          f"{tb['evicted']} + skipped {tb['skipped']} = {tb['trained'] + tb['refused'] + tb['evicted'] + tb['skipped']}"
+          f"; rewards the trainer committed: {tb['consumed']} ({'equal' if books_ok else 'NOT EQUAL'}); "
+          f"left in its window at the stop: {tb['left']}")
     lost = sum(missing.values()) + sum(arch_missing.values())
     duplicated = sum(dup_topics.values()) + sum(arch_dup.values()) + sum(arch_extra.values())
     measured = [k["recovery"] for k in kills if k["recovery"] is not None]
@@ -423,12 +460,14 @@ def main(argv: list[str] | None = None) -> int:
     if versions_bad:
         print("policy versions out of order: " + "; ".join(versions_bad[:10]))
     ok = (lost == 0 and duplicated == 0 and failed == 0 and not letters and not versions_bad and not failed_to_drain
-          and n_versions > 0)
+          and n_versions > 0 and books_ok)
     print(f"tasks={len(source.sent)} trajectories={n_traj} lost={lost} duplicated={duplicated} "
           f"recovery_p99={percentile(measured, 99):.1f}s kills={len(kills)} timeouts={len(kills) - len(measured)} "
           f"policy_versions={n_versions} versions_increasing={'yes' if not versions_bad else 'no'}", flush=True)
     result("chaos", ok=ok, kills=len(kills), lost=lost, duplicated=duplicated,
-           recovery_p99_s=percentile(measured, 99), failed=failed, dead_letters=sum(letters.values()))
+           recovery_p99_s=percentile(measured, 99), failed=failed, dead_letters=sum(letters.values()),
+           trained=tb["trained"], refused=tb["refused"], evicted=tb["evicted"], consumed=tb["consumed"],
+           books_equal=books_ok)
     return 0 if ok else 1
 
 

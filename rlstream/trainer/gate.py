@@ -105,3 +105,27 @@ class SampleGate:
         accepted = self.counter.observe(bound, version, header_version)
         metrics.count_staleness("trainer", accepted, self.counter.stale_ratio)
         return accepted
+
+
+@dataclass
+class OutcomeBooks:
+    """What became of the positions consumed since the last publish, other than being trained.
+
+    Each step publishes these (``refused_step``, ``evicted_step``, ``skipped_step``) in the transaction that commits
+    the offsets covering the positions, and a version's ``samples_trained`` counts the rest, so over every version:
+    trained + refused + evicted + skipped = the records the trainer's group has committed (benchmarks/chaos.py checks
+    it after SIGKILLs). Decisions not yet committed are redone after a restart or a reassignment, so they are forgotten
+    with them (``TrainerService._assigned``) and never counted twice.
+    """
+
+    refused: int = 0  # stale past η, no verdict, invalid turn scores, refused feedback
+    evicted: int = 0  # an incomplete head group's samples at its timeout, and late samples of a closed group
+    skipped: int = 0  # not this trainer's (another reward or teacher version), the eval lane, undecodable
+
+    def take(self) -> dict[str, float]:
+        """The counts as step metrics, and start again from zero."""
+        out = {"refused_step": float(self.refused), "evicted_step": float(self.evicted),
+               "skipped_step": float(self.skipped)}
+        self.refused = self.evicted = self.skipped = 0
+        return out
+

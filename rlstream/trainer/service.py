@@ -49,7 +49,7 @@ from rlstream.trainer.chain import chain_stats
 from rlstream.trainer.distill import LOSSES, DistillConfig, coef_at
 from rlstream.trainer.distributed import Ranks, check_nproc, launch
 from rlstream.trainer.engine import SHARDING, make_engine
-from rlstream.trainer.gate import SampleGate, trajectory_of
+from rlstream.trainer.gate import OutcomeBooks, SampleGate, trajectory_of
 from rlstream.trainer.microbatch import train_step
 from rlstream.trainer.update import UpdateConfig, build_batch
 from rlstream.trainer.window import WindowedFIFO, WindowItem
@@ -153,6 +153,9 @@ class TrainerService:
         self.store = WeightStore(settings.weights)
         self.evicted = 0
         self._counted = (0, 0, 0)  # (accepted, stale, stale tokens) at the last publish, for per-step counts
+        # What became of each consumed position since the last publish, published with the offsets that cover it:
+        # summed over every version, trained + refused + evicted + skipped = the records the group committed.
+        self._books = OutcomeBooks()
         self.version = -1
         self._stopping = False
         self._letters: list = []  # (message, reason, error) to dead-letter in the next transaction
@@ -205,6 +208,7 @@ class TrainerService:
                 self._consume_once(runtime)
                 evicted = sum(len(g.items) for g in self.window.evict_expired())
                 self.evicted += evicted
+                self._books.evicted += evicted
                 metrics.EVICTED_SAMPLES.labels("trainer").inc(evicted)
                 while self.window.complete_in_window() >= self.loop.groups_per_step and not self._stopping:
                     self._step(self.window.take(max_groups=self.loop.groups_per_step))
@@ -224,6 +228,7 @@ class TrainerService:
     def _assigned(self, consumer, parts) -> None:
         """Partitions (re)assigned: read again from their committed offsets, skipping what was trained past them."""
         self.window.clear()
+        self._books = OutcomeBooks()  # what was decided and not committed is read and decided again
         self._done_ahead = committed_done_ahead(consumer, parts)
 
     def _load_or_create(self) -> None:
@@ -328,12 +333,15 @@ class TrainerService:
         for m in self._member.consume(runtime.batch_size, runtime.poll_timeout_s):
             position = (m.topic(), m.partition(), m.offset())
             if self._done_ahead and position in self._done_ahead:
-                self.window.skip(position)  # trained before the restart
+                self.window.skip(position)  # trained before the restart: counted by the version that committed it
                 continue
             try:
                 item = records.decode(m, self.settings.source)
             except Rejected as rej:
                 self._letters.append((m, rej.reason, str(rej)))
+                # Consumed with its letter: the transaction that writes the letter also commits past it.
+                self.window.skip(position)
+                self._books.skipped += 1
                 continue
             sample = item.record
             decision = self.gate.decide(sample, item.headers, item.policy_version, self.version)
@@ -344,8 +352,10 @@ class TrainerService:
                 self.window.add(WindowItem(traj.group_id, traj.task.group_size, position, time.monotonic(), sample))
             elif decision.action == "refuse":
                 self.window.refuse(traj.group_id, traj.task.group_size, position)
-            elif decision.action == "skip":
+                self._books.refused += 1
+            else:  # skip, ignore: done with, in no group (another reward version's records are consumed past too)
                 self.window.skip(position)
+                self._books.skipped += 1
         self._lag.maybe_update(self.consumer, self.consumer.assignment)
 
     # -- one step --------------------------------------------------------------------
@@ -369,6 +379,7 @@ class TrainerService:
                       "stale_step": float(self.counter.stale - stale),
                       "stale_tokens": float(self.counter.stale_tokens),
                       "stale_tokens_step": float(self.counter.stale_tokens - tokens)})
+        stats.update(self._books.take())
         self._publish(self.version + 1, stats, offsets=self.window.committable_offsets(),
                       samples=int(batch.input_ids.shape[0]))
         metrics.STEP_SECONDS.labels("trainer").observe(time.monotonic() - started)

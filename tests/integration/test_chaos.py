@@ -18,7 +18,9 @@ def test_killing_every_stage_loses_and_duplicates_nothing(bootstrap, tmp_path):
     run = "chaos-" + uuid.uuid4().hex[:8]
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.chaos", "--kills", "5", "--tasks", "24", "--seed", "1", "--run", run,
-         "--bootstrap", bootstrap, "--workdir", str(tmp_path), "--interval", "2"],
+         "--bootstrap", bootstrap, "--workdir", str(tmp_path), "--interval", "2",
+         # η = 0: every sample of an older version is refused, so the trainer's books carry refusals too.
+         "--eta", "0"],
         cwd=ROOT, capture_output=True, text=True, timeout=1800)
     out = proc.stdout + proc.stderr
     summary = re.search(r"^tasks=(\d+) trajectories=(\d+) lost=(\d+) duplicated=(\d+) recovery_p99=(\S+)s "
@@ -33,3 +35,11 @@ def test_killing_every_stage_loses_and_duplicates_nothing(bootstrap, tmp_path):
     kill_line = next(line for line in proc.stdout.splitlines() if line.startswith("kills: "))
     for stage in ("rollout", "env", "reward", "trainer", "archive"):
         assert f"{stage} [" in kill_line, kill_line
+    # Train-at-most-once, from the topics: what every PolicyVersion says it trained, refused, evicted and skipped adds
+    # up to the rewards the trainer's group committed (a sample trained twice after its SIGKILL would break it).
+    books = re.search(r"^trainer books: trained (\d+) \+ refused (\d+) \(stale \d+\) \+ evicted (\d+) \+ skipped (\d+) "
+                      r"= (\d+); rewards the trainer committed: (\d+)", proc.stdout, re.M)
+    assert books, out[-5000:]
+    trained, refused, evicted, skipped, total, consumed = map(int, books.groups())
+    assert trained > 0 and trained + refused + evicted + skipped == total == consumed, books.group(0)
+
