@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from rlstream.policy.deltas import (Content, apply, content_hash, encode, folder_hash, payload_kind, read_folder, split,
-                                    write_folder)
+from rlstream.policy.deltas import (Content, apply, content_hash, encode, folder_hash, pack_bits, payload_kind,
+                                    read_folder, split, unpack_bits, write_folder)
 
 
 def content(seed: int = 0) -> Content:
@@ -67,7 +67,7 @@ def test_a_delta_carries_only_changed_elements_and_rebuilds_bit_exactly(dtype):
 
 def test_a_mostly_changed_tensor_goes_in_full_and_bit_patterns_survive():
     base = content()
-    new = changed(base, 0.9)
+    new = changed(base, 0.995)  # past 1 − 1/32 of fp32 elements changed, even a bit mask does not pay
     # -0.0 and a NaN with a payload differ from 0.0 and the plain NaN only in their bits.
     bias = torch.zeros(32)
     bias[0] = -0.0
@@ -79,6 +79,39 @@ def test_a_mostly_changed_tensor_goes_in_full_and_bit_patterns_survive():
     assert content_hash(out) == content_hash(new)
     assert out.tensors["layer.0.bias"].view(torch.int32)[1] == 0x7FC00001
     assert torch.signbit(out.tensors["layer.0.bias"][0])
+
+
+def test_a_fifth_changed_goes_as_a_bit_mask_and_rebuilds_bit_exactly():
+    base = content()
+    base.tensors["w"] = torch.randn(1001, 7).to(torch.bfloat16)  # 7,007 elements: the last mask byte is padded
+    base.shards["w"] = "model.safetensors"
+    new = changed(base, 0.2)
+    payload = encode(new, base)
+    # bf16 at 20 %: indices + values 1.2 bytes an element, mask + values 0.525, full 2.
+    assert manifest(payload)["tensors"]["w"][1] == "mask"
+    out = apply(payload, base)
+    assert content_hash(out) == content_hash(new)
+    assert len(payload) < 0.35 * len(encode(new, None)), len(payload)
+
+
+def test_bits_pack_eight_to_a_byte_and_come_back():
+    mask = torch.rand(13, generator=torch.Generator().manual_seed(3)) < 0.5
+    packed = pack_bits(mask)
+    assert packed.dtype == torch.uint8 and packed.numel() == 2
+    assert torch.equal(unpack_bits(packed, 13), mask)
+    assert pack_bits(torch.tensor([True] + [False] * 7)).tolist() == [128]  # the first element in the high bit
+
+
+def test_a_mask_delta_that_does_not_fit_its_base_is_refused():
+    base = content()
+    base.tensors["w"] = torch.randn(64, 64).to(torch.bfloat16)
+    base.shards["w"] = "model.safetensors"
+    payload = encode(changed(base, 0.3), base)
+    assert manifest(payload)["tensors"]["w"][1] == "mask"
+    smaller = Content(dict(base.tensors), dict(base.shards), dict(base.files))
+    smaller.tensors["w"] = torch.zeros(32, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not fit"):
+        apply(payload, smaller)
 
 
 def test_a_shape_or_dtype_change_sends_the_whole_tensor_and_removed_things_are_gone():
