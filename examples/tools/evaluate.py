@@ -12,10 +12,10 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from examples.tools.transcripts import Problem, calc_observation
+from rlstream.envs.builtin import Calculator
 from rlstream.rewards.builtin import calculator_reward
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import SamplingParams, Task, ToolCall, ToolResult, Trajectory, Turn
-from rlstream.envs.builtin import Calculator
 
 #: The task's own limits (``rlstream.sources.tool_tasks``): new tokens per turn, and turns.
 MAX_NEW_TOKENS, MAX_TURNS = 16, 4
