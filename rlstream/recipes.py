@@ -16,7 +16,7 @@ from pathlib import Path
 from rlstream.errors import UsageError, UserError
 
 #: Names ``--recipe`` takes (each an ``examples/<name>/recipe.py``).
-NAMES = ("arithmetic",)
+NAMES = ("arithmetic", "tools")
 
 #: Written last by a finished build, so an interrupted one is built again.
 BUILT = "BUILT"

@@ -407,44 +407,8 @@ class Sandbox:
     # -- docker backend -------------------------------------------------------------
 
     def _run_docker(self, code: str, started: float, workdir=None, programs=()) -> SandboxResult:
-        import docker  # optional dependency, only imported where an engine answered
-        lim = self.limits
-        cpu = max(1, int(round(lim.cpu_s)))
-        boot = ("import os,sys\nh=sys.excepthook\ndef e(t,v,b):\n h(t,v,b)\n if issubclass(t,MemoryError):"
-                f" os._exit({MEMORY_EXIT})\nsys.excepthook=e\nexec(compile(sys.argv[1],'main.py','exec'))")
-        container = docker.from_env().containers.run(
-            self.docker_image, ["python", "-c", boot, code], detach=True, network_disabled=True,
-            mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m", nano_cpus=10**9, pids_limit=64,
-            read_only=True, tmpfs={"/tmp": f"size={lim.file_size_mb}m"}, working_dir="/work" if workdir else "/tmp",
-            volumes={os.path.realpath(workdir): {"bind": "/work", "mode": "rw"}} if workdir else None,
-            environment={"HOME": "/tmp", "PYTHONUNBUFFERED": "1"}, user="65534:65534", cap_drop=["ALL"],
-            security_opt=["no-new-privileges"], ulimits=[docker.types.Ulimit(name="cpu", soft=cpu, hard=cpu + 1)])
-        try:
-            timed_out = False
-            try:
-                exit_code = int(container.wait(timeout=lim.timeout_s).get("StatusCode", -1))
-            except Exception:  # requests' ReadTimeout / ConnectionError: the deadline passed
-                timed_out, exit_code = True, -signal.SIGKILL
-                container.kill()
-            buf = bytearray()
-            for chunk in container.logs(stdout=True, stderr=True, stream=True):
-                buf += chunk
-                if len(buf) > lim.max_output_bytes:
-                    break
-            container.reload()
-            oom = bool(container.attrs.get("State", {}).get("OOMKilled"))
-        finally:
-            container.remove(force=True)
-        truncated = len(buf) > lim.max_output_bytes
-        text = bytes(buf[:lim.max_output_bytes]).decode("utf-8", "replace")
-        duration = (time.monotonic() - started) * 1000
-        if timed_out:
-            failure = "timeout"
-        elif oom:
-            failure = "memory"
-        else:  # the shell's convention: 128 + signal number
-            failure = _classify(128 - exit_code if exit_code > 128 else exit_code, 0.0, lim.cpu_s)
-        return SandboxResult(text, exit_code, duration, truncated, failure)
+        from rlstream.sandbox_docker import run_once  # its own module: the docker SDK is an optional dependency
+        return run_once(self, code, started, workdir)
 
 
 def _classify(exit_code: int, cpu_s: float, cpu_limit: float) -> str | None:

@@ -4,8 +4,9 @@ Every tool call of the episode runs in the sandbox with the workspace as its cwd
 written by one step are there for the next. With the subprocess sandbox, processes persist too: the episode's calls
 run in one sandbox session (``rlstream.envs.session``), so a process a step starts in the background is running at
 the next step, until the episode ends and the session's pid namespace goes with every process in it. With the
-docker sandbox each call is a container of its own, and only files persist. The directory and the session are
-removed when the episode ends (or its env is evicted, or the stage shuts down).
+docker sandbox the episode has a container of its own (``rlstream.envs.docker_session``), every call exec'd into
+it, so processes persist there too until the container is removed. The directory and the session are removed when
+the episode ends (or its env is evicted, or the stage shuts down).
 
 The built-in tools: ``shell`` (``/bin/sh -c``; the shell and what it starts run without the sandbox's Python
 audit hooks, so files are guarded by the namespaces and limits alone — the docker sandbox for adversarial
@@ -19,18 +20,13 @@ import shutil
 import tempfile
 import time
 
+from rlstream.envs.docker_session import DockerSession
 from rlstream.envs.session import SandboxSession
 from rlstream.sandbox import Sandbox
 from rlstream.schemas.records import ToolResult
 
 #: Most bytes a file tool reads or writes at once (the observation would be cut anyway).
 MAX_FILE_BYTES = 1 << 20
-
-_SHELL = '''import subprocess, sys
-r = subprocess.run({cmd!r}, shell=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-sys.stdout.buffer.write(r.stdout)
-sys.exit(r.returncode if r.returncode >= 0 else 128 - r.returncode)
-'''
 
 
 class Workspace:
@@ -39,7 +35,7 @@ class Workspace:
     def __init__(self, sandbox: Sandbox, episode_id: str, root: str | None = None):
         self.sandbox, self.episode_id, self.root = sandbox, episode_id, root
         self._path: str | None = None
-        self._session: SandboxSession | None = None
+        self._session: SandboxSession | DockerSession | None = None
         self.closed = False
 
     @property
@@ -54,24 +50,20 @@ class Workspace:
         return self._path
 
     @property
-    def session(self) -> SandboxSession | None:
-        """The episode's persistent sandbox (subprocess backend), started by its first call; None with docker."""
-        if self._session is None and self.sandbox.backend == "subprocess":
-            self._session = SandboxSession(self.sandbox, self.path)
+    def session(self) -> SandboxSession | DockerSession:
+        """The episode's persistent sandbox (a process, or a container with docker), started by its first call."""
+        if self._session is None:
+            self._session = DockerSession(self.sandbox, self.path, self.episode_id) \
+                if self.sandbox.backend == "docker" else SandboxSession(self.sandbox, self.path)
         return self._session
 
     def shell(self, command: str) -> ToolResult:
         """Run ``command`` with /bin/sh in the workspace; output and exit code as the tool result."""
-        if self.session is not None:
-            return self.session.run("shell", command).to_tool_result()
-        return self.sandbox.run_python(_SHELL.format(cmd=command), workdir=self.path,
-                                       programs=("/bin/sh",)).to_tool_result()
+        return self.session.run("shell", command).to_tool_result()
 
     def python(self, code: str) -> ToolResult:
         """Run Python ``code`` in the workspace."""
-        if self.session is not None:
-            return self.session.run("python", code).to_tool_result()
-        return self.sandbox.run_python(code, workdir=self.path).to_tool_result()
+        return self.session.run("python", code).to_tool_result()
 
     def read_file(self, path: str) -> ToolResult:
         """A file of the workspace, as text (errors replaced); exit code 1 and why when it cannot be read."""

@@ -6,5 +6,6 @@
 - ``engine.py``: the policy engine behind the gateway (in process, or a fleet of servers), following new versions;
 - ``writer.py``: closed episodes onto ``trajectories`` in Kafka transactions (a killed gateway writes nothing half);
 - ``server.py``: the HTTP routes, the settings and the command;
+- ``streaming.py``: ``"stream": true`` answers, the engine's tokens as server-sent events as they are sampled;
 - ``reward.py``: ``posted``, the reward function that reads a reward posted with the close.
 """

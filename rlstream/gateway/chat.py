@@ -22,6 +22,8 @@ import re
 import uuid
 
 _SENTINEL = "\x00rlstream-gateway\x00"
+#: Where a Hermes tool call starts in the model's text.
+TOOL_CALL_OPEN = "<tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from typing import Callable
 
 from rlstream import metrics
 from rlstream.config import KafkaSettings, LoopSettings
@@ -111,11 +112,15 @@ class PolicyEngine:
         self.version = self.backend.version
         metrics.POLICY_VERSION.labels(self.name).set(self.version)
 
-    def generate(self, prompt: list[int], params: SamplingParams, key: str) -> tuple[Generation, int]:
+    def generate(self, prompt: list[int], params: SamplingParams, key: str,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> tuple[Generation, int]:
         """One continuation of ``prompt`` (``key``: the session, for a fleet's prefix affinity), and the version
-        the engine held when it started. Calls that wait together are generated as one batch."""
+        the engine held when it started. Calls that wait together are generated as one batch.
+
+        ``on_tokens`` is called in the engine's thread with the token ids sampled so far, after every engine step
+        of a backend that ``streams`` (else not at all: the answer comes whole); it must be quick."""
         done: Future = Future()
-        self._calls.put((prompt, params, key, done))
+        self._calls.put((prompt, params, key, done, on_tokens))
         return done.result()
 
     def _batches(self) -> None:
@@ -142,7 +147,8 @@ class PolicyEngine:
                     with self._lock:
                         self._swap_to_latest()
                         version = self.version
-                        gens = self.backend.generate([c[0] for c in group], group[0][1], keys=[c[2] for c in group])
+                        gens = self.backend.generate([c[0] for c in group], group[0][1], keys=[c[2] for c in group],
+                                                     **self._streaming(group))
                 except Exception as exc:  # each waiting call answers with the engine's error
                     for c in group:
                         c[3].set_exception(exc)
@@ -150,6 +156,22 @@ class PolicyEngine:
                 metrics.GENERATED_TOKENS.labels(self.backend.name).inc(sum(len(g.token_ids) for g in gens))
                 for c, gen in zip(group, gens):
                     c[3].set_result((gen, version))
+
+    def _streaming(self, group: list) -> dict:
+        """The backend's ``on_step`` for the calls of a batch that stream: each gets its own tokens so far."""
+        if not getattr(self.backend, "streams", False) or not any(c[4] for c in group):
+            return {}
+        counts = [0] * len(group)
+
+        def on_step(gens: list[Generation]) -> None:
+            for i, (c, gen) in enumerate(zip(group, gens)):
+                if c[4] is not None and len(gen.token_ids) > counts[i]:
+                    counts[i] = len(gen.token_ids)
+                    try:
+                        c[4](list(gen.token_ids))
+                    except Exception:  # a listener's fault (a client gone) must not stop the batch
+                        log.exception("gateway: streaming tokens failed")
+        return {"on_step": on_step}
 
     def close(self) -> None:
         self._stop.set()

@@ -6,8 +6,8 @@ Routes (JSON):
 
 - ``POST /v1/sessions`` ``{"session_id"?, "group_id"?, "group_size"?, "sample_index"?, "task_name"?, "answer"?,
   "metadata"?}`` -> 201 ``{"session_id", "group_id"}``: open an episode (the agent's harness does this);
-- ``POST /v1/chat/completions`` and ``POST /v1/completions``: OpenAI's, ``stream`` included (the whole answer in
-  one chunk once the engine has it); the session is the ``X-Session-Id`` header, else the ``user`` field;
+- ``POST /v1/chat/completions`` and ``POST /v1/completions``: OpenAI's, ``stream`` included (tokens as the
+  engine samples them: ``rlstream.gateway.streaming``); the session is the ``X-Session-Id`` header, else the ``user`` field;
 - ``POST /v1/sessions/{id}/close`` ``{"reward"?: number}`` -> ``{"trajectories": n, "calls": n}`` once committed:
   the episode goes to ``trajectories``; a posted reward travels in its task's metadata (``gateway.reward``) for
   the reward stage's ``rlstream.gateway.reward:posted``, else the reward stage's own function scores it;
@@ -19,7 +19,6 @@ closed one, 400 for a request the gateway cannot serve, each saying what to do.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ from rlstream.config import KafkaSettings, LoopSettings, add_arguments, knob
 from rlstream.config import load as load_settings
 from rlstream.errors import UsageError
 from rlstream.gateway.sessions import SessionBook, SessionError
+from rlstream.gateway.streaming import stream
 from rlstream.stages.inference import KINDS
 
 log = logging.getLogger(__name__)
@@ -106,10 +106,9 @@ def make_app(gateway, workers: int = 16):
     async def call(request, method):
         body = await body_of(request)
         sid = request.headers.get(SESSION_HEADER) or body.get("user")
-        answer = await in_thread(method, sid, body)
-        if not body.get("stream"):
-            return web.json_response(answer)
-        return await _stream(request, answer)
+        if body.get("stream"):
+            return await stream(request, in_thread, method, sid, body, gateway.engine.tokenizer)
+        return web.json_response(await in_thread(method, sid, body))
 
     @route
     async def chat_completions(request):
@@ -156,31 +155,6 @@ def make_app(gateway, workers: int = 16):
         pool.shutdown(wait=False)
     app.cleanup_ctx.append(reap)
     return app
-
-
-async def _stream(request, answer: dict):
-    """An answer as server-sent events: one chunk with the whole delta, one with the finish reason, then [DONE]."""
-    from aiohttp import web
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    choice = answer["choices"][0]
-    chat = answer["object"] == "chat.completion"
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    base = {k: answer[k] for k in ("id", "created", "model")}
-    if chat:
-        delta = {k: v for k, v in choice["message"].items() if v is not None}
-        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta.get("tool_calls", []))] or None
-        first = {"index": 0, "delta": {k: v for k, v in delta.items() if v is not None}, "finish_reason": None}
-        last = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
-    else:
-        first = {"index": 0, "text": choice["text"], "finish_reason": None}
-        last = {"index": 0, "text": "", "finish_reason": choice["finish_reason"]}
-    for part in ({**base, "object": obj, "choices": [first]},
-                 {**base, "object": obj, "choices": [last], "usage": answer["usage"], "rlstream": answer["rlstream"]}):
-        await resp.write(f"data: {json.dumps(part)}\n\n".encode())
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
 
 
 def cmd_gateway(args) -> None:

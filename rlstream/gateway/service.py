@@ -63,8 +63,9 @@ class Gateway:
 
     # -- calls ---------------------------------------------------------------------------------------------------
 
-    def chat(self, sid: str | None, body: dict) -> dict:
-        """One ``/v1/chat/completions`` call in session ``sid``: the OpenAI response (with an ``rlstream`` part)."""
+    def chat(self, sid: str | None, body: dict, on_tokens=None) -> dict:
+        """One ``/v1/chat/completions`` call in session ``sid``: the OpenAI response (with an ``rlstream`` part).
+        ``on_tokens``: called with the token ids sampled so far as the engine samples them (streaming)."""
         try:
             messages = chat.normalize(body.get("messages"))
         except chat.ChatError as exc:
@@ -85,7 +86,7 @@ class Gateway:
                 raise SessionError(400, f"the chat template cannot render these messages: {exc}") from None
             if fresh is not None:
                 seg = Segment("chat", fresh[0], fresh[1], params, tools=key)
-            text, gen, version, added, started = self._generate(session, seg, cont, params)
+            text, gen, version, added, started = self._generate(session, seg, cont, params, on_tokens)
             content, calls = chat.parse_tool_calls(text) if tools else (text, [])
             message = chat.assistant_message(content, calls)
             seg.messages = messages + chat.normalize([message])
@@ -95,7 +96,7 @@ class Gateway:
             return self._answer(session, seg, "chat.completion", choice, gen, version, added, fresh is not None,
                                 started, body)
 
-    def completion(self, sid: str | None, body: dict) -> dict:
+    def completion(self, sid: str | None, body: dict, on_tokens=None) -> dict:
         """One ``/v1/completions`` call in session ``sid``."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -118,14 +119,14 @@ class Gateway:
                 fresh = (prompt, [int(i) for i in tok(prompt)["input_ids"]])
             if fresh is not None:
                 seg = Segment("completion", fresh[0], fresh[1], params)
-            text, gen, version, added, started = self._generate(session, seg, cont, params)
+            text, gen, version, added, started = self._generate(session, seg, cont, params, on_tokens)
             seg.text = (prompt if isinstance(prompt, str) else fresh[0]) + text
             choice = {"index": 0, "text": text, "finish_reason": "stop" if gen.finish_reason == "stop" else "length",
                       "logprobs": self._logprobs(gen, body.get("logprobs") is not None, chat=False)}
             return self._answer(session, seg, "text_completion", choice, gen, version, added, fresh is not None,
                                 started, body)
 
-    def _generate(self, session: Session, seg: Segment, cont, params: SamplingParams):
+    def _generate(self, session: Session, seg: Segment, cont, params: SamplingParams, on_tokens=None):
         """Sample after ``seg``'s tokens (and ``cont``, the agent's new context); the segment is changed only once
         the engine answered."""
         added = cont[1] if cont else []
@@ -136,7 +137,7 @@ class Gateway:
                                     f"({self.engine.max_context}); close the session")
         params.max_tokens = min(params.max_tokens, room)
         started = now_ms()
-        gen, version = self.engine.generate(prompt, params, session.session_id)
+        gen, version = self.engine.generate(prompt, params, session.session_id, on_tokens)
         finished = now_ms()
         metrics.HANDLER_SECONDS.labels("gateway").observe((finished - started) / 1000)
         if cont is not None:

@@ -16,9 +16,9 @@ def calculator(step: int) -> str:
 
 
 def run_agent(base_url: str, session: str, steps: int = 3, seed: int = 0, stream_at: int = -1,
-              max_tokens: int = 6) -> tuple[list[dict], list]:
-    """Run the agent for ``steps`` model calls (call ``stream_at`` streamed); the final conversation and each
-    non-streamed response."""
+              max_tokens: int = 6, chunks: list | None = None) -> tuple[list[dict], list]:
+    """Run the agent for ``steps`` model calls (call ``stream_at`` streamed, its chunks appended to ``chunks``);
+    the final conversation and each non-streamed response."""
     client = OpenAI(base_url=base_url, api_key="unused", default_headers={"X-Session-Id": session}, max_retries=0,
                     timeout=60)
     messages: list[dict] = [{"role": "system", "content": "You are a calculator agent. Use the add tool."},
@@ -28,8 +28,10 @@ def run_agent(base_url: str, session: str, steps: int = 3, seed: int = 0, stream
         args = dict(model="policy", messages=messages, tools=TOOLS, max_tokens=max_tokens, temperature=1.0,
                     seed=seed * 100 + step)
         if step == stream_at:
-            text = "".join(chunk.choices[0].delta.content or "" for chunk in
-                           client.chat.completions.create(stream=True, **args) if chunk.choices)
+            streamed = list(client.chat.completions.create(stream=True, **args))
+            if chunks is not None:
+                chunks += streamed
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
             messages.append({"role": "assistant", "content": text})
         else:
             response = client.chat.completions.create(**args)

@@ -63,11 +63,15 @@ class StandInEngine:
 
     def __init__(self, answers: list[str], version: int = 3):
         self.tokenizer, self.max_context, self.version = stand_in_tokenizer(), 512, version
-        self.answers, self.prompts = list(answers), []
+        self.answers, self.prompts, self.streamed = list(answers), [], 0
 
-    def generate(self, prompt, params, key):
+    def generate(self, prompt, params, key, on_tokens=None):
         self.prompts.append(list(prompt))
         ids = engine_tokens(self.answers.pop(0))
+        if on_tokens is not None:  # as a streaming engine: the tokens so far after each step, a token a step
+            for n in range(1, len(ids) + 1):
+                on_tokens(ids[:n])
+                self.streamed += 1
         return Generation(ids, [-0.25] * len(ids), "stop", versions=[self.version] * len(ids)), self.version
 
 

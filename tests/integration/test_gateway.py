@@ -1,7 +1,8 @@
 """``rlstream gateway`` as its own process in front of a real engine (transformers, a small Llama with a ChatML
 tokenizer), driven by the real ``openai`` client from an agent program of its own (tests.helpers.agent).
 
-Checked: each call's tokens, log-probs and version in the trajectory exactly as the engine returned them, and the
+Checked: each call's tokens, log-probs and version in the trajectory exactly as the engine returned them (a streamed
+call's arriving in several chunks as the engine sampled them), and the
 episode's token sequence is the conversation the agent sent (the agent's additions rendered, the model's answers
 never re-tokenized); unknown and closed sessions refused with 404/409 and a message; a gateway SIGKILLed with an
 episode open and a close inside its transaction leaves nothing visible to read_committed readers (the records it
@@ -40,7 +41,8 @@ def test_an_agent_through_the_gateway_becomes_trajectories_and_a_killed_gateway_
     try:
         # Episode A: three calls (the second streamed), the agent's own tool between them, closed with a reward.
         assert post(base + "/v1/sessions", {"session_id": "A", "group_id": "gA", "answer": "42"})[0] == 201
-        messages, responses = run_agent(base + "/v1", "A", steps=3, stream_at=1)
+        streamed: list = []
+        messages, responses = run_agent(base + "/v1", "A", steps=3, stream_at=1, chunks=streamed)
         status, closed = post(base + "/v1/sessions/A/close", {"reward": 1.0})
         assert (status, closed["trajectories"], closed["calls"]) == (200, 1, 3)
         # Episode B: completions, the second prompt extending the first's prompt and answer.
@@ -112,6 +114,11 @@ def test_an_agent_through_the_gateway_becomes_trajectories_and_a_killed_gateway_
         assert traj.token_ids[turn.token_start:turn.token_end] == captured["token_ids"]
         assert traj.behaviour_logprobs[turn.token_start:turn.token_end] == pytest.approx(captured["logprobs"])
         assert all(lp < 0 for lp in captured["logprobs"]) and captured["policy_version"] == 0
+    # The streamed call came token by token as the engine sampled them, and kept the engine's own ids.
+    texts = [c.choices[0].delta.content for c in streamed if c.choices and c.choices[0].delta.content]
+    assert len(texts) >= 2, streamed
+    assert traj.token_ids[actions[1].token_start:actions[1].token_end] == streamed[-1].model_extra["rlstream"][
+        "token_ids"]
     assert all(t.policy_version == 0 for t in actions) and traj.min_policy_version == 0
     assert traj.loss_mask == [int(t.role == "action") for t in traj.turns for _ in range(t.token_start, t.token_end)]
     # Episode B: the second completion continued the first (its prompt's new text " so" is context).

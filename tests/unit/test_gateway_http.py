@@ -14,7 +14,7 @@ from rlstream.gateway.server import make_app
 from rlstream.gateway.service import Gateway
 from rlstream.gateway.sessions import SessionBook
 from tests.helpers.agent import TOOLS
-from tests.helpers.gateway import KeptWriter, StandInEngine, post
+from tests.helpers.gateway import KeptWriter, StandInEngine, engine_tokens, post
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 30}}</tool_call>'
 
@@ -79,3 +79,44 @@ def test_tool_calls_pass_through_streaming_works_and_refusals_say_why(serve):
     [traj] = writer.written
     assert traj.turns[0].text == "Let me add." + CALL, "the model's own text is what the trajectory keeps"
     assert [t.role for t in traj.turns] == ["action", "observation", "action"]
+
+
+def test_a_stream_carries_the_engines_tokens_as_they_come_and_holds_back_what_the_answer_cuts(serve):
+    engine = StandInEngine(["It is 42.", "Let me add." + CALL, "one, two. three", "12 + 30 = 42"])
+    writer = KeptWriter()
+    base = serve(Gateway(engine, SessionBook(60, auto_open=True), writer, model="policy"))
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+
+    chunks = list(client.chat.completions.create(model="m", messages=messages, stream=True, user="s1"))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(texts) >= 5 and "".join(texts) == "It is 42.", texts  # a chunk per decoded token, not one
+    assert engine.streamed == len(engine_tokens("It is 42."))
+    last = chunks[-1]
+    assert last.choices[0].finish_reason == "stop"
+    captured = last.model_extra["rlstream"]
+    assert captured["token_ids"] == engine_tokens("It is 42.") and captured["logprobs"] == [-0.25] * 10
+
+    # With tools: the content streams up to the call, which comes as tool_calls, never as content text.
+    chunks = list(client.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True, user="s2"))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert text == "Let me add." and [t.function.name for t in calls] == ["add"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # A stop string: nothing after it is streamed (its first characters were held back until it was whole).
+    chunks = list(client.chat.completions.create(model="m", messages=messages, stop=[". th"], stream=True,
+                                                 user="s3"))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "one, two"
+
+    # Completions stream their text the same way.
+    parts = [c.choices[0].text for c in client.completions.create(model="m", prompt="12 + 30", stream=True,
+                                                                   user="s4") if c.choices]
+    assert "".join(parts) == "12 + 30 = 42" and len([p for p in parts if p]) >= 5
+
+    # A refusal is an error answer, not a stream.
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        list(client.chat.completions.create(model="m", messages=messages, n=2, stream=True, user="s5"))
+    for sid in ("s1", "s2", "s3", "s4"):
+        assert post(base + f"/v1/sessions/{sid}/close", {})[0] == 200
+    assert [t.turns[0].text for t in writer.written][:2] == ["It is 42.", "Let me add." + CALL]

@@ -28,6 +28,9 @@ class Generation:
 
 #: Called by a backend between engine steps; it may call the backend's ``load_weights`` (same thread).
 BetweenSteps = Callable[[], None]
+#: Called by a backend that ``streams`` after every engine step with the generations so far (same order as the
+#: prompts; their token_ids grow in place). It must be quick: the engine waits for it.
+OnStep = Callable[[list[Generation]], None]
 
 
 class InferenceBackend(ABC):
@@ -40,6 +43,8 @@ class InferenceBackend(ABC):
     version = -1
     #: False for an endpoint whose weights rlstream does not control (a pinned version): the stage does not push.
     follows_policy = True
+    #: True when ``generate`` takes ``on_step`` (the gateway streams tokens as they come; others answer whole).
+    streams = False
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams,

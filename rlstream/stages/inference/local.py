@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rlstream.models.loading import ModelError, context_limit, dtype_name, load_model, load_tokenizer, torch_dtype
 from rlstream.schemas.records import SamplingParams
-from rlstream.stages.inference.base import BetweenSteps, Generation, InferenceBackend
+from rlstream.stages.inference.base import BetweenSteps, Generation, InferenceBackend, OnStep
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +21,7 @@ class TransformersBackend(InferenceBackend):
     """Batched sampling with a KV cache on a transformers causal LM (CPU or GPU)."""
 
     name = "transformers"
+    streams = True
 
     def __init__(self, folder: Path, threads: int = 1, device: str = "cpu", dtype: str = "auto"):
         import torch
@@ -47,7 +48,8 @@ class TransformersBackend(InferenceBackend):
         self.version = version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 between_steps: BetweenSteps | None = None, keys: list[str] | None = None) -> list[Generation]:
+                 between_steps: BetweenSteps | None = None, keys: list[str] | None = None,
+                 on_step: OnStep | None = None) -> list[Generation]:
         torch = self.torch
         if not prompts:
             return []
@@ -85,6 +87,8 @@ class TransformersBackend(InferenceBackend):
                         out_tokens[i].append(int(nxt[i]))
                         out_lps[i].append(float(chosen[i]))
                 done |= torch.isin(nxt, stops)
+                if on_step is not None:
+                    on_step([Generation(t, lp, "length") for t, lp in zip(out_tokens, out_lps)])
                 if bool(done.all()):
                     break
                 cur_ids = nxt[:, None]
@@ -126,6 +130,7 @@ class VLLMBackend(InferenceBackend):
 
     name = "vllm"
     swaps_mid_generation = True
+    streams = True
 
     def __init__(self, folder: Path, threads: int = 1, max_model_len: int = 0, dtype: str = "auto",
                  gpu_memory_utilization: float = 0.9):
@@ -161,7 +166,8 @@ class VLLMBackend(InferenceBackend):
         self.version = version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 between_steps: BetweenSteps | None = None, keys: list[str] | None = None) -> list[Generation]:
+                 between_steps: BetweenSteps | None = None, keys: list[str] | None = None,
+                 on_step: OnStep | None = None) -> list[Generation]:
         from vllm import SamplingParams as VSampling
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -204,6 +210,8 @@ class VLLMBackend(InferenceBackend):
                     if out.finished:
                         g.finish_reason = "stop" if c.finish_reason == "stop" else "length"
                         unfinished.discard(out.request_id)
+                if on_step is not None and outputs:
+                    on_step(gens)
                 if unfinished and between_steps is not None:
                     between_steps()
                 if unfinished and not outputs and not engine.has_unfinished_requests():
