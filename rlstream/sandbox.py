@@ -244,6 +244,16 @@ def docker_available() -> bool:
         return _probes["docker"]
 
 
+def docker_image_present(image: str) -> bool:
+    """Whether the engine already holds ``image`` (nothing is pulled: a sandbox must not wait on a registry)."""
+    try:
+        import docker
+        docker.from_env(timeout=5).images.get(image)
+        return True
+    except Exception:
+        return False
+
+
 class Sandbox:
     """Runs Python snippets under ``limits``; thread-safe, one process (or container) per snippet.
 
@@ -260,9 +270,13 @@ class Sandbox:
         if network not in ("auto", "unshare", "audit"):
             raise ValueError(f"sandbox network must be auto, unshare or audit, not {network!r}")
         if backend == "auto":
-            backend = "docker" if docker_available() else "subprocess"
+            # An engine alone is not enough: without the image every call would fail (sandbox_error) on a pull.
+            backend = "docker" if docker_available() and docker_image_present(docker_image) else "subprocess"
         elif backend == "docker" and not docker_available():
             raise ValueError("sandbox backend docker: the docker SDK is missing or no engine answers")
+        elif backend == "docker" and not docker_image_present(docker_image):
+            raise ValueError(f"sandbox backend docker: the engine has no image {docker_image!r}: `docker pull "
+                             f"{docker_image}`, or give --docker-image an image with python3 that it has")
         if network == "auto":
             network = "unshare" if backend == "subprocess" and namespaces_available() else "audit"
         elif network == "unshare" and not namespaces_available():

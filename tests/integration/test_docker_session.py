@@ -19,6 +19,8 @@ from rlstream.sandbox import Sandbox, SandboxLimits, docker_available
 from tests.agent_envs import call
 from tests.helpers.episodes import episode
 
+pytestmark = pytest.mark.docker  # run by .ci/compose once it has an engine and the image (pyproject's addopts)
+
 IMAGE = "rlstream-base:bookworm"
 
 

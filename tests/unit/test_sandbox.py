@@ -275,10 +275,20 @@ def test_docker_backend_passes_limits_and_classifies(monkeypatch):
         runs.append((image, command, kw))
         return queue.pop(0)
 
-    client = types.SimpleNamespace(containers=types.SimpleNamespace(run=run))
+    images = {"python:3.11-slim"}
+
+    def get(name):
+        if name not in images:
+            raise LookupError(name)
+
+    client = types.SimpleNamespace(containers=types.SimpleNamespace(run=run), images=types.SimpleNamespace(get=get))
     fake = types.SimpleNamespace(from_env=lambda **kw: client, types=types.SimpleNamespace(Ulimit=dict))
     monkeypatch.setitem(sys.modules, "docker", fake)
     monkeypatch.setitem(sandbox_module._probes, "docker", True)
+    # auto takes docker only where the engine holds the image (a pull would fail every call offline).
+    assert Sandbox(backend="auto", docker_image="absent:1").backend == "subprocess"
+    with pytest.raises(ValueError, match="no image 'absent:1'"):
+        Sandbox(backend="docker", docker_image="absent:1")
     sandbox = Sandbox(SandboxLimits(memory_mb=256, timeout_s=2, max_output_bytes=4), backend="auto")
     assert sandbox.backend == "docker" and sandbox.isolation == "docker"
     cases = [(Container(0, b"hi\n"), None), (Container(128 + 24), "cpu"), (Container(139), "crash"),
