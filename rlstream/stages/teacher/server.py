@@ -11,10 +11,13 @@ server's reason (dead-lettered). The HTTP plumbing is the inference fleet's (``s
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import time
 
 from rlstream.errors import UserError
 from rlstream.stages.inference.servers import TOKENIZER_PROBE, ServerAPI, ServerError
+
+log = logging.getLogger(__name__)
 
 
 class ServerScorer:
@@ -67,8 +70,9 @@ class ServerScorer:
                 out.append(None)
             elif isinstance(fut.exception(), ServerError) and not fut.exception().retryable:
                 out.append(ValueError(f"the teacher server refused the sequence: {fut.exception()}"))
-            elif fut.exception() is not None:
-                out.append(None)  # unreachable or failing: on without feedback, as past the deadline
+            elif fut.exception() is not None:  # unreachable, failing or unreadable: on without feedback
+                log.warning("teacher server %s: %s; the sample goes on as timeout", self.api.url, fut.exception())
+                out.append(None)
             else:
                 out.append(fut.result())
         return out
