@@ -163,9 +163,17 @@ def sampled_token_kl(
     per-token KL's, and ``kl`` is the detached per-token estimate. With ``s`` the current student's log-prob
     (differentiable), ``t`` the teacher's and ``b`` the behaviour policy's that sampled the token:
 
-    - reverse, KL(student || teacher): ``kl = s - t`` (k1 on a token sampled from the student); ``surrogate =
-      kl.detach() * s`` (REINFORCE with reward ``t - s``: Thinking Machines' recipe). It assumes the token came from
-      the current student, which a stale sample did not: the trainer bounds its staleness.
+    - reverse, KL(student || teacher): ``kl = s - t`` (k1 on a token sampled from the student). The surrogate is
+      Thinking Machines' recipe, an importance-sampled policy gradient with the per-token reward ``t - s``
+      (discount 0): ``surrogate = w * (kl - mean(kl)).detach() * s`` with ``w = min(exp(s - b), is_cap)``
+      (detached). Both corrections are needed because the reward is large and one-signed (``s - t`` is a few
+      nats on nearly every token): without ``w`` a token drawn by an older policy ``b`` gets
+      ``E_b[kl * grad s]``, whose constant part ``c * E_b[grad s]`` no longer vanishes; it pushes the student
+      away from whatever ``b`` sampled, which raises the entropy and the KL, which raises ``c``: OPD alone
+      collapsed within 40 versions at η = 2. ``w`` turns the expectation into one under the current student
+      (exact up to the cap), and the batch-mean baseline takes the constant out of the reward, so the rest of
+      the bias and most of the variance go with it (a baseline leaves the expected gradient unchanged). The
+      trainer still bounds the staleness (``--opd-reverse-eta``).
     - forward, KL(teacher || student): importance-weighted by the teacher, ``w = min(exp(t - b), is_cap)``
       (detached): ``kl = w * (t - s)``, ``surrogate = -w * s``. The weight uses the behaviour log-prob the sample
       carries, so a stale sample is corrected rather than biased.
@@ -176,19 +184,23 @@ def sampled_token_kl(
     s = student_logprobs
     t = teacher_logprobs.detach()
     zero = torch.zeros_like(s)
+    b = behaviour_logprobs.detach()
     reverse_kl = torch.where(m, s.detach() - t, 0)
-    reverse = (reverse_kl * s, reverse_kl)
+    reverse = (_capped_ratio(s.detach() - b, m, is_cap) * (reverse_kl - masked_mean(reverse_kl, m)) * s, reverse_kl)
     if direction == "reverse":
         return torch.where(m, reverse[0], zero), reverse[1]
-    # Zero the log-gap outside the mask so exp() cannot overflow there.
-    w = torch.exp(torch.where(m, t - behaviour_logprobs.detach(), 0).float())
-    if is_cap is not None:
-        w = w.clamp(max=is_cap)
+    w = _capped_ratio(t - b, m, is_cap)
     forward = (-w * s, torch.where(m, w * (t - s.detach()), 0))
     if direction == "forward":
         return torch.where(m, forward[0], zero), forward[1]
     surrogate = mix * forward[0] + (1 - mix) * reverse[0]
     return torch.where(m, surrogate, zero), mix * forward[1] + (1 - mix) * reverse[1]
+
+
+def _capped_ratio(log_gap: torch.Tensor, mask: torch.Tensor, is_cap: float | None) -> torch.Tensor:
+    """``min(exp(log_gap), is_cap)``, 1 outside ``mask`` (the gap is zeroed there so exp() cannot overflow)."""
+    w = torch.exp(torch.where(mask, log_gap, 0).float())
+    return w.clamp(max=is_cap) if is_cap is not None else w
 
 
 #: log p of the teacher outside its top-k under ``zero_outside_topk`` in the reverse direction: log 0 would make any
@@ -250,9 +262,9 @@ def opd_reverse_kl_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """On-policy distillation (Thinking Machines; GKD-style) by per-token reverse KL on the sampled-token form.
 
-    On tokens sampled from the student, ``adv = -(student_lp - teacher_lp)`` (detached) is a
-    policy-gradient reward; ``loss = -token_mean(adv * student_lp)`` has the gradient of
-    KL(student || teacher). Stats: ``reverse_kl``, the token-mean of ``student_lp - teacher_lp``.
+    On tokens sampled from the current student, ``adv = -(student_lp - teacher_lp)`` (detached, less its
+    token-mean: ``sampled_token_kl``) is a policy-gradient reward; ``loss = -token_mean(adv * student_lp)`` has
+    the gradient of KL(student || teacher). Stats: ``reverse_kl``, the token-mean of ``student_lp - teacher_lp``.
     """
     surrogate, kl = sampled_token_kl(student_logprobs, teacher_logprobs, student_logprobs, mask, "reverse")
     return masked_mean(surrogate, mask), {"reverse_kl": masked_mean(kl, mask)}

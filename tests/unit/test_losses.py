@@ -179,12 +179,12 @@ def test_opd_hand_computed():
     teacher = torch.tensor([[-1.5, -1.0, 0.0]], requires_grad=True)
     mask = torch.tensor([[1, 1, 0]])
     loss, stats = opd_reverse_kl_loss(student, teacher, mask)
-    # gap = student - teacher = [0.5, -1]; loss = mean(gap * student) = (-0.5 + 2) / 2
-    close(loss, 0.75)
+    # gap = student - teacher = [0.5, -1], less its mean -0.25: [0.75, -0.75]; loss = mean(that * student)
+    close(loss, (0.75 * -1.0 - 0.75 * -2.0) / 2)
     close(stats["reverse_kl"], -0.25)
     loss.backward()
-    # d/d student = gap / n: pushes down tokens the student overrates.
-    close(student.grad, [[0.25, -0.5, 0.0]])
+    # d/d student = centred gap / n: pushes down tokens the student overrates, more than the batch does.
+    close(student.grad, [[0.375, -0.375, 0.0]])
     assert teacher.grad is None
 
 

@@ -9,6 +9,7 @@ import torch
 
 from rlstream.models.tiny import build_model, build_tokenizer
 from rlstream.stages.teacher.scoring import TorchScorer, response_feedback
+from rlstream.stages.teacher.server import from_prompt_logprobs
 from rlstream.trainer.microbatch import pack_by_length
 
 
@@ -52,3 +53,18 @@ def test_rows_past_the_deadline_are_left_unscored():
     assert scorer.score(rows, 1.0, 0, deadline=time.monotonic() - 1) == [None, None, None]
     out = scorer.score(rows, 1.0, 0, deadline=time.monotonic() + 60)
     assert all(o is not None and len(o[0]) == 3 and o[1] is None for o in out)
+
+
+def test_server_prompt_logprobs_are_read_by_token_id_and_rank():
+    """vLLM's JSON: string token ids as keys, the actual token's entry besides the top k (here outside them)."""
+    row = [1, 7, 9]
+    reply = [None,
+             {"7": {"logprob": -0.1, "rank": 1}, "3": {"logprob": -2.5, "rank": 2}},
+             {"4": {"logprob": -0.3, "rank": 1}, "5": {"logprob": -1.9, "rank": 2}, "9": {"logprob": -6.0, "rank": 7}}]
+    lps, ids, tlps = from_prompt_logprobs(row, reply, 2)
+    assert lps == [-0.1, -6.0]
+    assert ids == [[7, 3], [4, 5]]
+    assert tlps == [[-0.1, -2.5], [-0.3, -1.9]]
+    assert from_prompt_logprobs(row, reply, 0) == ([-0.1, -6.0], None, None)
+    with pytest.raises(ValueError, match="2 prompt positions for 3 tokens"):
+        from_prompt_logprobs(row, reply[:2], 2)

@@ -27,6 +27,11 @@ class TeacherSettings:
     backend: str = knob("transformers", "How the teacher runs: transformers (any temperature, --device), or vllm "
                                         "in process (prompt log-probs; samples drawn at temperature 1 only)",
                         choices=("transformers", "vllm"))
+    teacher_url: str = knob("", "A vLLM OpenAI-compatible server to score with instead of loading a model (prompt "
+                                "log-probs over token ids; samples drawn at temperature 1 only); its tokenizer must "
+                                "be the student's")
+    teacher_served_model: str = knob("", "--teacher-url: the model name requests carry ('' = the one it serves)")
+    teacher_in_flight: int = knob(32, "--teacher-url: most requests in flight to the server at once")
     gpu_memory_utilization: float = knob(0.9, "--backend vllm: the share of GPU memory vLLM may take")
     align_tokenizers: bool = knob(False, "A teacher with another tokenizer: score each student token by the teacher "
                                          "tokens that spell its text (character offsets; sampled-token feedback "

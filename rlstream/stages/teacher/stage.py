@@ -53,7 +53,7 @@ class TeacherStage(Stage):
     @property
     def following(self) -> bool:
         """Whether the teacher is the policy itself (reloaded on each version)."""
-        return not self.settings.teacher
+        return not (self.settings.teacher or self.settings.teacher_url)
 
     # -- loading ---------------------------------------------------------------------------------------------
 
@@ -76,6 +76,9 @@ class TeacherStage(Stage):
         if self.following:
             self._follow(student, first=True)
             return
+        if self.settings.teacher_url:
+            self._connect(student)
+            return
         folder = check_folder(self.settings.teacher, "--teacher")
         name = f"{student.policy} v{student.version}"
         if self.settings.align_tokenizers and student.tokenizer_hash and \
@@ -88,6 +91,22 @@ class TeacherStage(Stage):
         else:
             check_tokenizers(folder, student.tokenizer_hash, name)
         self._load(folder, self.settings.teacher_version or Path(folder).name)
+
+    def _connect(self, student: PolicyVersion) -> None:
+        """The teacher as a server (``--teacher-url``): reachable, and tokenizing as the student does."""
+        from rlstream.models.loading import load_tokenizer
+        from rlstream.stages.teacher.server import ServerScorer
+        s = self.settings
+        if s.align_tokenizers:
+            raise UserError("--align-tokenizers needs the teacher's folder (--teacher), not --teacher-url")
+        if s.backend != "transformers" or s.teacher:
+            raise UserError("--teacher-url scores on the server: give it without --teacher and --backend")
+        scorer = ServerScorer(s.teacher_url, s.teacher_served_model, s.teacher_in_flight, s.timeout_s)
+        tokenizer = load_tokenizer(self.weights.folder(student), flag="the student's")
+        scorer.check_tokenizer(tokenizer, f"{student.policy} v{student.version}")
+        self.scorer, self.vocab, self.device = scorer, len(tokenizer), s.teacher_url
+        self.version = s.teacher_version or scorer.served
+        log.info("teacher %s served at %s", self.version, s.teacher_url)
 
     def _follow(self, pv: PolicyVersion, first: bool = False) -> None:
         """Load the policy's version ``pv`` as the teacher; a version that cannot be loaded now keeps the one held
@@ -130,7 +149,7 @@ class TeacherStage(Stage):
             raise InvalidRecord(f"trajectory {traj.trajectory_id}: loss_mask has {len(traj.loss_mask)} entries but "
                                 f"token_ids {len(traj.token_ids)}")
         temperature = traj.task.sampling.temperature or 1.0
-        if isinstance(self.scorer, VllmScorer) and not self.scorer.supports(temperature):
+        if hasattr(self.scorer, "supports") and not self.scorer.supports(temperature):
             raise InvalidRecord(f"trajectory {traj.trajectory_id} was sampled at temperature {temperature}; the vLLM "
                                 "teacher scores at temperature 1 (use --backend transformers)")
         ids = traj.task.prompt_token_ids + traj.token_ids
@@ -160,6 +179,9 @@ class TeacherStage(Stage):
         latency = (time.monotonic() - started) * 1000 / max(1, len(items))
         headers = ((hdr.TEACHER_VERSION, self.version),)
         for i in (i for rows in valid.values() for i in rows):
+            if isinstance(scores.get(i), ValueError):  # a server that refused the sequence says why
+                results[i] = InvalidRecord(f"trajectory {items[i].record.trajectory.trajectory_id}: {scores[i]}")
+                continue
             fb = self._feedback(items[i].record, scores.get(i), k, latency, aligned.get(i))
             results[i] = [Output("feedback", items[i].key, fb, extra_headers=headers)]
         return results
@@ -180,7 +202,7 @@ class TeacherStage(Stage):
                   alignment=None) -> TeacherFeedback:
         traj = scored.trajectory
         traj.stage_times["teacher.end"] = hdr.now_ms()
-        common = dict(teacher_model=self.settings.teacher or self.loop.policy, latency_ms=latency,
+        common = dict(teacher_model=self.settings.teacher or self.settings.teacher_url or self.loop.policy, latency_ms=latency,
                       teacher_device=str(self.device))
         if isinstance(alignment, AlignmentFailed):  # recorded with its class, never guessed
             metrics.FAILURES.labels("teacher", f"alignment_{alignment.failure_class}").inc()
@@ -198,6 +220,8 @@ class TeacherStage(Stage):
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.close()
+        if hasattr(self.scorer, "close"):
+            self.scorer.close()
 
 
 def vocab_size(folder) -> int:
