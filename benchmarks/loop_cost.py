@@ -50,6 +50,28 @@ def histogram(loop: Loop, name: str, metric: str) -> tuple[float, float]:
     return loop.scrape(name, metric + "_sum") or 0.0, loop.scrape(name, metric + "_count") or 0.0
 
 
+def profiles(loop: Loop) -> dict:
+    """Each stage's profile so far (``RLSTREAM_PROFILE``), by stage name; empty when not profiling."""
+    from rlstream.runtime.profile import read_collapsed
+    folder = os.environ.get("RLSTREAM_PROFILE")
+    out = {}
+    for name, proc in loop.sup.procs.items() if folder else ():
+        found = list(Path(folder).glob(f"*-{proc.pid}.collapsed"))
+        if found:
+            out[name] = read_collapsed(found[0])
+    return out
+
+
+def write_profiles(before: dict, after: dict, mode: str, versions: int) -> None:
+    """The measured versions' share of each stage's profile, ``DIR/measured-<mode>-<stage>.txt``."""
+    from rlstream.runtime.profile import report
+    for name, stacks in after.items():
+        stacks.subtract(before.get(name, {}))
+        path = Path(os.environ["RLSTREAM_PROFILE"]) / f"measured-{mode}-{name}.txt"
+        path.write_text(f"{name}, {mode}: CPU s over {versions} versions (divide by it for per version)\n\n"
+                        + report(stacks))
+
+
 def run_mode(mode: str, args) -> dict:
     """One fresh loop in ``mode``: skip ``--skip`` versions after rollout starts, then measure ``--versions``."""
     loop = Loop(f"loopcost-{mode[:4]}")
@@ -70,13 +92,14 @@ def run_mode(mode: str, args) -> dict:
         first = max(versions.latest(), 0) + args.skip
         if not versions.wait_for(first, args.startup_timeout, lambda: not loop.dead()):
             raise RuntimeError(f"{mode}: v{first} not reached (dead {loop.dead()}); logs in {loop.workdir}")
-        t0, cpu0 = time.monotonic(), cpu_seconds(loop)
+        t0, cpu0, prof0 = time.monotonic(), cpu_seconds(loop), profiles(loop)
         load0 = histogram(loop, "rollout", "rlstream_policy_publish_latency_seconds")
         last = first + args.versions
         if not versions.wait_for(last, args.max_seconds, lambda: not loop.dead() and source.error is None):
             raise RuntimeError(f"{mode}: v{last} not reached in {args.max_seconds} s (at v{versions.latest()}, dead "
                                f"{loop.dead()}, source {source.error!r}); logs in {loop.workdir}")
         elapsed, cpu1 = time.monotonic() - t0, cpu_seconds(loop)
+        write_profiles(prof0, profiles(loop), mode, args.versions)
         load1 = histogram(loop, "rollout", "rlstream_policy_publish_latency_seconds")
         measured = [pv.metrics for pv, _ in versions.all() if first < pv.version <= last]
     finally:

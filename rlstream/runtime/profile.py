@@ -4,7 +4,7 @@ py-spy is not installed here and cProfile sees one thread (a stage's work runs i
 producer's callbacks), so a daemon thread samples every Python thread's stack every ``RLSTREAM_PROFILE_INTERVAL_S``
 and charges it the CPU that thread used since the last sample (``pthread_getcpuclockid``): a thread blocked in a
 poll is charged nothing, so the profile is CPU, not wall time. The native threads (librdkafka's, torch's pool) have
-no Python stack: their CPU is the process's total minus the Python threads', reported as one line.
+no Python stack: their CPU is the process's total minus the Python threads' and the profiler's own, one line.
 
 It rewrites ``DIR/<role>-<pid>.txt`` (top functions, self and inclusive) and ``.collapsed`` (flame-graph input)
 every few seconds rather than at exit, because stage processes leave through ``os._exit`` and may be SIGKILLed.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import sys
 import threading
 import time
@@ -76,7 +77,7 @@ class _Sampler:
             while frame is not None and len(frames) < 60:
                 frames.append(_frame_name(frame.f_code))
                 frame = frame.f_back
-            name = names.get(ident, "?").rstrip("0123456789_-")
+            name = re.sub(r"\d+", "N", names.get(ident, "?"))
             self.stacks[(name, tuple(reversed(frames)))] += spent
 
     def run(self) -> None:
@@ -93,24 +94,44 @@ class _Sampler:
 
     def write(self) -> None:
         total = sum(os.times()[:2]) - self.started_cpu
-        own: collections.Counter = collections.Counter()
-        inclusive: collections.Counter = collections.Counter()
-        by_thread: collections.Counter = collections.Counter()
-        for (thread, frames), cpu in self.stacks.items():
-            by_thread[thread] += cpu
-            if frames:
-                own[frames[-1]] += cpu
-            for f in set(frames):
-                inclusive[f] += cpu
-        lines = [f"wall {time.monotonic() - self.started:.1f} s, process CPU {total:.2f} s, Python threads "
-                 f"{self.python_cpu:.2f} s, native threads (librdkafka, torch pool) {total - self.python_cpu:.2f} s",
-                 "", "CPU s by thread:"]
-        lines += [f"  {cpu:8.2f}  {name}" for name, cpu in by_thread.most_common()]
-        lines += ["", "self CPU s (top 40):"] + [f"  {cpu:8.2f}  {f}" for f, cpu in own.most_common(40)]
-        lines += ["", "inclusive CPU s (top 60):"] + [f"  {cpu:8.2f}  {f}" for f, cpu in inclusive.most_common(60)]
+        own = time.clock_gettime(time.CLOCK_THREAD_CPUTIME_ID)
+        head = (f"wall {time.monotonic() - self.started:.1f} s, process CPU {total:.2f} s: Python threads "
+                f"{self.python_cpu:.2f} s, this profiler {own:.2f} s, the rest (native threads: librdkafka, torch's "
+                f"pool; threads too short-lived to sample) {total - self.python_cpu - own:.2f} s")
         tmp = self.out.with_suffix(".tmp")
-        tmp.write_text("\n".join(lines) + "\n")
+        tmp.write_text(head + "\n\n" + report(self.stacks))
         os.replace(tmp, self.out.with_suffix(".txt"))
         collapsed = [f"{thread};{';'.join(frames)} {int(cpu * 1e6)}" for (thread, frames), cpu in self.stacks.items()]
         tmp.write_text("\n".join(collapsed) + "\n")
         os.replace(tmp, self.out.with_suffix(".collapsed"))
+
+
+def read_collapsed(path: Path) -> collections.Counter:
+    """A ``.collapsed`` file back as {(thread, frames): CPU s}."""
+    stacks: collections.Counter = collections.Counter()
+    for line in Path(path).read_text().splitlines():
+        stack, _, micros = line.rpartition(" ")
+        if stack:
+            thread, *frames = stack.split(";")
+            stacks[(thread, tuple(frames))] += int(micros) / 1e6
+    return stacks
+
+
+def report(stacks: collections.Counter, top: int = 40) -> str:
+    """CPU seconds by thread, by function's own time and by inclusive time (a function counted once per stack)."""
+    own: collections.Counter = collections.Counter()
+    inclusive: collections.Counter = collections.Counter()
+    by_thread: collections.Counter = collections.Counter()
+    for (thread, frames), cpu in stacks.items():
+        if cpu <= 0:
+            continue
+        by_thread[thread] += cpu
+        if frames:
+            own[frames[-1]] += cpu
+        for f in set(frames):
+            inclusive[f] += cpu
+    lines = ["CPU s by thread:"] + [f"  {cpu:8.3f}  {name}" for name, cpu in by_thread.most_common(12)]
+    lines += ["", f"self CPU s (top {top}):"] + [f"  {cpu:8.3f}  {f}" for f, cpu in own.most_common(top)]
+    lines += ["", f"inclusive CPU s (top {top * 2}):"]
+    lines += [f"  {cpu:8.3f}  {f}" for f, cpu in inclusive.most_common(top * 2)]
+    return "\n".join(lines) + "\n"

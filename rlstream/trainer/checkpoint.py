@@ -36,10 +36,11 @@ class VersionWriter:
         self._names: list[str] | None = None  # the tensor names save_pretrained wrote (None: not learned yet)
         self._files: dict[str, bytes] = {}  # config, generation config, tokenizer: the same for every version
 
-    def write(self, folder: Path, full_state=None) -> Content:
+    def write(self, folder: Path, full_state=None, fast: bool = True) -> Content:
         """Write the version's weights and static files into ``folder``; return its content (for the hash and the
-        weights log). ``full_state``: the whole model's parameters where an engine shards them."""
-        if self._names is None or full_state is not None:
+        weights log). ``full_state``: the whole model's parameters where an engine shards them; ``fast=False``:
+        through ``save_pretrained`` every time (``--checkpoint-every 1``, the path before K)."""
+        if self._names is None or full_state is not None or not fast:
             self.model.save_pretrained(folder, safe_serialization=True, state_dict=full_state)
             self.tokenizer.save_pretrained(folder)
             content = read_folder(folder)

@@ -76,7 +76,8 @@ class TrainerSettings:
     checkpoint_every: int = knob(10, "Write the optimizer state (what a restarted trainer resumes Adam from) with "
                                      "every Kth version; the others hold only what workers load. A restart takes "
                                      "the last announced version's weights and the newest optimizer state at or "
-                                     "before it (1: every version). ZeRO and FSDP2 write it every version")
+                                     "before it (1: a full checkpoint through save_pretrained every version, "
+                                     "the path before this knob). ZeRO and FSDP2 write it every version")
     keep_every: int = knob(0, "Keep every Nth version in the store for audit and reproducibility, beyond the "
                               "versions η needs (0: none)")
     source: str = knob("rewards", "Topic to train from: rewards, or feedback (teacher log-probs)",
@@ -413,7 +414,7 @@ class TrainerService:
 
         def write(folder: Path) -> None:
             # What workers load, hashed as they will hash it (the store may be remote: hashed while it is here).
-            written["content"] = self._writer.write(folder, full_state)
+            written["content"] = self._writer.write(folder, full_state, fast=self.settings.checkpoint_every > 1)
             if self._tokenizer_hash is None:
                 self._tokenizer_hash = tokenizer_hash(folder)
             if full_checkpoint:
