@@ -169,6 +169,7 @@ class TrainerService:
         self._writer: VersionWriter | None = None  # built at the first publish, once the model is
         self._tokenizer_hash: str | None = None  # the same for every version this process writes
         self._full_checkpoint: int | None = None  # the newest announced version with the optimizer state
+        self._resuming = -1  # the announced version a restarted trainer resumes
         distill = DistillConfig(settings.opd_kl, settings.opd_kl_mix, settings.opd_zero_outside_topk)
         self.update_cfg = UpdateConfig(loss=settings.loss, clip_eps=settings.clip_eps, is_cap=settings.is_cap,
                                        kl_coef=settings.kl_coef, distill=distill,
@@ -239,8 +240,9 @@ class TrainerService:
     def _load_or_create(self) -> None:
         announced = last_policy_version(self.kafka.client_config(), self.kafka.run, self.loop.policy)
         if announced is not None:
-            self.version = announced.version  # before _build: its optimizer state is the newest at or before it
+            self._resuming = announced.version  # _build takes the newest optimizer state at or before it
             self._build(self.ranks.broadcast(self._resume_folder(announced)))
+            self.version = announced.version
             log.info("trainer resumed %s at v%d", self.loop.policy, self.version)
         else:
             self._build(self.ranks.broadcast(None))
@@ -270,7 +272,7 @@ class TrainerService:
                                          steps=self.settings.warmup_steps, seconds=None, seed=self.settings.seed)
                 log.info("supervised warm-up: %s", info)
         self.engine = self._engine()
-        states = resume_optimizer_states(folder, self.store, self.loop.policy, self.version,
+        states = resume_optimizer_states(folder, self.store, self.loop.policy, self._resuming,
                                          self.loop.home_path / "weights-cache") \
             if folder is not None and self.ranks.lead else None
         states = self.ranks.broadcast(states)
