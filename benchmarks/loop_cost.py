@@ -45,6 +45,11 @@ def cpu_seconds(loop: Loop) -> dict[str, float]:
     return out
 
 
+def transactions(loop: Loop) -> dict[str, float]:
+    """Committed transactions of each stream stage so far (rollout: one per generated batch)."""
+    return {n: loop.scrape(n, "rlstream_batch_seconds_count") or 0.0 for n in ("rollout", "env", "reward")}
+
+
 def histogram(loop: Loop, name: str, metric: str) -> tuple[float, float]:
     """(sum, count) of a stage's histogram now."""
     return loop.scrape(name, metric + "_sum") or 0.0, loop.scrape(name, metric + "_count") or 0.0
@@ -93,12 +98,14 @@ def run_mode(mode: str, args) -> dict:
         if not versions.wait_for(first, args.startup_timeout, lambda: not loop.dead()):
             raise RuntimeError(f"{mode}: v{first} not reached (dead {loop.dead()}); logs in {loop.workdir}")
         t0, cpu0, prof0 = time.monotonic(), cpu_seconds(loop), profiles(loop)
+        txns0 = transactions(loop)
         load0 = histogram(loop, "rollout", "rlstream_policy_publish_latency_seconds")
         last = first + args.versions
         if not versions.wait_for(last, args.max_seconds, lambda: not loop.dead() and source.error is None):
             raise RuntimeError(f"{mode}: v{last} not reached in {args.max_seconds} s (at v{versions.latest()}, dead "
                                f"{loop.dead()}, source {source.error!r}); logs in {loop.workdir}")
         elapsed, cpu1 = time.monotonic() - t0, cpu_seconds(loop)
+        txns1 = transactions(loop)
         write_profiles(prof0, profiles(loop), mode, args.versions)
         load1 = histogram(loop, "rollout", "rlstream_policy_publish_latency_seconds")
         measured = [pv.metrics for pv, _ in versions.all() if first < pv.version <= last]
@@ -110,7 +117,8 @@ def run_mode(mode: str, args) -> dict:
     loads = load1[1] - load0[1]
     return {"mode": mode, "run": loop.run, "versions": args.versions, "s_per_version": elapsed / args.versions,
             "cpu_s_per_version": {n: (cpu1[n] - cpu0.get(n, 0.0)) / args.versions for n in cpu1},
-            "chain": summarize(measured), "load_s_mean": (load1[0] - load0[0]) / loads if loads else float("nan"),
+            "chain": summarize(measured),
+            "transactions_per_version": {n: (txns1[n] - txns0.get(n, 0.0)) / args.versions for n in txns1}, "load_s_mean": (load1[0] - load0[0]) / loads if loads else float("nan"),
             "dead_stages": dead}
 
 
@@ -123,6 +131,8 @@ def describe(r: dict) -> list[str]:
         share = f" ({q['share']:.0%} of the chain)" if "share" in q else ""
         lines.append(f"    {key:26s} p50 {q['p50']:.3f} s  p99 {q['p99']:.3f} s{share}")
     lines.append(f"    {'publish -> rollout loaded':26s} mean {r['load_s_mean']:.3f} s")
+    lines.append("    transactions per version: " + ", ".join(f"{k} {v:.1f}"
+                                                          for k, v in r["transactions_per_version"].items()))
     if r["dead_stages"]:
         lines.append(f"    stages that died: {r['dead_stages']}")
     return lines

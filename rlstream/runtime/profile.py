@@ -29,7 +29,7 @@ def maybe_start(role: str) -> None:
     if not folder or _started:
         return
     _started = True
-    interval = float(os.environ.get("RLSTREAM_PROFILE_INTERVAL_S", "0.005"))
+    interval = float(os.environ.get("RLSTREAM_PROFILE_INTERVAL_S", "0.01"))
     Path(folder).mkdir(parents=True, exist_ok=True)
     sampler = _Sampler(Path(folder) / f"{role}-{os.getpid()}", interval)
     threading.Thread(target=sampler.run, name="rlstream-profile", daemon=True).start()
