@@ -164,7 +164,7 @@ def main(argv=None) -> list[dict]:
         Path(args.json).write_text(json.dumps(out, indent=1))
     figures = {}
     for r in out:
-        tag = r["mode"].split("-")[0]
+        tag = "fast" if r["mode"] == "fast" else "baseline"
         chain = r["chain"].get("chain_s", {})
         figures.update({f"{tag}_s_per_version": r["s_per_version"],
                         f"{tag}_cpu_s_per_version": sum(r["cpu_s_per_version"].values()),
