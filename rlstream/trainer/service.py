@@ -1,7 +1,8 @@
 """The trainer process: windowed-FIFO consumption, staleness filter, updates, and versioned publish.
 
-A training step is a transaction: the checkpoint is written to the weight store
-first, then the PolicyVersion record and the offsets of the samples used are
+A training step is a transaction: the version's folder is written to the weight store
+first (its weights every version, the optimizer state every ``--checkpoint-every``:
+``trainer/checkpoint.py``), then the PolicyVersion record and the offsets of the samples used are
 committed together. A crash in between redoes the step; no version is announced
 whose samples were not consumed, and a restart resumes from the last announced one.
 
