@@ -75,10 +75,9 @@ class TrainerSettings:
     weights_chunk_mb: float = knob(8.0, "--weights-transport kafka: payload per weights record, in MiB (below the "
                                         "topics' 16 MiB message limit)")
     checkpoint_every: int = knob(10, "Write the optimizer state (what a restarted trainer resumes Adam from) with "
-                                     "every Kth version; the others hold only what workers load. A restart takes "
-                                     "the last announced version's weights and the newest optimizer state at or "
-                                     "before it (1: a full checkpoint through save_pretrained every version, "
-                                     "the path before this knob). ZeRO and FSDP2 write it every version")
+                                     "every Kth version, the others only what workers load; a restart takes the "
+                                     "newest at or before its version (1: every version, through save_pretrained "
+                                     "as before this knob). ZeRO and FSDP2 write it every version")
     keep_every: int = knob(0, "Keep every Nth version in the store for audit and reproducibility, beyond the "
                               "versions η needs (0: none)")
     source: str = knob("rewards", "Topic to train from: rewards, or feedback (teacher log-probs)",
@@ -153,6 +152,8 @@ class TrainerService:
             raise ValueError("--groups-per-step cannot exceed --window-groups: a batch comes from inside the window")
         if not 0 < settings.weights_chunk_mb <= 15:
             raise ValueError("--weights-chunk-mb must be in (0, 15]: a weights record must fit the 16 MiB message limit")
+        if settings.checkpoint_every < 1:
+            raise ValueError("--checkpoint-every must be at least 1 (1: the optimizer state with every version)")
         check_nproc(settings.nproc, settings.device, settings.threads)
         self.settings = settings
         self.ranks = Ranks()  # this process's rank; set by the launcher on several ranks
@@ -411,8 +412,7 @@ class TrainerService:
         if self._writer is None:
             self._writer = VersionWriter(self.model, self.tokenizer)
 
-        # ZeRO's and FSDP2's optimizer state holds the parameters: an older one would roll the weights back.
-        every = 1 if self.engine.sharded or full_state is not None else max(1, self.settings.checkpoint_every)
+        every = 1 if self.engine.sharded or full_state is not None else self.settings.checkpoint_every
         full_checkpoint = self._full_checkpoint is None or version % every == 0
 
         def write(folder: Path) -> None:
