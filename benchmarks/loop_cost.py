@@ -10,7 +10,8 @@ version every chain / 3 seconds.
 
 Modes (``--modes``): ``fast`` is the trainer's defaults; ``checkpoint-every-version`` is the path before this
 benchmark, a full checkpoint (weights, tokenizer, optimizer state) written to the store for every version and
-loaded from there by rollout (``--checkpoint-every 1 --weights-transport store``), so one run compares them.
+loaded from there by rollout (``--checkpoint-every 1 --weights-transport store``), so one run compares them;
+``fast-transformers`` is ``fast`` with rollout on plain transformers instead of vLLM.
 
 ``RLSTREAM_PROFILE=DIR`` (``rlstream.runtime.profile``) on this command profiles every stage process too.
 """
@@ -27,9 +28,11 @@ from benchmarks.harness.loop import Loop, PacedSource, Versions, log
 from benchmarks.harness.result import result
 from rlstream.trainer.chain import summarize
 
-#: mode -> extra trainer flags.
-MODES = {"fast": [],
-         "checkpoint-every-version": ["--checkpoint-every", "1", "--weights-transport", "store"]}
+#: mode -> (extra trainer flags, rollout backend: None for --backend).
+MODES = {"fast": ([], None),
+         "checkpoint-every-version": (["--checkpoint-every", "1", "--weights-transport", "store"], None),
+         # The same loop with rollout on plain transformers: what vLLM's engine costs around a 0.5 M model.
+         "fast-transformers": ([], "transformers")}
 
 
 def cpu_seconds(loop: Loop) -> dict[str, float]:
@@ -80,8 +83,9 @@ def write_profiles(before: dict, after: dict, mode: str, versions: int) -> None:
 def run_mode(mode: str, args) -> dict:
     """One fresh loop in ``mode``: skip ``--skip`` versions after rollout starts, then measure ``--versions``."""
     loop = Loop(f"loopcost-{mode[:4]}")
-    loop.trainer(eta=2, groups_per_step=16, lr=1e-4, warmup_steps=args.warmup_steps, extra=tuple(MODES[mode]))
-    loop.rollout(eta=2, backend=args.backend)
+    trainer_flags, backend = MODES[mode]
+    loop.trainer(eta=2, groups_per_step=16, lr=1e-4, warmup_steps=args.warmup_steps, extra=tuple(trainer_flags))
+    loop.rollout(eta=2, backend=backend or args.backend)
     loop.env_stage()
     loop.reward("benchmarks.harness.workloads:exact", concurrency=256)
     versions = Versions(loop)
@@ -164,7 +168,7 @@ def main(argv=None) -> list[dict]:
         Path(args.json).write_text(json.dumps(out, indent=1))
     figures = {}
     for r in out:
-        tag = "fast" if r["mode"] == "fast" else "baseline"
+        tag = {"fast": "fast", "checkpoint-every-version": "baseline"}.get(r["mode"], r["mode"].replace("-", "_"))
         chain = r["chain"].get("chain_s", {})
         figures.update({f"{tag}_s_per_version": r["s_per_version"],
                         f"{tag}_cpu_s_per_version": sum(r["cpu_s_per_version"].values()),
