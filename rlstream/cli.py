@@ -76,6 +76,8 @@ def cmd_run(args: argparse.Namespace) -> None:
     except ValueError as exc:  # stages validate their settings on construction
         raise UsageError(str(exc)) from None
     metrics.serve(runtime.metrics_port, runtime.metrics_addr)
+    from rlstream.runtime.profile import maybe_start
+    maybe_start(args.stage)
     if hasattr(stage, "serve"):
         stage.serve(kafka, runtime)  # services with their own loop (trainer, archive, monitor)
     else:

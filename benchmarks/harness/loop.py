@@ -147,7 +147,18 @@ class Versions:
     """The run's PolicyVersion records as they are committed."""
 
     def __init__(self, loop: Loop):
-        self.tail = TopicTail(loop.kafka.client_config(), loop.run, ["policy-versions"], name="bench-versions")
+        self._changed = threading.Condition()
+        self._newest = -1
+        self.tail = TopicTail(loop.kafka.client_config(), loop.run, ["policy-versions"], name="bench-versions",
+                              on_record=self._seen)
+
+    def _seen(self, s) -> None:
+        """Wakes ``wait_for`` as soon as a version is read: a paced source issues the next step's prompts at once,
+        not up to a polling interval later (that interval was part of every step's chain)."""
+        if s.record is not None:
+            with self._changed:
+                self._newest = max(self._newest, s.record.version)
+                self._changed.notify_all()
 
     def all(self) -> list[tuple[PolicyVersion, float]]:
         """(record, monotonic time this process saw it), in version order."""
@@ -163,9 +174,11 @@ class Versions:
         """Wait until ``version`` is announced, while ``alive()``; whether it was."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and alive():
-            if self.latest() >= version:
-                return True
-            time.sleep(0.05)
+            with self._changed:
+                # Woken by each version read; alive() is looked at again every half second.
+                if self._changed.wait_for(lambda: self._newest >= version,
+                                          min(0.5, max(0.0, deadline - time.monotonic()))):
+                    return True
         return False
 
     def close(self) -> None:

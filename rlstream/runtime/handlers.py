@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
 from rlstream import metrics
 from rlstream.kafka.records import Incoming, Rejected
@@ -82,11 +82,27 @@ class Handlers:
 
     # -- pipelined: records submitted to the loop running in its own thread ---------------------------------------
 
-    def submit(self, item: Incoming) -> Future:
-        """Start one record's handler on the running loop; its future resolves to outputs or a rejection."""
+    def submit(self, items: list[Incoming]) -> list[Future]:
+        """Start these records' handlers on the running loop; each future resolves to outputs or a rejection, and
+        cancelling it cancels its handler.
+
+        One wake-up of the loop for all of them: a wake-up per record (``run_coroutine_threadsafe``) cost a
+        self-pipe write and a loop turn each, 6-7 ms of env's and reward's CPU per 128-record version."""
         if self._running is None:
             self._running = asyncio.Semaphore(max(1, self.settings.concurrency))
-        return asyncio.run_coroutine_threadsafe(self._handle_when_free(item), self.loop)
+        futures = [Future() for _ in items]
+        if not futures:
+            return futures
+
+        def start() -> None:
+            for item, future in zip(items, futures):
+                if future.cancelled():
+                    continue
+                task = self.loop.create_task(self._handle_when_free(item))
+                task.add_done_callback(lambda t, f=future: _settle(f, t))
+                future.add_done_callback(lambda f, t=task: f.cancelled() and self.loop.call_soon_threadsafe(t.cancel))
+        self.loop.call_soon_threadsafe(start)
+        return futures
 
     async def _handle_when_free(self, item: Incoming) -> Result:
         # The handler timeout starts once a handler slot is free, not while the record queues for one.
@@ -118,6 +134,19 @@ class Handlers:
         if isinstance(exc, InvalidRecord):
             return Rejected("invalid", str(exc))
         return Rejected("handler_error", f"{type(exc).__name__}: {exc}")
+
+
+def _settle(future: Future, task: asyncio.Task) -> None:
+    """Hand a finished handler task's outcome to the caller's future (unless the caller cancelled it meanwhile)."""
+    try:
+        if task.cancelled():
+            future.cancel()
+        elif task.exception() is not None:
+            future.set_exception(task.exception())
+        else:
+            future.set_result(task.result())
+    except InvalidStateError:  # cancelled by the caller in the meantime
+        pass
 
 
 def _first(result):

@@ -148,8 +148,9 @@ class StageRunner:
                 now, now_ms = time.monotonic(), hdr.now_ms()
                 if msgs:
                     self._on_consumed(len(msgs))
-                for m in msgs:
-                    self._admit(m, now, now_ms)
+                admitted = [slot for slot in (self._admit(m, now, now_ms) for m in msgs) if slot is not None]
+                for slot, future in zip(admitted, self.handlers.submit([slot.item for slot in admitted])):
+                    slot.future = future
                 if msgs or busy:
                     idle_since = now
                 elif idle_exit_s is not None and now - idle_since > idle_exit_s:
@@ -189,16 +190,17 @@ class StageRunner:
 
     # -- pipelined transactions ----------------------------------------------------------------------------------
 
-    def _admit(self, m: Message, now: float, now_ms: int) -> None:
+    def _admit(self, m: Message, now: float, now_ms: int) -> Slot | None:
+        """The record's slot in the window, decoded; the slot when its handler is still to start, else None."""
         slot = self._window.add(Slot(m, admitted_at=now))
         if slot.emitted:
-            return  # handled before a crash or rebalance; the committed offset metadata says so
+            return None  # handled before a crash or rebalance; the committed offset metadata says so
         try:
             slot.item = self._decode(m, now_ms)
         except Rejected as rej:
             slot.resolve(rej)
-        else:
-            slot.future = self.handlers.submit(slot.item)
+            return None
+        return slot
 
     def _commit_ready(self) -> None:
         ready = self._window.ready()

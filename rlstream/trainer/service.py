@@ -1,7 +1,8 @@
 """The trainer process: windowed-FIFO consumption, staleness filter, updates, and versioned publish.
 
-A training step is a transaction: the checkpoint is written to the weight store
-first, then the PolicyVersion record and the offsets of the samples used are
+A training step is a transaction: the version's folder is written to the weight store
+first (its weights every version, the optimizer state every ``--checkpoint-every``:
+``trainer/checkpoint.py``), then the PolicyVersion record and the offsets of the samples used are
 committed together. A crash in between redoes the step; no version is announced
 whose samples were not consumed, and a restart resumes from the last announced one.
 
@@ -38,7 +39,7 @@ from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.devices import enable_gradient_checkpointing, resolve_device
 from rlstream.models.loading import TINY, check_folder, load_model, load_tokenizer, read_chat_template, torch_dtype
 from rlstream.models.logprobs import check_packing
-from rlstream.policy.deltas import content_hash, read_folder
+from rlstream.policy.deltas import content_hash
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weight_log import WeightLogWriter
 from rlstream.policy.weights import PolicyWeights, WeightStore, tokenizer_hash
@@ -46,6 +47,7 @@ from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion
 from rlstream.trainer.chain import chain_stats
+from rlstream.trainer.checkpoint import VersionWriter, resume_optimizer_states, write_optimizer_states
 from rlstream.trainer.distill import LOSSES, DistillConfig, coef_at
 from rlstream.trainer.distributed import Ranks, check_nproc, launch
 from rlstream.trainer.engine import SHARDING, make_engine
@@ -72,6 +74,10 @@ class TrainerSettings:
                                          "a restarted trainer's first are anchors too), deltas in between")
     weights_chunk_mb: float = knob(8.0, "--weights-transport kafka: payload per weights record, in MiB (below the "
                                         "topics' 16 MiB message limit)")
+    checkpoint_every: int = knob(10, "Write the optimizer state (what a restarted trainer resumes Adam from) with "
+                                     "every Kth version, the others only what workers load; a restart takes the "
+                                     "newest at or before its version (1: every version, through save_pretrained "
+                                     "as before this knob). ZeRO and FSDP2 write it every version")
     keep_every: int = knob(0, "Keep every Nth version in the store for audit and reproducibility, beyond the "
                               "versions η needs (0: none)")
     source: str = knob("rewards", "Topic to train from: rewards, or feedback (teacher log-probs)",
@@ -146,6 +152,8 @@ class TrainerService:
             raise ValueError("--groups-per-step cannot exceed --window-groups: a batch comes from inside the window")
         if not 0 < settings.weights_chunk_mb <= 15:
             raise ValueError("--weights-chunk-mb must be in (0, 15]: a weights record must fit the 16 MiB message limit")
+        if settings.checkpoint_every < 1:
+            raise ValueError("--checkpoint-every must be at least 1 (1: the optimizer state with every version)")
         check_nproc(settings.nproc, settings.device, settings.threads)
         self.settings = settings
         self.ranks = Ranks()  # this process's rank; set by the launcher on several ranks
@@ -162,6 +170,11 @@ class TrainerService:
         # Positions trained (or evicted) beyond the committed offsets before this consumer read them (their metadata).
         self._done_ahead: set[tuple[str, int, int]] = set()
         self._log_start = 0  # the weights log's start offset after the last truncation
+        self._commit_s: float | None = None  # the last announcing transaction's seconds
+        self._writer: VersionWriter | None = None  # built at the first publish, once the model is
+        self._tokenizer_hash: str | None = None  # the same for every version this process writes
+        self._full_checkpoint: int | None = None  # the newest announced version with the optimizer state
+        self._resuming = -1  # the announced version a restarted trainer resumes
         distill = DistillConfig(settings.opd_kl, settings.opd_kl_mix, settings.opd_zero_outside_topk)
         self.update_cfg = UpdateConfig(loss=settings.loss, clip_eps=settings.clip_eps, is_cap=settings.is_cap,
                                        kl_coef=settings.kl_coef, distill=distill,
@@ -234,6 +247,7 @@ class TrainerService:
     def _load_or_create(self) -> None:
         announced = last_policy_version(self.kafka.client_config(), self.kafka.run, self.loop.policy)
         if announced is not None:
+            self._resuming = announced.version  # _build takes the newest optimizer state at or before it
             self._build(self.ranks.broadcast(self._resume_folder(announced)))
             self.version = announced.version
             log.info("trainer resumed %s at v%d", self.loop.policy, self.version)
@@ -265,7 +279,9 @@ class TrainerService:
                                          steps=self.settings.warmup_steps, seconds=None, seed=self.settings.seed)
                 log.info("supervised warm-up: %s", info)
         self.engine = self._engine()
-        states = read_optimizer_states(folder) if folder is not None and self.ranks.lead else None
+        states = resume_optimizer_states(folder, self.store, self.loop.policy, self._resuming,
+                                         self.loop.home_path / "weights-cache") \
+            if folder is not None and self.ranks.lead else None
         states = self.ranks.broadcast(states)
         if states:
             self.engine.load_state_dict(states)
@@ -368,6 +384,9 @@ class TrainerService:
         batch.opd_coef = coef_at(self.version, s.opd_coef, s.opd_coef_end, s.opd_coef_versions)
         self.ranks.command("step", batch)
         stats = self._train(batch)
+        stats["train_s"] = time.monotonic() - started
+        if self._commit_s is not None:
+            stats["commit_s"] = self._commit_s  # the previous version's transaction
         stats.update(chain_stats((trajectory_of(it.payload).stage_times for g in groups for it in g.items), started_ms))
         stats.update({"step_seconds": time.monotonic() - started, "stale": float(self.counter.stale),
                       "accepted": float(self.counter.accepted), "stale_ratio": self.counter.stale_ratio,
@@ -401,23 +420,29 @@ class TrainerService:
         written = {}
         self.ranks.command("save")
         full_state, optimizer_states = self._checkpoint_parts()
+        if self._writer is None:
+            self._writer = VersionWriter(self.model, self.tokenizer)
+
+        every = 1 if self.engine.sharded or full_state is not None else self.settings.checkpoint_every
+        full_checkpoint = self._full_checkpoint is None or version % every == 0
 
         def write(folder: Path) -> None:
-            self.model.save_pretrained(folder, safe_serialization=True, state_dict=full_state)
-            self.tokenizer.save_pretrained(folder)
-            # What workers load, hashed as they will hash it (the store may be remote: read while it is here).
-            written["content"] = read_folder(folder)
-            written["tokenizer_hash"] = tokenizer_hash(folder)
-            write_optimizer_states(folder, optimizer_states, self.engine.sharded)
+            # What workers load, hashed as they will hash it (the store may be remote: hashed while it is here).
+            written["content"] = self._writer.write(folder, full_state, fast=self.settings.checkpoint_every > 1)
+            if self._tokenizer_hash is None:
+                self._tokenizer_hash = tokenizer_hash(folder)
+            if full_checkpoint:
+                write_optimizer_states(folder, optimizer_states, self.engine.sharded)
 
         # The checkpoint exists before the record that announces it.
         uri = self.store.put(policy, version, write)
         digest = content_hash(written["content"])
+        stats["weights_s"] = time.monotonic() - publish_started
         published = hdr.now_ms()
         record = PolicyVersion(policy=policy, version=version, weights_uri=uri, created_at=published,
                                published_at=published, step=version, parent_version=self.version,
                                samples_trained=samples, metrics=stats, trainer_id=self.group_id,
-                               tokenizer_hash=written["tokenizer_hash"], content_hash=digest)
+                               tokenizer_hash=self._tokenizer_hash, content_hash=digest)
 
         def body():
             if self.weight_log is not None:
@@ -434,16 +459,22 @@ class TrainerService:
                             "would train them again (a smaller --head-timeout-s or --window-groups keeps it short)",
                             left_out)
             return points
+        committing = time.monotonic()
         if not self.txn.transact(body, lambda: self.consumer.consumer_group_metadata()):
             # The model has moved on past what the log says: exit, and a restart resumes from the last announced
             # version and the committed offsets (the step is redone).
             raise RuntimeError(f"trainer: the transaction announcing v{version} was aborted; restart to resume")
         self.version = version
+        if full_checkpoint:
+            self._full_checkpoint = version
+        self._commit_s = time.monotonic() - committing  # known only once committed: the next version carries it
         metrics.PUBLISH_SECONDS.observe(time.monotonic() - publish_started)
         metrics.POLICY_VERSION.labels("trainer").set(version)
         # Versions older than η + 1 behind can no longer be needed by a rollout worker.
         keep_from = version - self.loop.eta - 1
-        self.store.prune(policy, keep_from=keep_from, keep={0}, keep_every=self.settings.keep_every)
+        # The newest optimizer state stays until a newer one is announced: a restart resumes Adam from it.
+        self.store.prune(policy, keep_from=keep_from, keep={0, self._full_checkpoint},
+                         keep_every=self.settings.keep_every)
         if self.weight_log is not None:
             self.weight_log.committed()
             self._truncate_log(keep_from)
@@ -477,22 +508,3 @@ def serve_rank(ranks: Ranks, settings: TrainerSettings, loop: LoopSettings, kafk
         return
     service.serve(kafka, runtime)
     ranks.command("stop")
-
-
-def write_optimizer_states(folder: Path, states: list[dict], sharded: bool) -> None:
-    """Plain torch's state in ``optimizer.pt``; a sharded engine's in ``optimizer/rank{r}.pt``, one per rank."""
-    if not sharded:
-        torch.save(states[0], folder / "optimizer.pt")
-        return
-    (folder / "optimizer").mkdir()
-    for rank, state in enumerate(states):
-        torch.save(state, folder / "optimizer" / f"rank{rank}.pt")
-
-
-def read_optimizer_states(folder: Path) -> list[dict] | None:
-    """The optimizer state saved with the checkpoint in ``folder``, in rank order (None: none saved)."""
-    if (folder / "optimizer.pt").exists():
-        return [torch.load(folder / "optimizer.pt", weights_only=True)]
-    shards = sorted((folder / "optimizer").glob("rank*.pt"), key=lambda f: int(f.stem[4:]))
-    # ZeRO's state holds more than tensors (its loss scaler): a full unpickle, of the trainer's own files.
-    return [torch.load(f, weights_only=False) for f in shards] or None

@@ -155,3 +155,31 @@ def test_a_failed_judgement_is_not_trained_on_and_its_group_trains_without_it(bo
     assert trainer.trained == [(0, ["task-1", "task-2"])]
     versions = [r.record for r in read_all(bootstrap, run_name, "policy-versions", expect=2)]
     assert versions[-1].samples_trained == 2 * G - 2
+
+
+@pytest.mark.timeout(900)
+def test_a_restart_resumes_adam_from_the_newest_optimizer_state_written_every_k_versions(bootstrap, run_name,
+                                                                                          tmp_path):
+    """--checkpoint-every 3: the optimizer state goes with v0 (a process's first) and v3 only, and stays in the store
+    past η while it is the newest; a trainer killed at v4 resumes v4's weights with v3's Adam (3 steps taken)."""
+    trainer, thread = start(bootstrap, run_name, tmp_path, checkpoint_every=3)
+    wait_version(trainer, 0)
+    for v in range(4):
+        produce_groups(bootstrap, run_name, [10 * v + 1, 10 * v + 2], version=v)
+        wait_version(trainer, v + 1)
+    trainer.stop()
+    thread.join(60)
+    store = tmp_path / "weights" / "policy"
+    held = {int(p.name[1:]): (p / "optimizer.pt").exists() for p in store.glob("v*") if p.name[1:].isdigit()}
+    # η = 1 keeps v2..v4; v0 is always kept; v3 holds the newest optimizer state.
+    assert held == {0: True, 2: False, 3: True, 4: False}
+
+    trainer2, thread2 = start(bootstrap, run_name, tmp_path, checkpoint_every=3)
+    wait_version(trainer2, 4)
+    assert trainer2.engine.steps == 3, "Adam did not resume from v3's optimizer state"
+    produce_groups(bootstrap, run_name, [50, 51], version=4)
+    wait_version(trainer2, 5)
+    trainer2.stop()
+    thread2.join(60)
+    assert trainer2.trained == [(4, ["task-50", "task-51"])], "restarted trainer retrained or skipped samples"
+    assert (store / "v5" / "optimizer.pt").exists(), "a restarted trainer's first version carries the state"

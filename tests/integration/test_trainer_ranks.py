@@ -86,7 +86,7 @@ def resume_fixed(ranks, out: str, sharding: str) -> None:
     from pathlib import Path
 
     from rlstream.models.tiny import build_model, build_tokenizer
-    from rlstream.trainer.service import read_optimizer_states, write_optimizer_states
+    from rlstream.trainer.checkpoint import read_optimizer_states, write_optimizer_states
     folder = Path(out).parent / "checkpoint"
     batches = fixed_batches()
 
@@ -129,7 +129,7 @@ def resume_on_one_rank(ranks, out: str) -> None:
     from pathlib import Path
 
     from rlstream.models.tiny import build_model, build_tokenizer
-    from rlstream.trainer.service import read_optimizer_states
+    from rlstream.trainer.checkpoint import read_optimizer_states
     folder = Path(out).parent / "checkpoint"
     model = build_model(build_tokenizer(), seed=0)
     model.load_state_dict(torch.load(folder / "model.bin", weights_only=True))

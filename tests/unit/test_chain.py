@@ -30,3 +30,13 @@ def test_across_steps_each_hop_has_its_p50_p99_and_share_of_the_chain():
     line = describe(s)
     assert line.startswith("chain per step: generate 0.50 s (50%), env 0.00 s (0%), reward 0.10 s (10%)")
     assert "prompt to step p50 0.80 s, p99 2.30 s" in line
+
+
+def test_the_whole_chain_per_step_adds_the_steps_own_hops_to_the_wait_before_it():
+    steps = [{"chain_to_step_s": w, "step_seconds": 0.1, "weights_s": 0.02, "commit_s": 0.01, "train_s": 0.09}
+             for w in (0.2, 0.3, 0.4)] + [{"chain_to_step_s": 5.0}]  # a step without its own split: left out
+    s = summarize(steps)
+    assert s["chain_s"]["p50"] == pytest.approx(0.43) and s["chain_s"]["p99"] == pytest.approx(0.53)
+    assert s["weights_s"]["share"] == pytest.approx(0.02 / 0.13)
+    assert "prompt to published p50 0.43 s, p99 0.53 s" in describe(s)
+    assert "write weights 0.02 s" in describe(s) and "announce 0.01 s" in describe(s)

@@ -1,0 +1,54 @@
+"""What the trainer writes per version (rlstream.trainer.checkpoint): the tiny model's folders after the first go
+through safetensors directly, load in transformers to the same weights, hash as workers hash them, do not alias the
+live model; and a resume takes the newest optimizer state at or before its version."""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlstream.models.tiny import build_model, build_tokenizer
+from rlstream.policy.deltas import content_hash, folder_hash
+from rlstream.policy.weights import WeightStore
+from rlstream.trainer.checkpoint import VersionWriter, resume_optimizer_states, write_optimizer_states
+
+
+def _nudge(model) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+
+
+def test_every_version_folder_loads_to_the_models_weights_and_hashes_as_workers_hash_it(tmp_path):
+    tok = build_tokenizer()
+    model = build_model(tok, seed=0)
+    writer = VersionWriter(model, tok)
+    contents = []
+    for v in range(3):
+        folder = tmp_path / f"v{v}"
+        folder.mkdir()
+        contents.append(writer.write(folder))
+        assert writer._names is not None  # the first save taught it the names: later ones skip save_pretrained
+        assert folder_hash(folder) == content_hash(contents[-1])
+        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        for (name, p), (_, q) in zip(model.state_dict().items(), loaded.state_dict().items()):
+            assert torch.equal(p, q), name
+        assert sorted(f.name for f in folder.iterdir()) == sorted(f.name for f in (tmp_path / "v0").iterdir())
+        _nudge(model)
+    # The content kept (the weights log's next base) is a copy: training on did not change it.
+    assert not torch.equal(contents[1].tensors["model.embed_tokens.weight"],
+                           model.state_dict()["model.embed_tokens.weight"])
+
+
+def test_a_resume_takes_the_newest_optimizer_state_at_or_before_its_version(tmp_path):
+    store = WeightStore(str(tmp_path / "store"))
+    for v in range(6):
+        def write(folder, v=v):
+            (folder / "config.json").write_text("{}")
+            if v in (0, 3, 5):
+                write_optimizer_states(folder, [{"state": {}, "param_groups": [], "v": v}], sharded=False)
+        store.put("p", v, write)
+    cache = tmp_path / "cache"
+    assert resume_optimizer_states(store.path("p", 4), store, "p", 4, cache)[0]["v"] == 3
+    assert resume_optimizer_states(store.path("p", 5), store, "p", 5, cache)[0]["v"] == 5
+    store.prune("p", keep_from=4, keep=set())
+    assert resume_optimizer_states(store.path("p", 4), store, "p", 4, cache) is None
