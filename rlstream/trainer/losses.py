@@ -18,6 +18,7 @@ __all__ = [
     "masked_mean",
     "opd_reverse_kl_loss",
     "ppo_clip_loss",
+    "reverse_kl_baseline",
     "sampled_token_kl",
     "topk_kl",
 ]
@@ -156,6 +157,7 @@ def sampled_token_kl(
     direction: str = "reverse",
     mix: float = 0.5,
     is_cap: float | None = 5.0,
+    baseline: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Distillation on the sampled-token form (the teacher's log-prob of each token the student sampled).
 
@@ -171,9 +173,11 @@ def sampled_token_kl(
       ``E_b[kl * grad s]``, whose constant part ``c * E_b[grad s]`` no longer vanishes; it pushes the student
       away from whatever ``b`` sampled, which raises the entropy and the KL, which raises ``c``: OPD alone
       collapsed within 40 versions at η = 2. ``w`` turns the expectation into one under the current student
-      (exact up to the cap), and the batch-mean baseline takes the constant out of the reward, so the rest of
-      the bias and most of the variance go with it (a baseline leaves the expected gradient unchanged). The
-      trainer still bounds the staleness (``--opd-reverse-eta``).
+      (exact up to the cap), and the baseline takes the constant out of the reward, so the rest of the bias and
+      most of the variance go with it (a baseline leaves the expected gradient unchanged). The baseline is one
+      number for the whole step, ``reverse_kl_baseline`` of the step's batch (the behaviour policy's mean k1),
+      never a micro-batch's own: micro-batches must sum to the whole batch's gradient. ``baseline`` None: that of
+      the tensors given. The trainer still bounds the staleness (``--opd-reverse-eta``).
     - forward, KL(teacher || student): importance-weighted by the teacher, ``w = min(exp(t - b), is_cap)``
       (detached): ``kl = w * (t - s)``, ``surrogate = -w * s``. The weight uses the behaviour log-prob the sample
       carries, so a stale sample is corrected rather than biased.
@@ -186,7 +190,9 @@ def sampled_token_kl(
     zero = torch.zeros_like(s)
     b = behaviour_logprobs.detach()
     reverse_kl = torch.where(m, s.detach() - t, 0)
-    reverse = (_capped_ratio(s.detach() - b, m, is_cap) * (reverse_kl - masked_mean(reverse_kl, m)) * s, reverse_kl)
+    if baseline is None:
+        baseline = reverse_kl_baseline(b, t, m)
+    reverse = (_capped_ratio(s.detach() - b, m, is_cap) * (reverse_kl - baseline) * s, reverse_kl)
     if direction == "reverse":
         return torch.where(m, reverse[0], zero), reverse[1]
     w = _capped_ratio(t - b, m, is_cap)
@@ -195,6 +201,12 @@ def sampled_token_kl(
         return torch.where(m, forward[0], zero), forward[1]
     surrogate = mix * forward[0] + (1 - mix) * reverse[0]
     return torch.where(m, surrogate, zero), mix * forward[1] + (1 - mix) * reverse[1]
+
+
+def reverse_kl_baseline(behaviour_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor
+                        ) -> torch.Tensor:
+    """The sampled reverse KL's baseline for a step: the token-mean of ``b - t`` (k1 under the behaviour policy)."""
+    return masked_mean(behaviour_logprobs.detach() - teacher_logprobs.detach(), mask)
 
 
 def _capped_ratio(log_gap: torch.Tensor, mask: torch.Tensor, is_cap: float | None) -> torch.Tensor:

@@ -11,8 +11,11 @@ the ranks need no exchange to agree on who trains what; each trains its own micr
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from rlstream.trainer.losses import reverse_kl_baseline
 from rlstream.trainer.update import Batch, UpdateConfig, batch_loss, policy_update
 
 
@@ -24,7 +27,8 @@ def rows_of(batch: Batch, rows: list[int]) -> Batch:
     return Batch(cut(batch.input_ids, width), cut(batch.attention_mask, width), cut(batch.loss_mask, width - 1),
                  cut(batch.behaviour_logprobs, width - 1), cut(batch.teacher_logprobs, width - 1),
                  cut(batch.advantages, width - 1), batch.rewards[index], batch.temperature,
-                 cut(batch.teacher_topk_ids, width - 1), cut(batch.teacher_topk_logprobs, width - 1), batch.opd_coef)
+                 cut(batch.teacher_topk_ids, width - 1), cut(batch.teacher_topk_logprobs, width - 1), batch.opd_coef,
+                 batch.opd_baseline)
 
 
 def plan(batch: Batch, max_tokens: int, world: int = 1, packed: bool = False) -> list[list[list[int]]]:
@@ -77,6 +81,10 @@ def accumulated_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None, 
     """
     engine.model.train()
     batch = batch.to(engine.device)
+    if batch.teacher_logprobs is not None and batch.opd_baseline is None:
+        # One baseline for the whole step, as the unsplit batch's loss takes it (losses.sampled_token_kl).
+        batch = dataclasses.replace(batch, opd_baseline=reverse_kl_baseline(
+            batch.behaviour_logprobs, batch.teacher_logprobs, batch.loss_mask))
     planned = plan(batch, max_tokens, world, cfg.packed)
     mine = planned[rank]
     total = float(batch.loss_mask.sum().clamp(min=1))

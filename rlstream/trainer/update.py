@@ -28,6 +28,9 @@ class Batch:
     teacher_topk_ids: torch.Tensor | None = None  # [B, L-1, K]
     teacher_topk_logprobs: torch.Tensor | None = None  # [B, L-1, K]
     opd_coef: float = 1.0  # λ of this step (the trainer sets it from its version's schedule)
+    # The sampled reverse KL's baseline over the whole step (losses.reverse_kl_baseline), set before the batch is
+    # split into micro-batches; None: each loss call takes that of its own tensors (the whole batch, unsplit).
+    opd_baseline: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "Batch":
         """This batch on ``device`` (the same tensors when they are there already)."""
@@ -35,7 +38,7 @@ class Batch:
         return Batch(move(self.input_ids), move(self.attention_mask), move(self.loss_mask),
                      move(self.behaviour_logprobs), move(self.teacher_logprobs), move(self.advantages),
                      move(self.rewards), self.temperature, move(self.teacher_topk_ids),
-                     move(self.teacher_topk_logprobs), self.opd_coef)
+                     move(self.teacher_topk_logprobs), self.opd_coef, move(self.opd_baseline))
 
 
 def build_batch(groups: list[list[ScoredTrajectory | TeacherFeedback]], advantage: str, pad_id: int) -> Batch:

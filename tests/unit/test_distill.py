@@ -40,8 +40,9 @@ def sampled(direction, mix=0.5):
 def test_sampled_reverse_kl_hand_computed():
     grad, kl = sampled("reverse")
     close(kl, [[0.5, -1.0, 0.0]])  # s - t
-    # (s - t) less its mean -0.25, times w = exp(s - b) = [1, e], over n = 2 tokens
-    close(grad, [[0.75 / 2, -0.75 * math.e / 2, 0.0]])
+    # (s - t) less the baseline, the behaviour policy's mean k1 mean(b - t) = (0.5 - 2) / 2 = -0.75, times
+    # w = exp(s - b) = [1, e], over n = 2 tokens
+    close(grad, [[1.25 / 2, -0.25 * math.e / 2, 0.0]])
 
 
 def _expected_reverse_grad(theta, teacher_lp, behaviour_lp, is_cap):
@@ -97,7 +98,7 @@ def test_sampled_mixed_kl_weighs_the_two():
     _, rev = sampled("reverse")
     grad, kl = sampled("mixed", mix=0.25)
     close(kl, (0.25 * fwd + 0.75 * rev).tolist())
-    close(grad, [[0.25 * -math.exp(-0.5) / 2 + 0.75 * 0.375, 0.25 * -2.5 + 0.75 * -0.375 * math.e, 0.0]])
+    close(grad, [[0.25 * -math.exp(-0.5) / 2 + 0.75 * 0.625, 0.25 * -2.5 + 0.75 * -0.125 * math.e, 0.0]])
 
 
 def test_a_stale_sample_changes_the_forward_weight_not_the_reverse_kl():
