@@ -221,6 +221,12 @@ class ServerFleet(InferenceBackend):
                                                 f"{s.url}: {self._state(s)}" for s in self.servers))
                 self._cond.wait(min(left, wait, 1.0))
 
+    def request_seconds(self) -> float:
+        """Requests in flight integrated over time, summed over the servers (``limits.RateLimits.mark``)."""
+        with self._cond:
+            now = self.options.clock()
+            return sum(s.limits.mark(now) for s in self.servers)
+
     def _state(self, s: Server) -> str:
         if self._eligible(s):
             return f"v{s.version}, {s.inflight} in flight"
