@@ -21,7 +21,8 @@ that is done while another still works on the batch would idle until the next on
 nothing in flight, each unfinished request of the batch running on another server is sent to it too; the first
 reply is kept and the other attempt cancelled (its connection shut: vLLM aborts the request). Both attempts carry
 one sampling seed (the task's, else one drawn per request), so they sample the same tokens and keeping the first
-does not favour short replies. Each reply is stamped with the version its own server confirmed.
+does not favour short replies. Each reply is stamped with the version its own server confirmed. Servers rlstream
+pushes weights to only: a hosted ``openai`` endpoint bills the duplicate.
 """
 from __future__ import annotations
 
@@ -332,7 +333,8 @@ class ServerFleet(InferenceBackend):
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  between_steps: BetweenSteps | None = None, keys: list[str] | None = None) -> list[Generation]:
         keys = keys or [None] * len(prompts)
-        hedging = self.options.hedge and len(self.servers) > 1
+        # Not on hosted endpoints (``openai``, serving only): a duplicate there is billed and spends the quota.
+        hedging = self.options.hedge and len(self.servers) > 1 and self.follows_policy
         jobs = [_Job(p, _seeded(params) if hedging else params, k) for p, k in zip(prompts, keys)]
         running: dict[Future, _Job] = {}
 
