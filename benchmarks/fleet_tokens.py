@@ -8,14 +8,14 @@ so every response is ``--max-tokens`` long and both sides do the same work. The 
 client: each server has its share of worker threads pulling the next request from one shared queue (a faster
 server takes more), with no Kafka, no transactions and no batch barrier. The stage is the real one (RolloutStage
 on the shared runtime: consume up to ``--batch-tasks`` prompts, generate through the fleet with version push and
-routing, produce in a transaction; hedging on unless ``--no-hedge``, and then each request carries a seed, which
-the direct requests do not), timed from its first record consumed to its last one committed. Each side's mean
+routing, produce in a transaction; with ``--hedge``, hedging, and then each request carries a seed, which the direct
+requests do not), timed from its first record consumed to its last one committed. Each side's mean
 requests in flight (request-seconds over wall time: the fleet's own count for the stage) says how busy it kept the
 servers; the stage's batch barrier shows there. Rounds alternate stage, direct, stage, direct, so a drift in the
 machine's load falls on both sides.
 
     python -m benchmarks.fleet_tokens [--tasks 24] [--group-size 4] [--max-tokens 32] [--in-flight 32]
-                                      [--batch-tasks 8] [--rounds 2] [--no-hedge]
+                                      [--batch-tasks 8] [--rounds 2] [--hedge]
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def stage_round(bootstrap: str, urls: list[str], folder: Path, root: Path, args,
 
     stage = RolloutStage(RolloutSettings(backend=backend, engine_url=tuple(urls), max_context=args.max_context,
                                          health_interval_s=5.0, max_concurrency=per_server(args, urls),
-                                         hedge=getattr(args, "hedge", True)))
+                                         hedge=getattr(args, "hedge", False)))
     runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run),
                          RuntimeSettings(batch_size=args.batch_tasks, instance=f"bench-{k}"),
                          on_consumed=consumed, on_committed=committed)
@@ -156,8 +156,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-tasks", type=int, default=8,
                     help="prompts per stage batch (one transaction; x G requests)")
     ap.add_argument("--rounds", type=int, default=2, help="stage/direct pairs")
-    ap.add_argument("--no-hedge", dest="hedge", action="store_false",
-                    help="the stage without hedging (the rollout's --no-hedge): a batch waits for its slowest server")
+    ap.add_argument("--hedge", action="store_true",
+                    help="the stage with hedging (the rollout's --hedge): an idle server takes a batch's late requests")
     args = ap.parse_args(argv)
     args.max_context = MAX_CONTEXT
     bootstrap = os.environ.get("RLSTREAM_BOOTSTRAP") or broker.up()  # a shared broker, else the local one

@@ -72,9 +72,9 @@ class RolloutSettings:
     requests_per_min: float = knob(0.0, "Server backends: most requests per minute per server (0: unlimited)")
     tokens_per_min: float = knob(0.0, "Server backends: most prompt + completion tokens per minute per server "
                                       "(0: unlimited)")
-    hedge: bool = knob(True, "Backends vllm-server and sglang: a server left idle before its batch ends also takes "
-                             "the batch's unfinished requests from the others; the first reply is kept, the other "
-                             "cancelled, both sampled with one seed")
+    hedge: bool = knob(False, "Backends vllm-server and sglang: a server left idle before its batch ends also takes "
+                              "the batch's unfinished requests from the others; the first reply is kept, the other "
+                              "cancelled, both sampled with one seed")
     threads: int = knob(1, "Torch / engine threads for this process (small machines: give each stage a budget)")
     dtype: str = knob("auto", "Engine dtype: auto (the checkpoint's own), bf16, fp16, fp32",
                       choices=("auto", "bf16", "fp16", "fp32"))
