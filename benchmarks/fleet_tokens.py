@@ -1,26 +1,32 @@
 """Rollout tokens/s through the stage on a fleet of two CPU vLLM servers, against the same two servers driven
 directly with the same prompts, in one run: the stage's own cost as a ratio (goal >= 0.9x).
 
-Both sides send every prompt ``--group-size`` times with the same sampling to the same servers. The model never
-stops early (its end-of-turn logit is pinned down, tests/helpers/models.py), so every response is ``--max-tokens``
-long and both sides do the same work. The direct driver keeps as many requests in flight as one stage batch holds
-(``--batch-tasks`` x G), spread round-robin over the servers, with no Kafka, no transactions and no batch barrier.
-The stage is the real one (RolloutStage on the shared runtime: consume, generate through the fleet with version
-push and routing, produce in a transaction), timed from its first record consumed to its last one committed.
-Rounds alternate stage, direct, stage, direct, so a drift in the machine's load falls on both sides.
+Both sides send every prompt ``--group-size`` times with the same sampling to the same servers, under the same
+concurrency limit: at most ``--in-flight`` requests at once, an equal share per server (the stage's
+``--max-concurrency``). The model never stops early (its end-of-turn logit is pinned down, tests/helpers/models.py),
+so every response is ``--max-tokens`` long and both sides do the same work. The direct driver is the best case of a
+client: each server has its share of worker threads pulling the next request from one shared queue (a faster
+server takes more), with no Kafka, no transactions and no batch barrier. The stage is the real one (RolloutStage
+on the shared runtime: consume up to ``--batch-tasks`` prompts, generate through the fleet with version push and
+routing, produce in a transaction; with ``--hedge``, hedging, and then each request carries a seed, which the direct
+requests do not), timed from its first record consumed to its last one committed. Each side's mean
+requests in flight (request-seconds over wall time: the fleet's own count for the stage) says how busy it kept the
+servers; the stage's batch barrier shows there. Rounds alternate stage, direct, stage, direct, so a drift in the
+machine's load falls on both sides.
 
-    python -m benchmarks.fleet_tokens [--tasks 24] [--group-size 4] [--max-tokens 32] [--rounds 2]
+    python -m benchmarks.fleet_tokens [--tasks 24] [--group-size 4] [--max-tokens 32] [--in-flight 32]
+                                      [--batch-tasks 8] [--rounds 2] [--hedge]
 """
 from __future__ import annotations
 
 import argparse
-import itertools
+import os
+import queue
 import shutil
 import statistics
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.harness.result import result
@@ -48,8 +54,8 @@ def tasks(n: int, group_size: int, max_tokens: int, tag: str) -> list[Task]:
 
 
 def stage_round(bootstrap: str, urls: list[str], folder: Path, root: Path, args, k: int,
-                backend: str = "vllm-server") -> tuple[float, list]:
-    """(tokens/s, the prompts' token ids) of the rollout stage over a fresh run's prompts.
+                backend: str = "vllm-server") -> tuple[float, float, list]:
+    """(tokens/s, mean requests in flight, the prompts' token ids) of the rollout stage over a fresh run's prompts.
 
     One warm-up prompt goes first: the stage starts its fleet and pushes version 0 to both servers on its first
     record, which is start-up, not the stage's cost per token; the clock starts at the first measured record.
@@ -62,20 +68,23 @@ def stage_round(bootstrap: str, urls: list[str], folder: Path, root: Path, args,
                                                                           published_at=now), None)])
     measured = tasks(args.tasks, args.group_size, args.max_tokens, run)
     warmup = tasks(1, args.group_size, args.max_tokens, f"{run}-warmup")
-    clock = {"armed": False, "first": None, "last": None, "n": 0}
+    clock = {"armed": False, "first": None, "last": None, "n": 0, "busy": [0.0, 0.0]}
 
     def consumed(n: int) -> None:
         if n and clock["armed"] and clock["first"] is None:
             clock["first"] = time.perf_counter()
+            clock["busy"][0] = stage.backend.request_seconds()
 
     def committed(n: int) -> None:
         clock["n"] += n
         clock["last"] = time.perf_counter()
         if clock["n"] >= 1 + args.tasks:
+            clock["busy"][1] = stage.backend.request_seconds()
             runner.request_stop()
 
     stage = RolloutStage(RolloutSettings(backend=backend, engine_url=tuple(urls), max_context=args.max_context,
-                                         health_interval_s=5.0))
+                                         health_interval_s=5.0, max_concurrency=per_server(args, urls),
+                                         hedge=getattr(args, "hedge", False)))
     runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run),
                          RuntimeSettings(batch_size=args.batch_tasks, instance=f"bench-{k}"),
                          on_consumed=consumed, on_committed=committed)
@@ -95,20 +104,46 @@ def stage_round(bootstrap: str, urls: list[str], folder: Path, root: Path, args,
     episodes = [e for e in episodes if not e.task.task_id.endswith("-warmup-0")]
     tokens = sum(len(e.token_ids) for e in episodes)
     prompts = [e.task.prompt_token_ids for e in episodes]
-    return tokens / (clock["last"] - clock["first"]), prompts
+    elapsed = clock["last"] - clock["first"]
+    return tokens / elapsed, (clock["busy"][1] - clock["busy"][0]) / elapsed, prompts
 
 
-def direct_round(urls: list[str], prompts: list[list[int]], args, api=VLLMServerAPI) -> float:
-    """Tokens/s of the same requests sent straight to the servers (through ``api``, the stage's own client of their
-    kind), as many in flight as one stage batch."""
-    apis = [api(u) for u in urls]
+def per_server(args, urls: list[str]) -> int:
+    """Each server's share of the concurrency limit both sides keep to."""
+    return max(1, args.in_flight // len(urls))
+
+
+def direct_round(urls: list[str], prompts: list[list[int]], args, api=VLLMServerAPI) -> tuple[float, float]:
+    """(tokens/s, mean requests in flight) of the same requests sent straight to the servers through ``api`` (the
+    stage's own client of their kind): each server's share of the limit in worker threads, all pulling from one
+    queue, so no server waits while requests are left."""
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens)
-    servers = itertools.cycle(apis)
-    jobs = [(next(servers), p) for p in prompts]
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    for p in prompts:
+        jobs.put(p)
+    tokens, busy, lock = [0], [0.0], threading.Lock()
+
+    def worker(server) -> None:
+        while True:
+            try:
+                prompt = jobs.get_nowait()
+            except queue.Empty:
+                return
+            sent = time.perf_counter()
+            gen = server.generate(prompt, params)[0]
+            with lock:
+                tokens[0] += len(gen.token_ids)
+                busy[0] += time.perf_counter() - sent
+
+    threads = [threading.Thread(target=worker, args=(api(u),), name=f"direct-{i}")
+               for u in urls for i in range(per_server(args, urls))]
     started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=args.batch_tasks * args.group_size) as pool:
-        gens = list(pool.map(lambda job: job[0].generate(job[1], params)[0], jobs))
-    return sum(len(g.token_ids) for g in gens) / (time.perf_counter() - started)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    return tokens[0] / elapsed, busy[0] / elapsed
 
 
 def main(argv=None) -> dict:
@@ -116,34 +151,46 @@ def main(argv=None) -> dict:
     ap.add_argument("--tasks", type=int, default=24, help="prompts per round")
     ap.add_argument("--group-size", type=int, default=4, help="samples per prompt (G)")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per response (every one runs to it)")
-    ap.add_argument("--batch-tasks", type=int, default=8, help="prompts per stage batch (in flight: x G)")
+    ap.add_argument("--in-flight", type=int, default=32, help="most requests in flight, both sides (an equal share "
+                                                              "per server)")
+    ap.add_argument("--batch-tasks", type=int, default=8,
+                    help="prompts per stage batch (one transaction; x G requests)")
     ap.add_argument("--rounds", type=int, default=2, help="stage/direct pairs")
+    ap.add_argument("--hedge", action="store_true",
+                    help="the stage with hedging (the rollout's --hedge): an idle server takes a batch's late requests")
     args = ap.parse_args(argv)
     args.max_context = MAX_CONTEXT
-    bootstrap = broker.up()
+    bootstrap = os.environ.get("RLSTREAM_BOOTSTRAP") or broker.up()  # a shared broker, else the local one
     root = Path(tempfile.mkdtemp(prefix="rlstream-fleetbench-"))
     folder = llama_folder(root / "model", tokenizer=chat_tokenizer(), never_stop=True, max_positions=MAX_CONTEXT)
     servers = [start_vllm_server(folder, root / f"server-{i}.log", max_model_len=MAX_CONTEXT) for i in range(2)]
-    stage_rates, direct_rates = [], []
+    stage_rates, direct_rates, busy = [], [], []
     try:
         urls = [s.wait_ready().url for s in servers]
         for k in range(args.rounds):
-            rate, prompts = stage_round(bootstrap, urls, folder, root, args, k)
+            rate, stage_busy, prompts = stage_round(bootstrap, urls, folder, root, args, k)
             stage_rates.append(rate)
-            direct_rates.append(direct_round(urls, prompts, args))
+            rate, direct_busy = direct_round(urls, prompts, args)
+            direct_rates.append(rate)
+            busy.append((stage_busy, direct_busy))
             print(f"round {k}: stage {stage_rates[-1]:7.1f} tokens/s, direct {direct_rates[-1]:7.1f} tokens/s, "
-                  f"ratio {stage_rates[-1] / direct_rates[-1]:.2f}", flush=True)
+                  f"ratio {stage_rates[-1] / direct_rates[-1]:.2f}; mean in flight: stage {stage_busy:.1f}, "
+                  f"direct {direct_busy:.1f} (limit {per_server(args, urls) * len(urls)})", flush=True)
     finally:
         for s in servers:
             s.kill()
         shutil.rmtree(root, ignore_errors=True)
     ratios = [s / d for s, d in zip(stage_rates, direct_rates)]
-    print(f"{args.tasks} prompts x {args.group_size} samples x {args.max_tokens} tokens a round on 2 vLLM-CPU servers: "
-          f"stage/direct {statistics.median(ratios):.2f}x (median of {len(ratios)} rounds; goal >= 0.9x)")
+    print(f"{args.tasks} prompts x {args.group_size} samples x {args.max_tokens} tokens a round on 2 vLLM-CPU servers, "
+          f"{args.in_flight} in flight, {args.batch_tasks} prompts a stage batch, "
+          f"hedging {'on' if args.hedge else 'off'}: stage/direct "
+          f"{statistics.median(ratios):.2f}x (median of {len(ratios)} rounds; goal >= 0.9x)")
     result("fleet_tokens", tasks=args.tasks, group_size=args.group_size, max_tokens=args.max_tokens,
            stage_tokens_per_s=statistics.median(stage_rates), direct_tokens_per_s=statistics.median(direct_rates),
-           ratio=statistics.median(ratios))
-    return {"stage": stage_rates, "direct": direct_rates, "ratios": ratios}
+           in_flight=args.in_flight, batch_tasks=args.batch_tasks, hedge=args.hedge, ratio=statistics.median(ratios),
+           stage_in_flight=statistics.median(b[0] for b in busy),
+           direct_in_flight=statistics.median(b[1] for b in busy))
+    return {"stage": stage_rates, "direct": direct_rates, "ratios": ratios, "in_flight": busy}
 
 
 if __name__ == "__main__":

@@ -77,9 +77,9 @@ def one_kind(kind: str, folder: Path, work: Path, bootstrap: str, args) -> dict 
         wait_ready(url, proc, log, args.startup_timeout)
         stage, direct = [], []
         for k in range(args.rounds):
-            rate, prompts = stage_round(bootstrap, [url], folder, work, args, k, backend=backend)
+            rate, _, prompts = stage_round(bootstrap, [url], folder, work, args, k, backend=backend)
             stage.append(rate)
-            direct.append(direct_round([url], prompts, args, api=api))
+            direct.append(direct_round([url], prompts, args, api=api)[0])
             print(f"{kind} round {k}: stage {stage[-1]:8.0f} tokens/s, direct {direct[-1]:8.0f} tokens/s", flush=True)
         client = api(url)
         pushes = []
@@ -105,7 +105,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--tasks", type=int, default=64, help="prompts per round")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--batch-tasks", type=int, default=16, help="prompts per stage batch (in flight: x G)")
+    ap.add_argument("--batch-tasks", type=int, default=16,
+                    help="prompts per stage batch (one transaction; x G requests)")
+    ap.add_argument("--in-flight", type=int, default=128, help="most requests in flight, both sides")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pushes", type=int, default=3, help="weight pushes timed to their confirmation")
     ap.add_argument("--max-context", type=int, default=1024)

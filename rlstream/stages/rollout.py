@@ -72,6 +72,9 @@ class RolloutSettings:
     requests_per_min: float = knob(0.0, "Server backends: most requests per minute per server (0: unlimited)")
     tokens_per_min: float = knob(0.0, "Server backends: most prompt + completion tokens per minute per server "
                                       "(0: unlimited)")
+    hedge: bool = knob(False, "Backends vllm-server and sglang: a server left idle before its batch ends also takes "
+                              "the batch's unfinished requests from the others; the first reply is kept, the other "
+                              "cancelled, both sampled with one seed")
     threads: int = knob(1, "Torch / engine threads for this process (small machines: give each stage a budget)")
     dtype: str = knob("auto", "Engine dtype: auto (the checkpoint's own), bf16, fp16, fp32",
                       choices=("auto", "bf16", "fp16", "fp32"))
@@ -171,7 +174,7 @@ class RolloutStage(Stage):
         options = FleetOptions(request_timeout_s=s.request_timeout_s, retries=s.request_retries,
                                health_interval_s=s.health_interval_s, retry_push_s=s.retry_push_s,
                                concurrency=s.max_concurrency, requests_per_min=s.requests_per_min,
-                               tokens_per_min=s.tokens_per_min)
+                               tokens_per_min=s.tokens_per_min, hedge=s.hedge)
         return make_backend(s.backend, folder, threads=s.threads, urls=server_urls(s.engine_url, s.engine_urls_file),
                             model=s.engine_model, version=version, dtype=s.dtype, max_context=self.max_context,
                             fleet=options, tokenizer=tokenizer, push_timeout_s=s.push_timeout_s,

@@ -3,6 +3,7 @@ fleet, never a server (real vLLM servers: tests/integration/test_inference_fleet
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -13,7 +14,8 @@ from rlstream.stages.inference.servers import PushRejected, ServerAPI, ServerErr
 
 
 class Standin(ServerAPI):
-    """Answers one token whose id says which server made it; ``gate`` holds replies until set."""
+    """Answers one token whose id says which server made it; ``gate`` holds replies until set (or the request is
+    cancelled); ``seeds`` records the seed of every request it got, ``cancelled`` those of requests cancelled."""
 
     kind = "vllm-server"
 
@@ -22,9 +24,15 @@ class Standin(ServerAPI):
         self.name, self.refuse, self.dead, self.loaded = name, set(refuse), dead, []
         self.gate = threading.Event()
         self.gate.set()
+        self.seeds, self.cancelled = [], []
 
-    def generate(self, prompt, params):
-        self.gate.wait(5)
+    def generate(self, prompt, params, call=None):
+        self.seeds.append(params.seed)
+        deadline = time.monotonic() + 5
+        while not self.gate.wait(0.01) and time.monotonic() < deadline:
+            if call is not None and call.cancelled:
+                self.cancelled.append(params.seed)
+                raise ServerError(self.url, 0, "connection reset (cancelled)")
         if self.dead:
             raise ServerError(self.url, 0, "connection refused")
         return Generation([ord(self.name)], [-1.0], "length"), None
@@ -101,4 +109,37 @@ def test_when_every_server_is_down_the_request_fails_naming_them():
     fleet.servers[0].api.dead = True
     with pytest.raises((NoServerAvailable, ServerError), match="http://a"):
         fleet.generate([[1]], SamplingParams(max_tokens=1))
+    fleet.close()
+
+
+def test_a_slow_servers_requests_are_hedged_on_an_idle_one_with_their_seeds_and_answered_once():
+    a, b = Standin("a"), Standin("b")
+    fleet = fleet_of(a, b, hedge=True)
+    a.gate.clear()
+    b.gate.clear()  # b never answers: once a is idle, b's requests are sent to a too and a's replies kept
+    out = []
+    call = threading.Thread(target=lambda: out.append(fleet.generate([[1]] * 6, SamplingParams(max_tokens=1))))
+    call.start()
+    while [s.inflight for s in fleet.servers] != [3, 3]:  # least-loaded: three each
+        time.sleep(0.01)
+    a.gate.set()
+    call.join(10)
+    gens = out[0]
+    assert made_by(gens) == ["a"] * 6 and all(g.versions == [0] for g in gens)
+    hedged = set(b.seeds)
+    assert len(hedged) == 3 and None not in hedged  # b got half, each with a seed drawn for it
+    assert len(a.seeds) == 6 and hedged <= set(a.seeds)  # a hedge samples with its request's seed
+    deadline = time.monotonic() + 5
+    while len(b.cancelled) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(b.cancelled) == sorted(hedged)  # and b's attempts were cancelled, not left running
+    assert all(s.inflight == 0 for s in fleet.servers)
+    fleet.close()
+
+
+def test_without_hedging_a_request_runs_once_with_the_seed_it_was_given():
+    a, b = Standin("a"), Standin("b")
+    fleet = fleet_of(a, b)
+    fleet.generate([[1]] * 4, SamplingParams(max_tokens=1, seed=None))
+    assert a.seeds + b.seeds == [None] * 4
     fleet.close()

@@ -54,3 +54,19 @@ def test_a_request_larger_than_a_minute_of_tokens_still_runs():
 def test_negative_limits_are_refused_by_name():
     with pytest.raises(ValueError, match="tokens_per_min"):
         RateLimits(tokens_per_min=-1)
+
+
+def test_request_seconds_integrate_the_requests_in_flight_over_time():
+    clock = Clock()
+    limits = RateLimits(clock=clock)
+    clock.now = 1.0
+    assert limits.try_acquire(1) == 0  # idle before: nothing counted
+    clock.now = 2.0
+    assert limits.try_acquire(1) == 0  # one in flight for 1 s
+    clock.now = 4.0
+    limits.release(1, 1)  # two in flight for 2 s
+    clock.now = 5.0
+    assert limits.mark(clock.now) == pytest.approx(1 + 4 + 1)  # then one for 1 s
+    limits.release(1, 1)
+    clock.now = 9.0
+    assert limits.mark(clock.now) == pytest.approx(6)  # idle again

@@ -23,7 +23,7 @@ class Recorded(SGLangAPI):
         super().__init__("http://sglang:30000")
         self.replies, self.calls = replies, []
 
-    def _call(self, method, path, body=None, timeout=None):
+    def _call(self, method, path, body=None, timeout=None, call=None):
         self.calls.append((method, path, body))
         return self.replies[path]
 

@@ -15,13 +15,24 @@ least loaded (fewest requests in flight). Failover: a request that fails on a se
 (no connection, 5xx, 429) marks that server down until a health check passes and is sent to another one; the
 stage's transaction holds the batch until every request has finished once, so nothing is lost or duplicated
 downstream.
+
+Hedging (``hedge``). The stage's transaction holds a batch, so a batch lasts as long as its slowest server: a server
+that is done while another still works on the batch would idle until the next one. Instead, once a server has
+nothing in flight, each unfinished request of the batch running on another server is sent to it too; the first
+reply is kept and the other attempt cancelled (its connection shut: vLLM aborts the request). Both attempts carry
+one sampling seed (the task's, else one drawn per request), so they sample the same tokens and keeping the first
+does not favour short replies. Each reply is stamped with the version its own server confirmed. Servers rlstream
+pushes weights to only: a hosted ``openai`` endpoint bills the duplicate.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +40,14 @@ from rlstream import metrics
 from rlstream.schemas.records import SamplingParams
 from rlstream.stages.inference.base import BetweenSteps, Generation, InferenceBackend
 from rlstream.stages.inference.limits import RateLimits
-from rlstream.stages.inference.servers import PushRejected, ServerAPI, ServerError
+from rlstream.stages.inference.servers import Call, PushRejected, ServerAPI, ServerError
 
 log = logging.getLogger(__name__)
 
 #: Most episode -> server entries kept for prefix affinity; the oldest are forgotten first.
 AFFINITY_ENTRIES = 100_000
+#: How often a generate call looks for an idle server to hedge its unfinished requests on (seconds).
+HEDGE_POLL_S = 0.02
 
 
 class NoServerAvailable(RuntimeError):
@@ -74,7 +87,23 @@ class FleetOptions:
     requests_per_min: float = 0.0
     tokens_per_min: float = 0.0
     workers: int = 256
+    hedge: bool = False
     clock: object = field(default=time.monotonic)
+
+
+@dataclass
+class _Job:
+    """One prompt of a generate call, guarded by the fleet's lock: its attempts, and the first reply."""
+
+    prompt: list[int]
+    params: SamplingParams
+    key: str | None
+    server: str = ""  # where its first attempt runs
+    calls: list[Call] = field(default_factory=list)
+    running: int = 0  # attempts submitted and not finished
+    hedged: bool = False
+    result: Generation | None = None
+    error: BaseException | None = None  # the first attempt's failure
 
 
 class ServerFleet(InferenceBackend):
@@ -194,12 +223,15 @@ class ServerFleet(InferenceBackend):
         return s.up and not s.loading and s.version == self.version and s.version >= 0 or (
             not self.follows_policy and s.up)
 
-    def _acquire(self, key: str | None, cost: int, avoid: set[str], deadline: float) -> tuple[Server, int]:
-        """A server for one request and the version it holds now; waits for one until ``deadline``."""
+    def _acquire(self, key: str | None, cost: int, avoid: set[str],
+                 deadline: float | None) -> tuple[Server, int] | None:
+        """A server for one request and the version it holds now; waits for one until ``deadline``. With no deadline
+        (a hedge): a server not in ``avoid`` that is free now, or None."""
         with self._cond:
             while True:
                 candidates = [s for s in self.servers if self._eligible(s) and s.url not in avoid]
-                if not candidates and avoid:  # every other one failed: the one that failed may have recovered
+                if not candidates and avoid and deadline is not None:
+                    # every other one failed: the one that failed may have recovered
                     candidates = [s for s in self.servers if self._eligible(s)]
                 preferred = self._affinity.get(key) if key is not None else None
                 order = sorted(candidates, key=lambda s: (s is not preferred, s.inflight))
@@ -214,12 +246,20 @@ class ServerFleet(InferenceBackend):
                                 self._affinity.pop(next(iter(self._affinity)))
                         return server, server.version
                     wait = min(wait, wait_s)
+                if deadline is None:
+                    return None
                 left = deadline - self.options.clock()
                 if left <= 0:
                     raise NoServerAvailable(f"no inference server could take a request for v{self.version} within "
                                             f"{self.options.request_timeout_s}s: " + "; ".join(
                                                 f"{s.url}: {self._state(s)}" for s in self.servers))
                 self._cond.wait(min(left, wait, 1.0))
+
+    def request_seconds(self) -> float:
+        """Requests in flight integrated over time, summed over the servers (``limits.RateLimits.mark``)."""
+        with self._cond:
+            now = self.options.clock()
+            return sum(s.limits.mark(now) for s in self.servers)
 
     def _state(self, s: Server) -> str:
         if self._eligible(s):
@@ -239,19 +279,36 @@ class ServerFleet(InferenceBackend):
             self._cond.notify_all()
         self._publish()
 
-    def _one(self, prompt: list[int], params: SamplingParams, key: str | None) -> Generation:
-        """One request, sent again to another server after a server-side failure (up to ``retries`` times)."""
+    def _one(self, job: _Job, hedge: bool = False) -> Generation | None:
+        """One request, sent again to another server after a server-side failure (up to ``retries`` times). A hedge
+        is one try on another server that is free now, or none. None when another attempt answered first."""
+        prompt, params = job.prompt, job.params
         cost = len(prompt) + params.max_tokens
         deadline = self.options.clock() + self.options.request_timeout_s
-        avoid: set[str] = set()
-        for attempt in range(self.options.retries + 1):
-            server, version = self._acquire(key, cost, avoid, deadline)
+        avoid: set[str] = {job.server} if hedge else set()
+        for attempt in range(1 if hedge else self.options.retries + 1):
+            taken = self._acquire(None if hedge else job.key, cost, avoid, None if hedge else deadline)
+            if taken is None:
+                return None
+            server, version = taken
+            call = Call()
+            with self._cond:
+                if job.result is not None:
+                    server.limits.release(cost, 0)
+                    self._cond.notify_all()
+                    return None
+                job.calls.append(call)
+                job.server = job.server if hedge else server.url
             used = cost
             try:
-                gen, named = server.api.generate(prompt, params)
+                gen, named = server.api.generate(prompt, params, call=call)
                 used = len(prompt) + len(gen.token_ids)
             except ServerError as exc:
-                if not exc.retryable or attempt == self.options.retries:
+                if call.cancelled:
+                    return None  # the other attempt answered
+                if not exc.retryable or attempt == self.options.retries or hedge:
+                    if exc.retryable:
+                        self._down(server, str(exc))
                     raise
                 self._down(server, str(exc))
                 metrics.REQUEST_RETRIES.labels(server.url).inc()
@@ -269,16 +326,80 @@ class ServerFleet(InferenceBackend):
                 continue
             gen.versions = [version] * len(gen.token_ids)
             return gen
+        if hedge:
+            return None
         raise NoServerAvailable(f"request failed on {self.options.retries + 1} servers")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  between_steps: BetweenSteps | None = None, keys: list[str] | None = None) -> list[Generation]:
         keys = keys or [None] * len(prompts)
-        futures = [self._pool.submit(self._one, p, params, k) for p, k in zip(prompts, keys)]
-        return [f.result() for f in futures]  # the first failure fails the batch; the stage retries it whole
+        # Not on hosted endpoints (``openai``, serving only): a duplicate there is billed and spends the quota.
+        hedging = self.options.hedge and len(self.servers) > 1 and self.follows_policy
+        jobs = [_Job(p, _seeded(params) if hedging else params, k) for p, k in zip(prompts, keys)]
+        running: dict[Future, _Job] = {}
+
+        def submit(job: _Job, hedge: bool = False) -> None:
+            with self._cond:
+                job.running += 1
+            running[self._pool.submit(self._one, job, hedge)] = job
+
+        for job in jobs:
+            submit(job)
+        try:
+            while running:
+                done, _ = wait_any(running, timeout=HEDGE_POLL_S if hedging else None, return_when=FIRST_COMPLETED)
+                for future in done:
+                    self._settle(running.pop(future), future)
+                if hedging:
+                    for job in self._to_hedge(jobs):
+                        submit(job, hedge=True)
+        except BaseException:
+            for job in jobs:  # the batch failed: the stage retries it whole, so what still runs is waste
+                self._cancel(job)
+            raise
+        return [job.result for job in jobs]
+
+    def _settle(self, job: _Job, future: Future) -> None:
+        """One attempt of ``job`` ended. The first reply is the job's (the other attempt is cancelled); once every
+        attempt of it ended with none, its failure fails the batch."""
+        exc = future.exception()
+        with self._cond:
+            job.running -= 1
+            reply = None if exc is not None else future.result()
+            job.error = job.error or exc
+            won = reply is not None and job.result is None
+            if won:
+                job.result = reply
+            failed = job.result is None and job.running == 0
+        if won:
+            self._cancel(job)
+        if failed:
+            raise job.error or NoServerAvailable("every attempt of a request gave way, none answered")
+
+    def _cancel(self, job: _Job) -> None:
+        with self._cond:
+            calls = list(job.calls)
+        for call in calls:
+            call.cancel()  # the winner's own call has finished: cancelling it does nothing
+
+    def _to_hedge(self, jobs: list[_Job]) -> list[_Job]:
+        """The unfinished, not yet hedged requests of a call that run on a server while another server is idle."""
+        with self._cond:
+            idle = {s.url for s in self.servers if self._eligible(s) and s.inflight == 0}
+            if not idle:
+                return []
+            late = [j for j in jobs if j.result is None and not j.hedged and j.server and j.server not in idle]
+            for job in late:
+                job.hedged = True
+        return late
 
     def close(self) -> None:
         self._stop.set()
         if self._health is not None:
             self._health.join(10)
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _seeded(params: SamplingParams) -> SamplingParams:
+    """``params`` with a seed: its own, else one drawn for this request (a hedge then samples the same tokens)."""
+    return params if params.seed is not None else dataclasses.replace(params, seed=random.getrandbits(31))

@@ -5,6 +5,9 @@ retry storm. Per minute limits are token buckets that refill continuously (a ful
 spent at once, then it comes back at limit/60 per second). A request is charged its prompt plus its
 ``max_tokens`` up front, since its real length is known only at the end; ``release`` refunds what it did
 not use. A request costlier than a whole minute's allowance is charged the allowance, so it can still run.
+
+Each server's ``request_seconds`` (requests in flight integrated over time) says how busy the fleet kept it: over
+an interval, its change divided by the interval's length is the mean number of requests in flight.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ class RateLimits:
     tokens_per_min: float = 0.0
     clock: Callable[[], float] = time.monotonic
     inflight: int = 0
+    request_seconds: float = 0.0  # in-flight requests integrated over time, up to ``_marked``
+    _marked: float = field(default=0.0, repr=False)
     _requests: _Bucket | None = field(default=None, repr=False)
     _tokens: _Bucket | None = field(default=None, repr=False)
 
@@ -45,7 +50,7 @@ class RateLimits:
         for name in ("concurrency", "requests_per_min", "tokens_per_min"):
             if getattr(self, name) < 0:
                 raise ValueError(f"rate limit {name} must be >= 0 (0: unlimited), got {getattr(self, name)}")
-        now = self.clock()
+        now = self._marked = self.clock()
         if self.requests_per_min:
             self._requests = _Bucket(self.requests_per_min, self.requests_per_min, now)
         if self.tokens_per_min:
@@ -69,13 +74,22 @@ class RateLimits:
             self._requests.level -= 1
         if self._tokens is not None:
             self._tokens.level -= min(tokens, self.tokens_per_min)
+        self.mark(now)
         self.inflight += 1
         return 0.0
 
     def release(self, charged: int, used: int) -> None:
         """End a request that was charged ``charged`` tokens and used ``used``: its slot and unused tokens return."""
+        now = self.clock()
+        self.mark(now)
         self.inflight = max(0, self.inflight - 1)
         if self._tokens is not None and used < charged:
-            self._tokens.refill(self.clock())
+            self._tokens.refill(now)
             refund = min(charged, self.tokens_per_min) - min(used, self.tokens_per_min)
             self._tokens.level = min(self.tokens_per_min, self._tokens.level + max(0, refund))
+
+    def mark(self, now: float) -> float:
+        """Bring ``request_seconds`` up to ``now`` and return it."""
+        self.request_seconds += self.inflight * max(0.0, now - self._marked)
+        self._marked = max(self._marked, now)
+        return self.request_seconds

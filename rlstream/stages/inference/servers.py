@@ -23,6 +23,8 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import socket
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -53,13 +55,69 @@ class PushRejected(OSError):
     """A server did not load a version: it stays on the weights it had."""
 
 
-def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0, headers: dict | None = None) -> Any:
-    """One JSON request; ServerError on an HTTP error status or no connection; None for an empty reply."""
+class Call:
+    """A handle on one request in progress that another thread may cancel: its connection is shut, the waiting
+    thread gets a ServerError (``cancelled`` then says it was ours), and the server drops the request (vLLM aborts a
+    completion whose client went away)."""
+
+    def __init__(self):
+        self.cancelled = False
+        self._lock = threading.Lock()
+        self._conns: list[http.client.HTTPConnection] = []
+
+    def attach(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._conns.append(conn)
+            if self.cancelled:
+                _shut(conn)
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            for conn in self._conns:
+                _shut(conn)
+
+
+def _shut(conn: http.client.HTTPConnection) -> None:
+    # The waiting thread blocks in a read on this socket: shutting it down (not just closing) wakes that read.
+    try:
+        conn.sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, AttributeError):
+        pass
+
+
+def _opener(call: Call) -> urllib.request.OpenerDirector:
+    """urllib's usual opener (proxies included), whose connections are handed to ``call`` once connected (a
+    cancel before then shuts the connection as soon as it is made)."""
+
+    def tracked(cls):
+        class Tracked(cls):
+            def connect(self):
+                super().connect()
+                call.attach(self)
+        return Tracked
+
+    class HTTP(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(tracked(http.client.HTTPConnection), req)
+
+    class HTTPS(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(tracked(http.client.HTTPSConnection), req, context=self._context)
+
+    return urllib.request.build_opener(HTTP, HTTPS)
+
+
+def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0, headers: dict | None = None,
+              call: Call | None = None) -> Any:
+    """One JSON request; ServerError on an HTTP error status or no connection; None for an empty reply. ``call``:
+    a handle that can cancel it from another thread."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with (_opener(call).open(req, timeout=timeout) if call else urllib.request.urlopen(req, timeout=timeout)) \
+                as resp:
             raw = resp.read()
     except urllib.error.HTTPError as exc:
         raise ServerError(url, exc.code, exc.read().decode(errors="replace")[:500]) from None
@@ -86,8 +144,9 @@ class ServerAPI:
         self.push_timeout_s = push_timeout_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
-    def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
-        return http_json(method, self.url + path, body, timeout or self.timeout_s, self.headers)
+    def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None,
+              call: Call | None = None) -> Any:
+        return http_json(method, self.url + path, body, timeout or self.timeout_s, self.headers, call)
 
     # -- generation -------------------------------------------------------------------------
 
@@ -100,9 +159,11 @@ class ServerAPI:
         (None when it does not say)."""
         raise NotImplementedError
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> tuple[Generation, str | None]:
+    def generate(self, prompt: list[int], params: SamplingParams,
+                 call: Call | None = None) -> tuple[Generation, str | None]:
+        """One sampled continuation; ``call`` lets another thread cancel it (a ServerError then)."""
         path, body = self.request(prompt, params)
-        return self.parse(self._call("POST", path, body))
+        return self.parse(self._call("POST", path, body, call=call))
 
     # -- weights, health, identity ----------------------------------------------------------
 
