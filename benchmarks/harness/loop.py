@@ -109,6 +109,7 @@ class Loop:
 
     def stop(self) -> None:
         """Stop every stage, upstream first."""
+        self.resume()  # a stage stopped by pause() would not act on SIGTERM until continued
         self.sup.stop_all(STOP_ORDER, timeout=30)
 
     def pause(self) -> None:
