@@ -40,6 +40,12 @@ class Race:
         return next((c["seconds"] for c in self.curve if c["heldout"] >= target), None)
 
 
+def clock_seconds(ms: int, t0_ms: int, pauses: list[tuple[int, int]]) -> float:
+    """Seconds on the race's clock at wall-clock ``ms``: since ``t0_ms``, less every pause (start, end) that ended by
+    then. Nothing of the loop runs during a pause, so no version is published inside one."""
+    return max(0.0, (ms - t0_ms - sum(b - a for a, b in pauses if b <= ms)) / 1000)
+
+
 def race(loop: Loop, versions: Versions, source: PacedSource, *, target: float, max_seconds: float,
          eval_every: int, startup_timeout: float, tag: str,
          evaluate: Callable[[Path], float] = heldout_reverse, on_start: Callable[[], None] | None = None,
@@ -61,10 +67,7 @@ def race(loop: Loop, versions: Versions, source: PacedSource, *, target: float, 
     source.start()
     evaluated: set[int] = set()
     pauses: list[tuple[int, int]] = []  # (start, end) wall-clock ms of each evaluation's pause
-
-    def on_clock(ms: int) -> float:
-        """Seconds on the clock at wall-clock ``ms``: since t0, less the pauses that ended by then."""
-        return max(0.0, (ms - t0_ms - sum(b - a for a, b in pauses if b <= ms)) / 1000)
+    on_clock = lambda ms: clock_seconds(ms, t0_ms, pauses)  # noqa: E731
 
     while not loop.dead() and source.error is None:
         for pv, _ in versions.all():
