@@ -1,6 +1,6 @@
 """Wall-clock to a held-out reward: rlstream's loop against TRL's GRPOTrainer, same model, task and verifier.
 
-    python -m benchmarks.vs_trl [--target 0.5,0.8] [--latencies 0,0.2,heavy] [--lr 2e-4] [--max-seconds 600]
+    python -m benchmarks.vs_trl [--target 0.5,0.8] [--latencies 0,0.2,heavy] [--lr 1e-4] [--max-seconds 600]
 
 Both start from the same tiny Qwen2 (rlstream.models.tiny, --seed) after the same 300-step supervised
 warm-up, learn to reverse 3 letters with GRPO (groups of 8, 128 completions per update, beta 0, temperature 1,
