@@ -262,8 +262,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--trainer-args", default="", help="extra rlstream trainer flags, for ablations (quoted)")
     ap.add_argument("--max-seconds", type=float, default=600, help="give up on a run after this much training")
     ap.add_argument("--eval-every", type=int, default=25, help="updates between held-out evaluations")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="TRL's torch threads (rlstream: one per stage); 2 ran 9x slower here with other load")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="TRL's torch threads (rlstream: one per stage); 2 was TRL's faster on 2026-12-01 (0.15 s an "
+                         "update against 0.23 with 1), where on 2026-11-29 it ran 9x slower under other load")
     ap.add_argument("--backend", default="vllm", choices=("vllm", "transformers"))
     ap.add_argument("--systems", default="trl,rlstream")
     ap.add_argument("--startup-timeout", type=float, default=600, help="warm-up and engine start, seconds")
