@@ -46,7 +46,7 @@ bench memory 240 "--minutes 1.5 --json $OUT/memory.json" "--minutes 0.5"
 bench goodput_async_vs_sync 480 "--seconds 60 --json $OUT/goodput.json" "--seconds 10 --modes async"
 bench chaos 600 "--kills 5 --seed 7" "--kills 1 --tasks 8"
 # A lower target and cap than the README's full run (held-out 0.5, at most 480 s a run): the time budget.
-bench vs_trl 900 "--target 0.3 --max-seconds 120 --sync-probe-steps 0 --json $OUT/vs_trl.json" \
+bench vs_trl 900 "--target 0.3 --latencies 0.2,0 --max-seconds 120 --sync-probe-steps 0 --json $OUT/vs_trl.json" \
   "--target 0.05 --max-seconds 20 --latencies 0 --sync-probe-steps 0 --eval-every 5"
 bench loop_cost 900 "--versions 150 --json $OUT/loop_cost.json" "--versions 3 --skip 1 --warmup-steps 5 --backend transformers"
 bench distill_vs_rl 1800 "--target 0.5 --max-seconds 300" \

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import socket
 import sys
 import threading
@@ -108,7 +109,28 @@ class Loop:
 
     def stop(self) -> None:
         """Stop every stage, upstream first."""
+        self.resume()  # a stage stopped by pause() would not act on SIGTERM until continued
         self.sup.stop_all(STOP_ORDER, timeout=30)
+
+    def pause(self) -> None:
+        """Stop every stage process and its children (SIGSTOP), so that nothing of the loop runs: the benchmark's
+        own evaluation then has the cores to itself, as TRL's has while its synchronous loop waits on it."""
+        self._signal_all(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Continue every stage process paused by ``pause``."""
+        self._signal_all(signal.SIGCONT)
+
+    def _signal_all(self, sig: int) -> None:
+        import psutil
+        for proc in self.sup.procs.values():
+            try:
+                root = psutil.Process(proc.pid)
+                # The whole tree: vLLM's engine core and the env's sandboxes are children of their stage.
+                for p in [root, *root.children(recursive=True)]:
+                    p.send_signal(sig)
+            except (psutil.Error, TypeError, ValueError):
+                continue  # a stage that exited is reported by dead()
 
     def dead(self) -> list[str]:
         """Stages that exited on their own (a benchmark reports them rather than hiding them with restarts)."""

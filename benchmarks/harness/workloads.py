@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import math
 import os
 import random
@@ -113,6 +114,19 @@ async def trl_fixed_latency(prompts, completions, answer, **_) -> list[float]:
         await asyncio.sleep(FIXED_S)
         return reverse_score(c, a)
     return list(await asyncio.gather(*(one(c, a) for c, a in zip(completions, answer))))
+
+
+_trl_judged = itertools.count()
+
+
+async def trl_heavy_tailed(prompts, completions, answer, **_) -> list[float]:
+    """Every completion judged concurrently after its own lognormal latency (the goodput benchmark's judge), keyed by
+    a running count since TRL's completions carry no id: the batch waits for its slowest (TRL's best case)."""
+    async def one(key, c, a):
+        """One completion, judged after its lognormal latency."""
+        await asyncio.sleep(lognormal_latency(key))
+        return reverse_score(c, a)
+    return list(await asyncio.gather(*(one(f"trl-{next(_trl_judged)}", c, a) for c, a in zip(completions, answer))))
 
 
 def trl_fixed_latency_sync(prompts, completions, answer, **_) -> list[float]:
