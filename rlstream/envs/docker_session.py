@@ -83,6 +83,7 @@ class DockerSession:
 
     def _client(self):
         import docker  # optional dependency, only imported where an engine answered
+
         # The socket's timeout covers an engine that stops answering; the call's own is enforced inside.
         return docker.from_env(timeout=int(self.sandbox.limits.timeout_s) + 30)
 
