@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness.loop import Loop, PacedSource, Versions, log
+from benchmarks.harness.loop import Loop, PacedSource, Versions, cpu_seconds, log
 from benchmarks.harness.result import result
 from rlstream.trainer.chain import summarize
 
@@ -33,19 +33,6 @@ MODES = {"fast": ([], None),
          "checkpoint-every-version": (["--checkpoint-every", "1", "--weights-transport", "store"], None),
          # The same loop with rollout on plain transformers: what vLLM's engine costs around a 0.5 M model.
          "fast-transformers": ([], "transformers")}
-
-
-def cpu_seconds(loop: Loop) -> dict[str, float]:
-    """CPU seconds (user + system) each stage process and its children have used so far."""
-    import psutil
-    out = {}
-    for name, proc in loop.sup.procs.items():
-        try:
-            p = psutil.Process(proc.pid)
-            out[name] = sum(sum(q.cpu_times()[:2]) for q in [p, *p.children(recursive=True)])
-        except (psutil.Error, TypeError):
-            out[name] = float("nan")
-    return out
 
 
 def transactions(loop: Loop) -> dict[str, float]:

@@ -158,7 +158,7 @@ def run_rlstream(latency: str, args) -> dict:
     """The demo's loop with the given judge latency until held-out greedy >= target; the timed curve."""
     import torch
 
-    from benchmarks.harness.loop import Loop, PacedSource, Versions
+    from benchmarks.harness.loop import Loop, PacedSource, Versions, cpu_seconds
     from benchmarks.harness.race import race
     from rlstream.trainer.chain import summarize
 
@@ -199,19 +199,6 @@ def run_rlstream(latency: str, args) -> dict:
             "eval_paused_s": run.paused_s,
             "cpu_s_per_update": per_update,
             "trainer_update_s": sum(trainer_steps) / max(1, len(trainer_steps)), "chain": chain}
-
-
-def cpu_seconds(loop) -> dict[str, float]:
-    """CPU seconds (user + system) each stage process and its children have used so far."""
-    import psutil
-    out = {}
-    for name, proc in loop.sup.procs.items():
-        try:
-            p = psutil.Process(proc.pid)
-            out[name] = sum(sum(q.cpu_times()[:2]) for q in [p, *p.children(recursive=True)])
-        except (psutil.Error, TypeError):
-            out[name] = float("nan")
-    return out
 
 
 def reached(result: dict, target: float) -> tuple[float | None, int | None, float]:

@@ -7,13 +7,7 @@ from confluent_kafka.admin import AdminClient
 
 def group_offsets(admin: AdminClient, group: str, timeout: float = 10.0) -> dict[tuple[str, int], int]:
     """The committed offsets of a consumer group ({} when it has none, or the broker did not answer)."""
-    try:
-        future = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group)],
-                                                   request_timeout=timeout)[group]
-        parts = future.result(timeout + 5).topic_partitions or []
-    except Exception:  # a broker or coordinator moving: callers poll again
-        return {}
-    return {(tp.topic, tp.partition): tp.offset for tp in parts if tp.offset >= 0 and tp.error is None}
+    return {tp: offset for tp, (offset, _) in committed_with_metadata(admin, group, timeout).items()}
 
 
 def advanced(before: dict[tuple[str, int], int], now: dict[tuple[str, int], int]) -> bool:

@@ -272,3 +272,16 @@ def snapshot(weights_uri: str, dest: Path) -> bool:
         return True
     except OSError:
         return False
+
+
+def cpu_seconds(loop: Loop) -> dict[str, float]:
+    """CPU seconds (user + system) each stage process of ``loop`` and its children have used so far."""
+    import psutil
+    out = {}
+    for name, proc in loop.sup.procs.items():
+        try:
+            p = psutil.Process(proc.pid)
+            out[name] = sum(sum(q.cpu_times()[:2]) for q in [p, *p.children(recursive=True)])
+        except (psutil.Error, TypeError):
+            out[name] = float("nan")
+    return out

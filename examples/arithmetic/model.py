@@ -107,9 +107,12 @@ def lr_at(step: int, steps: int, peak: float, warmup: int, final: float = 1.0) -
     return peak * (final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def sft(model: Qwen2ForCausalLM, examples: Sequence[tuple[list[int], int]], pad_id: int, steps: int,
-        batch_size: int = 16, lr: float = 1e-3, final_lr: float = 1.0, seed: int = 0, log_every: int = 50) -> float:
-    """``steps`` AdamW steps of next-token loss on the answers, batches drawn with ``seed``; the seconds it took."""
+def sft(model: Qwen2ForCausalLM, examples: Sequence, pad_id: int, steps: int, batch_size: int = 16, lr: float = 1e-3,
+        final_lr: float = 1.0, seed: int = 0, log_every: int = 50, collate_fn=collate) -> float:
+    """``steps`` AdamW steps of next-token loss on the answers, batches drawn with ``seed``; the seconds it took.
+
+    ``collate_fn(rows, pad_id)`` makes (ids, attention mask, labels) of the drawn examples: ``collate`` takes
+    (ids, answer start) pairs; another recipe passes its own (examples/tools/warmup.py: ids and a loss mask)."""
     if steps <= 0:
         return 0.0
     started = time.perf_counter()
@@ -119,7 +122,7 @@ def sft(model: Qwen2ForCausalLM, examples: Sequence[tuple[list[int], int]], pad_
     warmup = min(30, max(1, steps // 10))
     for step in range(steps):
         rows = torch.randint(len(examples), (batch_size,), generator=order).tolist()
-        ids, mask, labels = collate([examples[r] for r in rows], pad_id)
+        ids, mask, labels = collate_fn([examples[r] for r in rows], pad_id)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup, final_lr)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss

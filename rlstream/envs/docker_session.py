@@ -19,9 +19,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import threading
 import time
 
+from rlstream.envs.session import Session
 from rlstream.sandbox import Sandbox, SandboxResult, _classify
 from rlstream.sandbox_docker import WORKDIR, container_options
 
@@ -43,14 +43,16 @@ rm -f "$out"
 exit $rc'''
 
 
-class DockerSession:
+class DockerSession(Session):
     """One episode's container with its workspace as cwd; thread-safe. ``run`` never raises."""
+
+    what = "docker sandbox session"
 
     def __init__(self, sandbox: Sandbox, workdir: str, episode_id: str = ""):
         if sandbox.backend != "docker":
             raise ValueError("a docker session needs the docker sandbox backend")
+        super().__init__()
         self.sandbox, self.workdir, self.episode_id = sandbox, workdir, episode_id
-        self._lock = threading.Lock()
         self._container = None
 
     @property
@@ -66,20 +68,6 @@ class DockerSession:
         except Exception:  # docker.errors.NotFound: removed (its lifetime ended, or someone removed it)
             return False
         return self._container.status == "running"
-
-    def run(self, kind: str, code: str) -> SandboxResult:
-        """Run a ``shell`` command or ``python`` code in the episode's container (started on first use)."""
-        started = time.monotonic()
-        with self._lock:
-            try:
-                if not self.alive:
-                    self._start()
-                return self._call(kind, code, started)
-            except Exception as exc:  # the container or the engine broke: say so, and start afresh next time
-                log.exception("docker sandbox session error")
-                self._stop()
-                return SandboxResult(f"sandbox error: {type(exc).__name__}: {exc}", -1,
-                                     (time.monotonic() - started) * 1000, failure_class="sandbox_error")
 
     def _client(self):
         import docker  # optional dependency, only imported where an engine answered
@@ -116,8 +104,3 @@ class DockerSession:
             with contextlib.suppress(Exception):  # already gone (auto-removed once stopped)
                 self._container.remove(force=True)
         self._container = None
-
-    def close(self) -> None:
-        """Remove the episode's container, and with it every process of the episode (idempotent)."""
-        with self._lock:
-            self._stop()

@@ -99,24 +99,21 @@ for pgid in groups:  # the host is gone: nothing of the episode outlives it
 '''
 
 
-class SandboxSession:
-    """One episode's persistent sandbox (subprocess backend) with its workspace as cwd; thread-safe."""
+class Session:
+    """One episode's persistent sandbox, started on first use; thread-safe, and ``run`` never raises.
 
-    def __init__(self, sandbox: Sandbox, workdir: str):
-        if sandbox.backend != "subprocess":
-            raise ValueError("a persistent sandbox session needs the subprocess backend")
-        self.sandbox, self.workdir = sandbox, workdir
+    A backend gives ``alive``, ``_start``, ``_call`` and ``_stop``; a broken session is stopped and answered as a
+    ``sandbox_error``, and the next call starts a new one.
+    """
+
+    what = "sandbox session"  # for the log line of a broken session
+
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
-        self._base = ""
-        self._calls = -1
-        self._status = -1
-        self._lines = bytearray()
-        self._next_id = 0
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        raise NotImplementedError
 
     def run(self, kind: str, code: str) -> SandboxResult:
         """Run a ``shell`` command or ``python`` code in the session (started on first use); never raises."""
@@ -127,10 +124,44 @@ class SandboxSession:
                     self._start()
                 return self._call(kind, code, started)
             except Exception as exc:  # the session itself broke: say so, and start a new one next time
-                log.exception("sandbox session error")
+                log.exception("%s error", self.what)
                 self._stop()
                 return SandboxResult(f"sandbox error: {type(exc).__name__}: {exc}", -1,
                                      (time.monotonic() - started) * 1000, failure_class="sandbox_error")
+
+    def close(self) -> None:
+        """End the session and every process of the episode with it (idempotent)."""
+        with self._lock:
+            self._stop()
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _call(self, kind: str, code: str, started: float) -> SandboxResult:
+        raise NotImplementedError
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+
+class SandboxSession(Session):
+    """One episode's persistent sandbox (subprocess backend) with its workspace as cwd; thread-safe."""
+
+    def __init__(self, sandbox: Sandbox, workdir: str):
+        if sandbox.backend != "subprocess":
+            raise ValueError("a persistent sandbox session needs the subprocess backend")
+        super().__init__()
+        self.sandbox, self.workdir = sandbox, workdir
+        self._proc: subprocess.Popen | None = None
+        self._base = ""
+        self._calls = -1
+        self._status = -1
+        self._lines = bytearray()
+        self._next_id = 0
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     def _start(self) -> None:
         self._stop()
@@ -224,8 +255,3 @@ class SandboxSession:
         if self._base:
             shutil.rmtree(self._base, ignore_errors=True)
         self._proc, self._base, self._lines = None, "", bytearray()
-
-    def close(self) -> None:
-        """End the session (idempotent)."""
-        with self._lock:
-            self._stop()

@@ -67,7 +67,7 @@ def teacher_terms(logits: torch.Tensor, logp: torch.Tensor, batch, cfg: DistillC
     mask = batch.loss_mask
     if batch.teacher_topk_ids is None:
         surrogate, kl = sampled_token_kl(logp, batch.teacher_logprobs, batch.behaviour_logprobs, mask,
-                                         cfg.kl, cfg.kl_mix, is_cap, getattr(batch, "opd_baseline", None))
+                                         cfg.kl, cfg.kl_mix, is_cap, batch.opd_baseline)
         stats = {"opd_kl": masked_mean(kl, mask)}
         if cfg.kl == "reverse":
             stats["reverse_kl"] = stats["opd_kl"]  # the name the sampled reverse KL has always had
