@@ -202,9 +202,10 @@ def run_rlstream(latency: str, args) -> dict:
 
 
 def reached(result: dict, target: float) -> tuple[float | None, int | None, float]:
-    """(seconds, step) of the first evaluation at or above target, and the best held-out seen."""
+    """(seconds, step) of the first evaluation after an update at or above target, and the best held-out seen after
+    one: the untrained model's reading (update 0) can be above a low target, and reaching it then means nothing."""
     curve = result.get("curve", [])
-    best = max((c["heldout"] for c in curve), default=float("nan"))
+    best = max((c["heldout"] for c in curve if c["step"] > 0), default=float("nan"))
     for c in curve:
         if c["heldout"] >= target and c["step"] > 0:
             return c["seconds"], c["step"], best
@@ -252,7 +253,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=2,
                     help="TRL's torch threads (rlstream: one per stage); 2 was TRL's faster on 2026-12-01 (0.15 s an "
                          "update against 0.23 with 1), where on 2026-11-29 it ran 9x slower under other load")
-    ap.add_argument("--backend", default="vllm", choices=("vllm", "transformers"))
+    ap.add_argument("--backend", default="auto", choices=("auto", "vllm", "transformers"),
+                    help="rlstream's rollout engine (auto: as the demo picks; transformers for this tiny model)")
     ap.add_argument("--systems", default="trl,rlstream")
     ap.add_argument("--startup-timeout", type=float, default=600, help="warm-up and engine start, seconds")
     ap.add_argument("--max-steps", type=int, default=5000)
@@ -320,8 +322,10 @@ def report(latency: str, row: dict, args) -> None:
             continue
         for target in args.targets:
             secs, step, best = reached(r, target)
+            start = next((c["heldout"] for c in r.get("curve", []) if c["step"] == 0), None)
             text = (f"{secs:7.1f} s at update {step}" if secs is not None
-                    else f"not reached in {args.max_seconds:.0f} s (best {best:.2f})")
+                    else f"not reached in {args.max_seconds:.0f} s (best after an update {best:.2f}"
+                         + (f", untrained {start:.2f})" if start is not None else ")"))
             print(f"  {system:9s} to {target:g}: {text}")
         extra = [f"engine start-up {r['startup_s']:.0f} s" if "startup_s" in r else "",
                  f"evaluation {r['eval_paused_s']:.0f} s (loop paused)" if "eval_paused_s" in r else ""]

@@ -56,7 +56,8 @@ class DemoSettings:
     max_tokens: int = knob(0, "Most new tokens per response (0: the task's own; a dataset's default is 256)")
     minutes: float = knob(15.0, "Give up after this long")
     target: float = knob(0.8, "Stop once held-out reward reaches this")
-    backend: str = knob("auto", "Rollout engine: auto (vLLM if installed), transformers, vllm",
+    backend: str = knob("auto", "Rollout engine: auto (vLLM if installed, but transformers for a model under "
+                                 "10 M parameters on the CPU: the demo's), transformers, vllm",
                         choices=("auto", "transformers", "vllm"))
     lr: float = knob(1e-4, "Learning rate")
     lr_warmup_steps: int = knob(0, "Linear learning-rate warm-up over this many updates (the trainer's "

@@ -87,7 +87,7 @@ class Loop:
                                     "--lr", str(lr), "--warmup-steps", str(warmup_steps), "--threads", "1",
                                     "--instance", "0", *extra])
 
-    def rollout(self, *, eta: int, instance: int = 0, backend: str = "vllm", batch_size: int = 64) -> StageProc:
+    def rollout(self, *, eta: int, instance: int = 0, backend: str = "auto", batch_size: int = 64) -> StageProc:
         """A rollout worker (``rollout``, ``rollout1``, ... by instance)."""
         return self.add("rollout" if instance == 0 else f"rollout{instance}",
                         ["run", "rollout", "--backend", backend, "--eta", str(eta), "--threads", "1",

@@ -58,3 +58,35 @@ def test_transformers_backend_goes_to_the_device_asked(monkeypatch, tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(UsageError, match="0 CUDA device"):
             make_backend("transformers", tmp_path, device="cuda")
+
+
+def _weights(folder, *shapes):
+    """A checkpoint folder whose safetensors hold zero tensors of these shapes (only the header is read)."""
+    import torch
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({f"w{i}": torch.zeros(shape, dtype=torch.bfloat16) for i, shape in enumerate(shapes)},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+def test_auto_picks_transformers_for_a_small_model_on_the_cpu_and_vllm_otherwise(fake_vllm, monkeypatch, tmp_path):
+    from rlstream.stages.inference import factory
+    from rlstream.stages.inference.factory import auto_kind, parameter_count
+    monkeypatch.setattr(factory, "SMALL_MODEL_PARAMETERS", 100_000)  # the rule, on files of a few hundred KB
+    small = _weights(tmp_path / "small", (1000, 64), (64,))
+    big = _weights(tmp_path / "big", (100, 1000), (8,))
+    assert parameter_count(small) == 64_064
+    assert parameter_count(big) == 100_008
+    assert parameter_count(tmp_path / "no-weights") is None
+    assert auto_kind(small, device="cpu") == "transformers"
+    assert auto_kind(big, device="cpu") == "vllm"  # the fake vllm is importable
+    assert auto_kind(tmp_path / "no-weights", device="cpu") == "vllm"  # size unknown: the engine made for serving
+    assert auto_kind(small, device="cuda") == "vllm"  # on a GPU vLLM's engine is the point
+
+
+def test_auto_falls_back_to_transformers_without_vllm(monkeypatch, tmp_path):
+    from rlstream.stages.inference import factory
+    monkeypatch.setattr(factory, "SMALL_MODEL_PARAMETERS", 100)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    assert factory.auto_kind(_weights(tmp_path / "big", (100, 2)), device="cpu") == "transformers"

@@ -12,6 +12,11 @@ from rlstream.stages.inference.servers import APIS, TOKENIZER_PROBE, ServerError
 log = logging.getLogger(__name__)
 
 LOCAL = ("auto", "transformers", "vllm")
+#: ``auto`` on a machine without CUDA: below this many parameters plain transformers beats in-process vLLM. vLLM's
+#: engine step (scheduler, KV-cache bookkeeping, sampler) costs a fixed few ms of CPU whatever the model; under a
+#: ~0.5 M-parameter model that was twice the forward itself (0.115 against 0.053 CPU-s a version on the demo task,
+#: benchmarks/loop_cost.py --modes fast,fast-transformers), and the fixed cost stops mattering long before 10 M.
+SMALL_MODEL_PARAMETERS = 10_000_000
 SERVERS = tuple(APIS)
 KINDS = LOCAL + SERVERS
 
@@ -57,12 +62,7 @@ def _make_local(kind: str, folder: Path, threads: int, dtype: str, max_context: 
                 gpu_memory_utilization: float = 0.9) -> InferenceBackend:
     from rlstream.stages.inference.local import TransformersBackend, VLLMBackend
     if kind == "auto":
-        try:
-            import vllm  # noqa: F401
-            kind = "vllm"
-        except Exception as exc:  # absent, or a broken install: fall back, and say so
-            log.info("vLLM unavailable (%s); using the transformers backend", exc)
-            kind = "transformers"
+        kind = auto_kind(folder, device)
     if kind == "transformers":
         from rlstream.models.devices import resolve_device
         return TransformersBackend(folder, threads=threads, dtype=dtype, device=str(resolve_device(device)))
@@ -70,6 +70,42 @@ def _make_local(kind: str, folder: Path, threads: int, dtype: str, max_context: 
         return VLLMBackend(folder, threads=threads, max_model_len=max_context, dtype=dtype,
                            gpu_memory_utilization=gpu_memory_utilization)
     raise ValueError(f"unknown backend {kind!r}; use one of {', '.join(KINDS)}")
+
+
+def auto_kind(folder: Path, device: str = "auto") -> str:
+    """What ``--backend auto`` runs: vLLM when importable, except for a small model on a machine without CUDA (see
+    ``SMALL_MODEL_PARAMETERS``); transformers when vLLM is absent or broken. Says which, and why, in the log."""
+    import torch
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    size = parameter_count(folder)
+    if on_cpu and size is not None and size < SMALL_MODEL_PARAMETERS:
+        log.info("backend auto: transformers (a %.2f M-parameter model on the CPU runs faster without vLLM's engine; "
+                 "--backend vllm to use it anyway)", size / 1e6)
+        return "transformers"
+    try:
+        import vllm  # noqa: F401
+        return "vllm"
+    except Exception as exc:  # absent, or a broken install: fall back, and say so
+        log.info("vLLM unavailable (%s); using the transformers backend", exc)
+        return "transformers"
+
+
+def parameter_count(folder: Path) -> int | None:
+    """Parameters in a checkpoint folder's safetensors files, from their headers (nothing loaded); None if it has
+    none (a hub name, .bin weights)."""
+    from safetensors import safe_open
+    files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                n = 1
+                for dim in f.get_slice(name).get_shape():
+                    n *= dim
+                total += n
+    return total
 
 
 def start_fleet(kind: str, folder: Path, urls: list[str], model: str, version: int, options: FleetOptions,
