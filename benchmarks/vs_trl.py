@@ -7,7 +7,8 @@ warm-up, learn to reverse 3 letters with GRPO (groups of 8, 128 completions per 
 the same --lr), and are scored by benchmarks/harness/workloads.py:reverse_score, with an added judge latency per
 completion: a fixed one in seconds, or ``heavy``, the goodput benchmark's lognormal judge (median 0.1 s, sigma 1.5,
 capped at 10 s):
-- rlstream: the demo's loop (eta 2, vLLM-CPU rollout, env, reward, paced source), each stage its own process,
+- rlstream: the demo's loop (eta 2, rollout on --backend: auto picks transformers for this tiny model, as the
+  demo does; env, reward, paced source), each stage its own process,
   without the archive; the reward is async, so one reward process judges a batch concurrently;
 - TRL 1.16 GRPOTrainer (its own generation, --threads torch threads), installed in its own venv
   (.rlstream/trl-venv, --system-site-packages: it shares our pinned torch 2.13 and transformers 5.19, so both
