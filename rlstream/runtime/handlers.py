@@ -28,11 +28,13 @@ class Handlers:
         # asyncio.to_thread (sync reward functions) uses the default executor: make it ours, sized by concurrency.
         self.loop.set_default_executor(self.pool)
         self._running: asyncio.Semaphore | None = None
+        # A stage may need longer than the generic knob (rollout on a fleet: a request's own timeout and retries).
+        self.timeout_s = max(settings.handler_timeout_s, stage.handler_timeout_s or 0.0)
 
     @property
     def batched(self) -> bool:
-        """Whether the stage handles whole batches (then it is never pipelined)."""
-        return type(self.stage).handle_batch is not Stage.handle_batch
+        """Whether the stage handles whole batches (then it is never pipelined): the stage's own word."""
+        return self.stage.batched
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -65,7 +67,7 @@ class Handlers:
         """Run a batch handler in the pool with a timeout scaled to the batch; errors become Rejected."""
         async def go():
             return await asyncio.wait_for(self.loop.run_in_executor(self.pool, fn, items),
-                                          self.settings.handler_timeout_s * max(1, math.ceil(n / 8)))
+                                          self.timeout_s * max(1, math.ceil(n / 8)))
         try:
             return self.loop.run_until_complete(go())
         except Exception as exc:
@@ -115,10 +117,9 @@ class Handlers:
         started = time.monotonic()
         try:
             if asyncio.iscoroutinefunction(handler):
-                result = await asyncio.wait_for(handler(item), self.settings.handler_timeout_s)
+                result = await asyncio.wait_for(handler(item), self.timeout_s)
             else:
-                result = await asyncio.wait_for(self.loop.run_in_executor(self.pool, handler, item),
-                                                self.settings.handler_timeout_s)
+                result = await asyncio.wait_for(self.loop.run_in_executor(self.pool, handler, item), self.timeout_s)
             if not isinstance(result, list) or not all(isinstance(o, Output) for o in result):
                 raise TypeError(f"handler returned {type(result).__name__}, expected list[Output]")
             return result
@@ -130,7 +131,7 @@ class Handlers:
     def rejection(self, exc: Exception) -> Rejected:
         """The dead-letter reason for a handler's failure."""
         if isinstance(exc, asyncio.TimeoutError):
-            return Rejected("handler_timeout", f"handler exceeded {self.settings.handler_timeout_s}s")
+            return Rejected("handler_timeout", f"handler exceeded {self.timeout_s}s")
         if isinstance(exc, InvalidRecord):
             return Rejected("invalid", str(exc))
         return Rejected("handler_error", f"{type(exc).__name__}: {exc}")

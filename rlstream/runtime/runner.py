@@ -1,10 +1,11 @@
 """The runner every stage process runs: consume, handle, produce, commit, exactly once.
 
-Two ways to drive a stage, chosen by its shape:
+Two ways to drive a stage, chosen by ``Stage.batched`` (per instance) and ``--pipeline``:
 
-- one batch per transaction (batch handlers such as rollout's generation, replays, ``--no-pipeline``);
-- pipelined (per-record handlers such as env and reward): up to ``max_in_flight`` records across polls, each
-  finished one committed in the next transaction whatever the order (see ``rlstream.kafka.inflight``).
+- one batch per transaction (batch handlers such as rollout's in-process generation, replays, ``--no-pipeline``);
+- pipelined (per-record handlers such as env, reward and rollout on a server fleet): up to ``max_in_flight``
+  records across polls, each finished one committed in the next transaction whatever the order (see
+  ``rlstream.kafka.inflight``).
 
 Either way a transaction holds the outputs, the dead letters and the input offsets together (enforced in
 ``_commit_ready`` and ``_process_batch``), and an aborted one re-reads its inputs.
@@ -136,7 +137,7 @@ class StageRunner:
         worker.start()
         commits, idle_since, ready_since = 0, time.monotonic(), None
         window = self._window
-        limit = max(1, self.settings.concurrency, self.settings.max_in_flight)
+        limit = self.in_flight_limit()
         try:
             while not self._stopping and not self.source.exhausted():
                 self.stage.before_poll(self.ctx)
@@ -179,6 +180,11 @@ class StageRunner:
         finally:
             loop.call_soon_threadsafe(loop.stop)
             worker.join(5)
+
+    def in_flight_limit(self) -> int:
+        """Most records a pipelined run keeps in flight: the runtime's knobs, capped by the stage's own wish."""
+        limit = max(1, self.settings.concurrency, self.settings.max_in_flight)
+        return min(limit, self.stage.max_in_flight) if self.stage.max_in_flight else limit
 
     def _drain(self) -> None:
         """On the way out, give records in flight a handler timeout to finish and commit those that did."""

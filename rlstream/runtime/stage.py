@@ -35,12 +35,29 @@ class Stage:
     """A stream processor: override ``handle`` (per record) or ``handle_batch``.
 
     ``handle`` may be sync (run in a thread) or ``async``; both get a timeout.
+
+    The runner drives a stage one of two ways, asking ``batched`` once when it starts: one batch per transaction
+    (``handle_batch``), or pipelined (``handle`` per record, records in flight across polls, each committed as it
+    finishes). A stage that has both handlers picks per instance (rollout: batched on an in-process engine,
+    pipelined on a server fleet).
     """
 
     name: str = "stage"
     inputs: tuple[str, ...] = ()
     #: Whether records without a policy_version header are accepted (sources outside the loop).
     require_policy_version: bool = True
+    #: Least seconds a record's handler may run before it is dead-lettered as ``handler_timeout`` (None: the
+    #: runtime's ``--handler-timeout-s`` alone); the runtime takes the larger of the two.
+    handler_timeout_s: float | None = None
+    #: Most records in flight a pipelined stage wants (None: the runtime's ``--max-in-flight``); the runtime takes
+    #: the smaller of the two.
+    max_in_flight: int | None = None
+
+    @property
+    def batched(self) -> bool:
+        """Whether the runner calls ``handle_batch`` (one batch per transaction) rather than pipelining ``handle``.
+        By default: whether the class overrides ``handle_batch``."""
+        return type(self).handle_batch is not Stage.handle_batch
 
     def handle(self, item: Incoming) -> list[Output]:
         raise NotImplementedError

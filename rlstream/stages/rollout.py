@@ -18,6 +18,16 @@ version sampled which of its tokens), for the trainer's ``--stale-rule token``.
 Eval-lane prompts (``eval-prompts``, ``records.is_eval``) are served ahead of any
 backlog: while some wait on this worker's partitions, prompts and observations are
 paused (``before_poll``).
+
+How the runtime drives it (``batched``): on an in-process engine (transformers,
+vllm) one batch per transaction, generated as one engine batch (batching is the
+engine's whole point); on a server fleet (vllm-server, sglang, openai) pipelined,
+one record at a time (``handle``: a task's G samples, or one observation's next
+turn), records in flight across polls and each committed as it finishes, so a
+server that is done takes the next record's requests instead of idling until the
+batch's slowest request ends. The fleet serializes pushes against requests and
+stamps each reply with the version its server confirmed, so no engine lock is held
+around a pipelined generation.
 """
 from __future__ import annotations
 
@@ -41,6 +51,9 @@ from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, Stage
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn, episode_key, is_eval
 from rlstream.stages.inference import KINDS, FleetOptions, Generation, make_backend, server_urls
+
+#: Backends that are fleets of servers: the stage is pipelined on them (``RolloutStage.batched``).
+SERVER_KINDS = ("vllm-server", "sglang", "openai")
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +126,8 @@ def run_lengths(versions: list[int]) -> tuple[list[int], list[int]]:
 
 
 class RolloutStage(Stage):
-    """Generates the next action turn of every episode in a batch, batched on the engine."""
+    """Generates the next action turn of every episode: a batch at a time on an in-process engine, a record at a
+    time (pipelined) on a server fleet."""
 
     name = "rollout"
     # eval-prompts is the eval lane (records.is_eval): served ahead of any backlog of the other two (before_poll).
@@ -130,15 +144,47 @@ class RolloutStage(Stage):
         self.version = -1
         self.max_context = settings.max_context  # 0 until the first version's folder says the model's own
         self.watcher: PolicyWatcher | None = None
-        # The engine is used by one thread at a time: the batch handler (a pool thread), the swapper thread
-        # and before_poll (the main thread). A handler that outlived its timeout still holds it.
+        # An in-process engine is used by one thread at a time: the batch handler (a pool thread), the swapper thread
+        # and before_poll (the main thread). A handler that outlived its timeout still holds it. Pipelined handlers
+        # (a fleet) do not take it: the fleet itself keeps pushes and requests apart.
         self._engine_lock = threading.Lock()
+        # Pipelined handlers run in many threads; HF tokenizers are not safe to call from several at once.
+        self._tokenizer_lock = threading.Lock()
         self._failed: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last failed load
         self._stop = threading.Event()
         self._swapper: threading.Thread | None = None
         # Each version's local folder, checked against its hash: from the store, or rebuilt from the weights log
         # under this worker's own home (it may share no path with the trainer).
         self.weights = PolicyWeights(loop.home_path / "weights-cache")
+
+    # -- how the runtime drives it --------------------------------------------------------
+
+    @property
+    def batched(self) -> bool:
+        """One batch per transaction on an in-process engine; pipelined per record on a server fleet."""
+        return self.settings.backend not in SERVER_KINDS
+
+    @property
+    def handler_timeout_s(self) -> float | None:
+        """A pipelined record's handler outlives the fleet's own bound on its requests: waiting for a server (a push
+        in progress included) until ``request_timeout_s``, then each of its ``request_retries + 1`` attempts up to
+        ``request_timeout_s``. So the fleet, which retries and fails over, decides that a request failed; the
+        generic ``--handler-timeout-s`` never dead-letters a slow but healthy generation."""
+        if self.batched:
+            return None
+        s = self.settings
+        return s.request_timeout_s * (s.request_retries + 2) + 1.0
+
+    @property
+    def max_in_flight(self) -> int | None:
+        """Pipelined on a fleet whose servers take at most ``--max-concurrency`` requests each: as many records as
+        the servers have request slots. Every record has at least one request, so the servers stay full; the rest of
+        the backlog waits in Kafka, where the eval lane's pause (``before_poll``) holds it back. Unlimited servers:
+        the runtime's ``--max-in-flight``, with ``--concurrency`` bounding records generating at once."""
+        if self.batched or self.settings.max_concurrency <= 0:
+            return None
+        urls = server_urls(self.settings.engine_url, self.settings.engine_urls_file)
+        return self.settings.max_concurrency * max(1, len(urls))
 
     # -- policy following ----------------------------------------------------------------
 
@@ -286,13 +332,27 @@ class RolloutStage(Stage):
 
     # -- generation ------------------------------------------------------------------------
 
+    def handle(self, item: Incoming) -> list[Output]:
+        """One record's episodes (pipelined, on a server fleet): a task's G samples or an observation's next turn."""
+        [result] = self._generate([item], pipelined=True)
+        if isinstance(result, Exception):
+            raise result  # InvalidRecord: dead-lettered with why
+        return result
+
     def handle_batch(self, items: list[Incoming]) -> list[list[Output] | Exception]:
+        return self._generate(items, pipelined=False)
+
+    def _generate(self, items: list[Incoming], pipelined: bool) -> list[list[Output] | Exception]:
+        """The next turn of every episode of ``items``, one backend call per distinct sampling. Batched, the call
+        holds the engine (and takes a version announced since before_poll first); pipelined, it leaves pushes to the
+        swapper and the fleet, which never pushes to a server with requests in flight."""
         results: list[list[Output] | Exception] = [[] for _ in items]
         by_params: dict[tuple, list[tuple[int, Episode]]] = defaultdict(list)
         for idx, item in enumerate(items):
             try:
-                episodes = (self._start_episodes(item.record, item.topic == "eval-prompts")
-                            if item.topic != "observations" else [self._with_observation(item.record)])
+                with self._tokenizer_lock:
+                    episodes = (self._start_episodes(item.record, item.topic == "eval-prompts")
+                                if item.topic != "observations" else [self._with_observation(item.record)])
             except (InvalidRecord, ModelError) as exc:
                 results[idx] = InvalidRecord(str(exc))  # this record alone is dead-lettered, with why
                 continue
@@ -309,15 +369,23 @@ class RolloutStage(Stage):
                     (idx, ep))
         for key, group in by_params.items():
             params = SamplingParams(temperature=key[0], top_p=key[1], top_k=key[2], max_tokens=key[3], seed=key[4])
-            step = self.settings.swap == "step"
-            with self._engine_lock:
-                if step:
-                    self._swap_to_latest()  # announced since before_poll: start on it rather than one batch late
+            prompts = [ep.task.prompt_token_ids + ep.token_ids for _, ep in group]
+            keys = [ep.episode_id for _, ep in group]
+            if pipelined:
+                # The fleet stamps each reply with the version its server confirmed; started_version only labels a
+                # reply with no tokens.
                 started, started_version = now_ms(), self.version
-                gens = self.backend.generate([ep.task.prompt_token_ids + ep.token_ids for _, ep in group], params,
-                                             between_steps=self._between_steps if step else None,
-                                             keys=[ep.episode_id for _, ep in group])
+                gens = self.backend.generate(prompts, params, keys=keys)
                 finished = now_ms()
+            else:
+                step = self.settings.swap == "step"
+                with self._engine_lock:
+                    if step:
+                        self._swap_to_latest()  # announced since before_poll: start on it rather than one batch late
+                    started, started_version = now_ms(), self.version
+                    gens = self.backend.generate(prompts, params, between_steps=self._between_steps if step else None,
+                                                 keys=keys)
+                    finished = now_ms()
             metrics.GENERATED_TOKENS.labels(self.backend.name).inc(sum(len(g.token_ids) for g in gens))
             for (idx, ep), gen in zip(group, gens):
                 self._append_turn(ep, gen, started, finished, started_version)
@@ -343,7 +411,8 @@ class RolloutStage(Stage):
         for v, at in sorted(gen.version_started_at.items()):
             if v > version:
                 ep.stage_times[f"{SWAP_STAMP}{v}"] = at  # when newer weights took this turn over
-        text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        with self._tokenizer_lock:
+            text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         seg_versions, seg_tokens = run_lengths(gen.versions or [started_version] * len(gen.token_ids))
         ep.turns.append(Turn("action", text, start, len(ep.token_ids), policy_version=version,
                              finish_reason=gen.finish_reason, started_at=started, finished_at=finished,

@@ -1,7 +1,8 @@
 """The rollout stage on a fleet of real vLLM OpenAI-compatible servers (CPU), started by these tests.
 
-Two servers run at a time. The tests run in file order and share them: a push of v1 to both, then one of them
-killed mid-request, then a server that refuses weight pushes (no dev-mode routes) in its place.
+Two servers run at a time. The tests run in file order and share them: a push of v1 to both (a batch at a time, then
+across pipelined requests in flight), then one of them killed mid-request under the pipelined runner, then a server
+that refuses weight pushes (no dev-mode routes) in its place.
 """
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ import time
 
 import pytest
 
+from rlstream.config import KafkaSettings
 from rlstream.errors import UserError
+from rlstream.runtime.runner import StageRunner
+from rlstream.runtime.settings import RuntimeSettings
 from rlstream.runtime.stage import Incoming
 from rlstream.schemas.records import PolicyVersion, SamplingParams, Task
 from rlstream.stages.inference.servers import http_json
 from rlstream.stages.rollout import RolloutSettings, RolloutStage
 from tests.helpers.engines import FakeWatcher
+from tests.helpers.kafka import produce, read_all
 from tests.helpers.models import chat_tokenizer, llama_folder, reference_logprobs
 from tests.helpers.servers import free_port, start_vllm_server
 
@@ -58,10 +63,13 @@ def fleet_stage(urls, v0, **knobs) -> RolloutStage:
     return stage
 
 
-def batch(name: str, group_size: int, max_tokens: int = 6) -> list[Incoming]:
-    task = Task(task_id=name, group_id=name, task_name="t", env_name="e", env_version="1", prompt="Reverse abc:",
+def task(name: str, group_size: int, max_tokens: int = 6) -> Task:
+    return Task(task_id=name, group_id=name, task_name="t", env_name="e", env_version="1", prompt="Reverse abc:",
                 sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens), created_at=0, group_size=group_size)
-    return [Incoming("prompts", 0, 0, None, {}, -1, task)]
+
+
+def batch(name: str, group_size: int, max_tokens: int = 6) -> list[Incoming]:
+    return [Incoming("prompts", 0, 0, None, {}, -1, task(name, group_size, max_tokens))]
 
 
 def assert_made_by(outputs, version: int, folder) -> None:
@@ -98,13 +106,61 @@ def test_a_push_reaches_every_server_and_later_tokens_carry_the_version_they_con
 
 
 @pytest.mark.timeout(600)
-def test_a_server_killed_mid_request_has_its_requests_finished_by_the_other_exactly_once(models, servers):
+def test_pipelined_records_across_a_push_carry_the_version_their_server_confirmed(models, servers):
+    """The pipelined mode: records' handlers run at once, no engine lock, while the swapper pushes v1. Requests in
+    flight finish on v0 and are stamped v0; the push waits for them; later ones run on v1 and are stamped v1."""
     _, v0, v1 = models
-    stage = fleet_stage([s.url for s in servers], v0)
+    stage = fleet_stage([s.url for s in servers], v0, max_concurrency=2)
+    assert not stage.batched
+    outputs: dict[str, list] = {}
+    threads = []
+
+    def handle(name: str) -> None:
+        outputs[name] = stage.handle(batch(name, 2, max_tokens=30)[0])
+
+    def start(names) -> None:
+        for name in names:
+            threads.append(threading.Thread(target=handle, args=(name,), daemon=True))
+            threads[-1].start()
+    try:
+        stage._swapper = threading.Thread(target=stage._follow, daemon=True)  # as _ensure_started does (--swap step)
+        stage._swapper.start()
+        start(f"early{i}" for i in range(4))
+        deadline = time.monotonic() + 120
+        while sum(s.inflight for s in stage.backend.servers) < 4 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert all(s.inflight for s in stage.backend.servers), "no requests in flight on both servers"
+        stage.watcher.announce(policy(1, v1))
+        while not any(s.loading for s in stage.backend.servers) and stage.version == 0 and \
+                time.monotonic() < deadline:
+            time.sleep(0.001)
+        start(f"late{i}" for i in range(2))  # sent while a push waits for the early ones: they wait for v1
+        for t in threads:
+            t.join(300)
+        assert sorted(outputs) == sorted([f"early{i}" for i in range(4)] + ["late0", "late1"]), "a handler hung"
+        stamped = {name: {o.policy_version for o in outs} for name, outs in outputs.items()}
+        assert 0 in set().union(*stamped.values()), "no request was caught in flight across the push"
+        assert stamped["late0"] == stamped["late1"] == {1}
+        for outs in outputs.values():
+            for out in outs:  # fails if v1 were stamped on tokens a server made with v0's weights, or the reverse
+                assert_made_by([out], out.policy_version, v1 if out.policy_version == 1 else v0)
+        assert stage.version == 1
+    finally:
+        stage.close()
+
+
+@pytest.mark.timeout(600)
+def test_a_server_killed_mid_request_has_its_requests_finished_by_the_other_exactly_once(models, servers, bootstrap,
+                                                                                        run_name):
+    """Pipelined under the real runner: the killed server's requests are retried on the other one, and every
+    episode reaches ``actions`` once (the record's transaction is committed only when all its requests answered)."""
+    _, v0, v1 = models
+    stage = fleet_stage([s.url for s in servers], v0, max_concurrency=4)
     stage.watcher.announce(policy(1, v1))
     assert stage._swap_to_latest() and stage.version == 1
     victim = stage.backend.servers[1]
     killed = threading.Event()
+    committed = []
 
     def kill_when_busy():
         deadline = time.monotonic() + 120
@@ -115,19 +171,33 @@ def test_a_server_killed_mid_request_has_its_requests_finished_by_the_other_exac
                 return
             time.sleep(0.001)
 
+    runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run_name),
+                         RuntimeSettings(batch_size=4, instance=f"{run_name}-rollout"),
+                         on_committed=committed.append)
+    assert runner.in_flight_limit() == 8  # --max-concurrency 4 on each of 2 servers: a record per request slot
     killer = threading.Thread(target=kill_when_busy, daemon=True)
-    try:
-        killer.start()
-        [outputs] = stage.handle_batch(batch("killed", 16, max_tokens=40))
-        killer.join(5)
-        assert killed.is_set(), "the server was never caught with requests in flight"
-        ids = [o.record.episode_id for o in outputs]
-        assert sorted(ids) == sorted(f"killed:{i}" for i in range(16)), "an episode was lost or duplicated"
-        assert all(len(o.record.token_ids) == 40 for o in outputs)
-        assert_made_by(outputs, 1, v1)
-        assert not victim.up and stage.backend.servers[0].up
-    finally:
-        stage.close()
+    worker = threading.Thread(target=runner.run, kwargs={"idle_exit_s": 60}, daemon=True)
+    killer.start()
+    worker.start()
+    produce(bootstrap, run_name, "prompts", [(f"k{i}".encode(), task(f"k{i}", 2, max_tokens=40), None)
+                                             for i in range(8)])
+    deadline = time.monotonic() + 300
+    while sum(committed) < 8 and worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    runner.request_stop()
+    worker.join(60)
+    killer.join(5)
+    assert killed.is_set(), "the server was never caught with requests in flight"
+    actions = [seen.record for seen in read_all(bootstrap, run_name, "actions", expect=16)]
+    ids = [ep.episode_id for ep in actions]
+    assert sorted(ids) == sorted(f"k{i}:{j}" for i in range(8) for j in range(2)), "an episode was lost or duplicated"
+    assert all(len(ep.token_ids) == 40 for ep in actions)
+    for ep in actions:
+        assert [t.policy_version for t in ep.turns] == [1]
+        ref = reference_logprobs(v1, ep.task.prompt_token_ids, ep.token_ids)
+        assert ep.behaviour_logprobs == pytest.approx(ref, abs=1e-3), f"{ep.episode_id} not sampled by v1"
+    assert read_all(bootstrap, run_name, "dead-letters", timeout=2) == []
+    assert not victim.up and stage.backend.servers[0].up
 
 
 @pytest.mark.timeout(600)

@@ -58,3 +58,43 @@ def test_each_record_of_a_batch_resolves_alone_and_a_cancelled_one_stops_its_han
         threading.Event().wait(0.05)
     assert handlers.stage.cancelled == [30.0], "the cancelled record's handler kept running"
     assert handlers.submit([]) == []
+
+
+class Both(Stage):
+    """Has both handlers; which one the runtime calls is this instance's choice."""
+
+    def __init__(self, batched: bool):
+        self._batched = batched
+
+    @property
+    def batched(self) -> bool:
+        return self._batched
+
+    def handle(self, item):
+        return []
+
+    def handle_batch(self, items):
+        return [[] for _ in items]
+
+
+def modes(stage: Stage) -> tuple[bool, float]:
+    h = Handlers(stage, RuntimeSettings(handler_timeout_s=30))
+    try:
+        return h.batched, h.timeout_s
+    finally:
+        h.close()
+
+
+def test_the_runtime_picks_batch_or_pipelined_per_stage_instance_and_takes_the_stages_longer_timeout():
+    assert modes(Sleeper()) == (False, 30)  # handle only: pipelined
+    assert modes(Both(True))[0] and not modes(Both(False))[0]
+    from rlstream.stages.rollout import RolloutSettings, RolloutStage
+    local = RolloutStage(RolloutSettings(backend="transformers"))
+    assert modes(local) == (True, 30) and local.max_in_flight is None
+    fleet = RolloutStage(RolloutSettings(backend="vllm-server", engine_url=("http://a:1,http://b:2",),
+                                         max_concurrency=16, request_timeout_s=100, request_retries=3))
+    batched, timeout = modes(fleet)
+    # Pipelined; a record's handler outlives the fleet's own bound on its requests (wait, then 4 attempts).
+    assert not batched and timeout > 100 * 5
+    assert fleet.max_in_flight == 32  # a record per request slot of the two servers
+    assert RolloutStage(RolloutSettings(backend="sglang", engine_url=("http://a:1",))).max_in_flight is None
