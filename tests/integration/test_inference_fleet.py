@@ -131,10 +131,10 @@ def test_pipelined_records_across_a_push_carry_the_version_their_server_confirme
             time.sleep(0.001)
         assert all(s.inflight for s in stage.backend.servers), "no requests in flight on both servers"
         stage.watcher.announce(policy(1, v1))
-        while not any(s.loading for s in stage.backend.servers) and stage.version == 0 and \
-                time.monotonic() < deadline:
+        # Every server is either loading v1 (it waits for its requests in flight) or holds it, unused until all do.
+        while not all(s.loading or s.version == 1 for s in stage.backend.servers) and time.monotonic() < deadline:
             time.sleep(0.001)
-        start(f"late{i}" for i in range(2))  # sent while a push waits for the early ones: they wait for v1
+        start(f"late{i}" for i in range(2))  # sent while the push is under way: they wait for v1
         for t in threads:
             t.join(300)
         assert sorted(outputs) == sorted([f"early{i}" for i in range(4)] + ["late0", "late1"]), "a handler hung"

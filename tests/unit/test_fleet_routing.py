@@ -143,3 +143,29 @@ def test_without_hedging_a_request_runs_once_with_the_seed_it_was_given():
     fleet.generate([[1]] * 4, SamplingParams(max_tokens=1, seed=None))
     assert a.seeds + b.seeds == [None] * 4
     fleet.close()
+
+
+def test_during_a_push_the_first_server_to_confirm_takes_work_and_no_health_check_pushes_it_back():
+    """Pipelined rollout pushes while requests are in flight: b confirms v1 while a still drains a v0 request."""
+    a, b = Standin("a"), Standin("b")
+    fleet = fleet_of(a, b)
+    a.gate.clear()
+    held: list = []
+    request = threading.Thread(target=lambda: held.extend(fleet.generate([[1]], SamplingParams(max_tokens=1))))
+    request.start()
+    while fleet.servers[0].inflight == 0:
+        time.sleep(0.001)
+    push = threading.Thread(target=fleet.load_weights, args=("/w/v1", 1))
+    push.start()
+    while fleet.servers[1].version != 1:
+        time.sleep(0.001)
+    fleet.check(fleet.servers[1])  # a health check meanwhile: b is not behind, and must not be pushed v0 back
+    gens = fleet.generate([[1]], SamplingParams(max_tokens=1))
+    assert made_by(gens) == ["b"] and gens[0].versions == [1] and b.loaded == [0, 1]
+    assert fleet.servers[0].loading, "a pushed under its request in flight"
+    a.gate.set()
+    push.join(5)
+    request.join(5)
+    assert made_by(held) == ["a"] and held[0].versions == [0]  # dispatched on v0, stamped v0
+    assert fleet.version == 1 and a.loaded == [0, 1]
+    fleet.close()

@@ -1,12 +1,12 @@
 """Many inference servers behind one backend: weight pushes with confirmation, routing, health and failover.
 
-Versions. The fleet has a *target* version (the newest one rlstream asked for that at least one server loaded).
-A push tells each server to load a version and waits for its reply; only a server that confirmed the target takes
-new work. A server is never pushed to while it has requests in flight, and gets none while it loads, so every
+Versions. The fleet has a *target* version (the newest one rlstream asked for that at least one server loaded:
+it moves when the first server confirms). A push tells each server to load a version and waits for its reply; only a
+server that confirmed the target takes new work. A server is never pushed to while it has requests in flight, and gets none while it loads, so every
 request runs on one set of weights: the version the server had confirmed when the request was dispatched, which
 is the version stamped on all its tokens. A server that fails to load keeps its old version and is quarantined
 (a log line and ``rlstream_inference_push_failures_total``); the health thread pushes the target to it again every
-``retry_push_s`` until it confirms. Where the server names the version of each reply (SGLang), that is checked
+``retry_push_s`` until it confirms, but not while a fleet-wide push is under way (it covers every server). Where the server names the version of each reply (SGLang), that is checked
 against the recorded one, and a mismatch is never stamped.
 
 Routing. Each request goes to an eligible server (healthy, on the target, within its rate limits): the server its
@@ -16,8 +16,9 @@ least loaded (fewest requests in flight). Failover: a request that fails on a se
 stage's transaction holds the batch until every request has finished once, so nothing is lost or duplicated
 downstream.
 
-Hedging (``hedge``). The stage's transaction holds a batch, so a batch lasts as long as its slowest server: a server
-that is done while another still works on the batch would idle until the next one. Instead, once a server has
+Hedging (``hedge``). Where the stage's transaction holds a batch (``--no-pipeline``; pipelined, the default on a
+fleet, has no batch barrier), a batch lasts as long as its slowest server: a server that is done while another
+still works on the batch would idle until the next one. Instead, once a server has
 nothing in flight, each unfinished request of the batch running on another server is sent to it too; the first
 reply is kept and the other attempt cancelled (its connection shut: vLLM aborts the request). Both attempts carry
 one sampling seed (the task's, else one drawn per request), so they sample the same tokens and keeping the first
@@ -123,6 +124,7 @@ class ServerFleet(InferenceBackend):
             for s in self.servers:
                 s.version = pinned_version
         self._cond = threading.Condition()
+        self._pushing = -1  # the version a fleet-wide push (load_weights) is under way for, else -1
         self._affinity: dict[str, Server] = {}
         self._pool = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="fleet")
         self._stop = threading.Event()
@@ -136,12 +138,19 @@ class ServerFleet(InferenceBackend):
     # -- weights --------------------------------------------------------------------------------
 
     def load_weights(self, folder: Path, version: int) -> None:
-        """Push ``version`` to every server and wait for each to confirm or refuse. The fleet moves to it if at least
-        one server confirmed; the others are quarantined until they catch up. OSError if none did (the fleet, and
-        every server, keep the old version)."""
+        """Push ``version`` to every server and wait for each to confirm or refuse. The fleet moves to it as soon as
+        one server confirmed (that one takes work again at once, while others still wait for their requests in
+        flight to end); the others are quarantined until they catch up. OSError if none did (the fleet, and every
+        server, keep the old version)."""
         if not self.follows_policy:
             return  # serving only: the pinned version stays
-        results = list(self._pool.map(lambda s: self._push(s, folder, version), self.servers))
+        with self._cond:
+            self._pushing = version
+        try:
+            results = list(self._pool.map(lambda s: self._push(s, folder, version), self.servers))
+        finally:
+            with self._cond:
+                self._pushing = -1
         confirmed = [s for s, ok in zip(self.servers, results) if ok]
         if not confirmed:
             raise OSError(f"no server confirmed v{version}: " + "; ".join(s.why for s in self.servers))
@@ -169,6 +178,8 @@ class ServerFleet(InferenceBackend):
             server.loading = False
             if ok:
                 server.version, server.why = version, ""
+                if version == self._pushing and version != self.version:
+                    self.version, self.folder = version, Path(folder)  # the first to confirm moves the fleet
             else:
                 server.failed_push, server.why = (version, self.options.clock()), why
             self._cond.notify_all()
@@ -201,8 +212,10 @@ class ServerFleet(InferenceBackend):
                 server.up, server.why = False, f"{server.url} failed its health check"
                 log.warning("%s failed its health check; no new work for it", server.url)
             self._cond.notify_all()
+            # Not during a fleet-wide push: it covers every server, and a server that confirmed the new version
+            # before the fleet moved would be pushed the old one back.
             behind = (self.follows_policy and server.up and self.folder is not None and server.version != self.version
-                      and not server.loading)
+                      and not server.loading and self._pushing < 0)
             failed_version, failed_at = server.failed_push
             if behind and failed_version == self.version and \
                     self.options.clock() - failed_at < self.options.retry_push_s:
