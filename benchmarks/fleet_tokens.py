@@ -6,16 +6,17 @@ concurrency limit: at most ``--in-flight`` requests at once, an equal share per 
 ``--max-concurrency``). The model never stops early (its end-of-turn logit is pinned down, tests/helpers/models.py),
 so every response is ``--max-tokens`` long and both sides do the same work. The direct driver is the best case of a
 client: each server has its share of worker threads pulling the next request from one shared queue (a faster
-server takes more), with no Kafka, no transactions and no batch barrier. The stage is the real one (RolloutStage
-on the shared runtime: consume up to ``--batch-tasks`` prompts, generate through the fleet with version push and
-routing, produce in a transaction; with ``--hedge``, hedging, and then each request carries a seed, which the direct
-requests do not), timed from its first record consumed to its last one committed. Each side's mean
-requests in flight (request-seconds over wall time: the fleet's own count for the stage) says how busy it kept the
-servers; the stage's batch barrier shows there. Rounds alternate stage, direct, stage, direct, so a drift in the
-machine's load falls on both sides.
+server takes more), with no Kafka and no transactions. The stage is the real one (RolloutStage on the shared
+runtime, pipelined as it runs on a fleet: each prompt's G requests generated through the fleet with version push
+and routing, prompts in flight across polls, each committed as it finishes, at most ``--batch-tasks`` a
+transaction; with ``--no-pipeline``, one batch of up to ``--batch-tasks`` prompts per transaction, the barrier the
+pipelined mode removes; with ``--hedge``, hedging, and then each request carries a seed, which the direct requests
+do not), timed from its first record consumed to its last one committed. Each side's mean requests in flight
+(request-seconds over wall time: the fleet's own count for the stage) says how busy it kept the servers. Rounds
+alternate stage, direct, stage, direct, so a drift in the machine's load falls on both sides.
 
     python -m benchmarks.fleet_tokens [--tasks 24] [--group-size 4] [--max-tokens 32] [--in-flight 32]
-                                      [--batch-tasks 8] [--rounds 2] [--hedge]
+                                      [--batch-tasks 8] [--rounds 2] [--no-pipeline] [--hedge]
 """
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ def stage_round(bootstrap: str, urls: list[str], folder: Path, root: Path, args,
                                          health_interval_s=5.0, max_concurrency=per_server(args, urls),
                                          hedge=getattr(args, "hedge", False)))
     runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run),
-                         RuntimeSettings(batch_size=args.batch_tasks, instance=f"bench-{k}"),
+                         RuntimeSettings(batch_size=args.batch_tasks, instance=f"bench-{k}",
+                                         pipeline=not getattr(args, "no_pipeline", False)),
                          on_consumed=consumed, on_committed=committed)
     thread = threading.Thread(target=runner.run, name="fleet-stage")
     thread.start()
@@ -154,8 +156,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--in-flight", type=int, default=32, help="most requests in flight, both sides (an equal share "
                                                               "per server)")
     ap.add_argument("--batch-tasks", type=int, default=8,
-                    help="prompts per stage batch (one transaction; x G requests)")
+                    help="most prompts a stage transaction commits (--no-pipeline: prompts per batch, x G requests)")
     ap.add_argument("--rounds", type=int, default=2, help="stage/direct pairs")
+    ap.add_argument("--no-pipeline", action="store_true",
+                    help="the stage one batch per transaction (the runtime's --no-pipeline), as before pipelining")
     ap.add_argument("--hedge", action="store_true",
                     help="the stage with hedging (the rollout's --hedge): an idle server takes a batch's late requests")
     args = ap.parse_args(argv)
@@ -182,12 +186,14 @@ def main(argv=None) -> dict:
         shutil.rmtree(root, ignore_errors=True)
     ratios = [s / d for s, d in zip(stage_rates, direct_rates)]
     print(f"{args.tasks} prompts x {args.group_size} samples x {args.max_tokens} tokens a round on 2 vLLM-CPU servers, "
-          f"{args.in_flight} in flight, {args.batch_tasks} prompts a stage batch, "
+          f"{args.in_flight} in flight, {args.batch_tasks} prompts a stage transaction at most, "
+          f"{'one batch per transaction' if args.no_pipeline else 'pipelined'}, "
           f"hedging {'on' if args.hedge else 'off'}: stage/direct "
           f"{statistics.median(ratios):.2f}x (median of {len(ratios)} rounds; goal >= 0.9x)")
     result("fleet_tokens", tasks=args.tasks, group_size=args.group_size, max_tokens=args.max_tokens,
            stage_tokens_per_s=statistics.median(stage_rates), direct_tokens_per_s=statistics.median(direct_rates),
-           in_flight=args.in_flight, batch_tasks=args.batch_tasks, hedge=args.hedge, ratio=statistics.median(ratios),
+           in_flight=args.in_flight, batch_tasks=args.batch_tasks, hedge=args.hedge,
+           pipelined=not args.no_pipeline, ratio=statistics.median(ratios),
            stage_in_flight=statistics.median(b[0] for b in busy),
            direct_in_flight=statistics.median(b[1] for b in busy))
     return {"stage": stage_rates, "direct": direct_rates, "ratios": ratios, "in_flight": busy}
