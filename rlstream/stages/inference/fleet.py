@@ -1,13 +1,14 @@
 """Many inference servers behind one backend: weight pushes with confirmation, routing, health and failover.
 
 Versions. The fleet has a *target* version (the newest one rlstream asked for that at least one server loaded:
-it moves when the first server confirms). A push tells each server to load a version and waits for its reply; only a
-server that confirmed the target takes new work. A server is never pushed to while it has requests in flight, and gets none while it loads, so every
-request runs on one set of weights: the version the server had confirmed when the request was dispatched, which
-is the version stamped on all its tokens. A server that fails to load keeps its old version and is quarantined
-(a log line and ``rlstream_inference_push_failures_total``); the health thread pushes the target to it again every
-``retry_push_s`` until it confirms, but not while a fleet-wide push is under way (it covers every server). Where the server names the version of each reply (SGLang), that is checked
-against the recorded one, and a mismatch is never stamped.
+it moves when the first server confirms). A push tells each server to load a version and waits for its reply; only
+a server that confirmed the target takes new work. A server is never pushed to while it has requests in flight, and
+gets none while it loads, so every request runs on one set of weights: the version the server had confirmed when
+the request was dispatched, which is the version stamped on all its tokens. A server that fails to load keeps its
+old version and is quarantined (a log line and ``rlstream_inference_push_failures_total``); the health thread
+pushes the target to it again every ``retry_push_s`` until it confirms, but not while a fleet-wide push is under
+way (it covers every server). Where the server names the version of each reply (SGLang), that is checked against
+the recorded one, and a mismatch is never stamped.
 
 Routing. Each request goes to an eligible server (healthy, on the target, within its rate limits): the server its
 key (the episode) went to before if that one is eligible, since it holds the episode's prefix in cache, else the
