@@ -180,7 +180,8 @@ class RolloutStage(Stage):
         """Pipelined on a fleet whose servers take at most ``--max-concurrency`` requests each: as many records as
         the servers have request slots. Every record has at least one request, so the servers stay full; the rest of
         the backlog waits in Kafka, where the eval lane's pause (``before_poll``) holds it back. Unlimited servers:
-        the runtime's ``--max-in-flight``, with ``--concurrency`` bounding records generating at once."""
+        the runtime's ``--max-in-flight``. Either way the runtime's ``--concurrency`` (64) bounds the records
+        generating at once: past 64 request slots with one sample a record, raise it to the slots."""
         if self.batched or self.settings.max_concurrency <= 0:
             return None
         urls = server_urls(self.settings.engine_url, self.settings.engine_urls_file)
