@@ -65,8 +65,9 @@ class RolloutSettings:
     ROLE: ClassVar[str] = "ROLLOUT"
 
     backend: str = knob("auto", "Inference engine: auto (vLLM if installed, else transformers; transformers for a "
-                                "model under 10 M parameters on the CPU), transformers, vllm (in this process); vllm-server, "
-                                "sglang (servers rlstream pushes each version to), openai (any OpenAI-compatible endpoint; serving only, version pinned)", choices=KINDS)
+                                "model under 10 M parameters on the CPU), transformers, vllm (in this process); "
+                                "vllm-server, sglang (servers rlstream pushes each version to), openai (any "
+                                "OpenAI-compatible endpoint; serving only, version pinned)", choices=KINDS)
     engine_url: tuple[str, ...] = knob((), "Base URL of an inference server (server backends); repeat the flag, or "
                                            "comma-separate, for several")
     engine_urls_file: str = knob("", "File listing inference server URLs, one per line (# comments)")
