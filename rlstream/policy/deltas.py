@@ -4,7 +4,7 @@ Pure logic, no Kafka (``rlstream.policy.weight_log`` moves the payloads):
 
 - ``Content``: what a version is: every tensor of its safetensors shards (with the shard each lives in) and
   every other file of its folder (config, generation config, tokenizer, chat template). Files only the trainer
-  needs (``PRIVATE``: optimizer state, its resume notes, the store's marker) are not part of a version.
+  needs (``PRIVATE``: optimizer state, master weights, its resume notes, the store's marker) are not part of a version.
 - ``content_hash``: sha256 over the tensors in name order (name, dtype, shape, raw bytes), then the other files
   in name order (name, length, bytes). Shard layout and safetensors header bytes are not hashed, so a folder
   rebuilt from a delta hashes equal to the trainer's ``save_pretrained`` folder when, and only when, every
@@ -33,9 +33,10 @@ from safetensors.torch import save as st_save
 from safetensors.torch import save_file
 
 #: Files (or folders) of a store folder that are the trainer's own, not the policy's (never hashed, never shipped):
-#: the optimizer state (``optimizer/`` holds a sharded engine's, a file per rank), the store's marker, and the skip
+#: the optimizer state (``optimizer/`` holds a sharded engine's, a file per rank), the master weights in the
+#: training dtype when the version is published in another (``--publish-dtype``), the store's marker, and the skip
 #: list older trainers wrote.
-PRIVATE = frozenset({"optimizer.pt", "optimizer", "consumed_ahead.json", "COMPLETE"})
+PRIVATE = frozenset({"optimizer.pt", "optimizer", "master.safetensors", "consumed_ahead.json", "COMPLETE"})
 
 ANCHOR, DELTA = "anchor", "delta"
 _META = "rlstream"
