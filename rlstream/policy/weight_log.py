@@ -162,6 +162,7 @@ class _Held:
     content: Content
     ref: LogRef
     folder: Path
+    digest: str  # content_hash(content), computed when it was rebuilt
 
 
 class WeightLogReader:
@@ -183,25 +184,29 @@ class WeightLogReader:
         with self._lock:
             held = self._held
             if held is not None and held.version == pv.version and held.ref.policy == pv.policy:
-                self._check(pv, held.content)
+                self._check(pv, held.digest)
                 return held.folder
             try:
                 ref = parse_uri(pv.weights_uri)
                 if ref.version != pv.version or ref.policy != pv.policy:
                     raise ValueError(f"its URI names {ref.policy} v{ref.version}")
-                content = self._rebuild(ref, held if held is not None and held.ref.policy == ref.policy else None)
+                base = held if held is not None and held.ref.policy == ref.policy else None
+                # The held content is the base the deltas are applied to, in place (no copy of every changed
+                # tensor): from here on it is no longer the held version's, whatever happens.
+                self._held = None
+                content, digest = self._rebuild(ref, base)
+                self._check(pv, digest)
             except ValueError as exc:
                 raise self._refuse(pv, "invalid", str(exc)) from None
             except OSError as exc:
                 metrics.WEIGHTS_REFUSED.labels("unreadable").inc()
                 raise OSError(f"{pv.policy} v{pv.version} not readable from the weights log: {exc}") from None
-            self._check(pv, content)
             folder = self._write(ref, content)
-            self._held = _Held(ref.version, content, ref, folder)
+            self._held = _Held(ref.version, content, ref, folder, digest)
             self._drop_old(ref.policy, keep={folder, held.folder if held else folder})
             return folder
 
-    def _rebuild(self, ref: LogRef, held: _Held | None) -> Content:
+    def _rebuild(self, ref: LogRef, held: _Held | None) -> tuple[Content, str]:
         started = time.monotonic()
         if held is not None and ref.anchor <= held.version < ref.version:
             start = ref.offset if held.version == ref.version - 1 else held.ref.offset
@@ -212,13 +217,14 @@ class WeightLogReader:
                 log.warning("v%d is a delta whose base v%d is not held here (%s): rebuilding from anchor v%d",
                             ref.version, ref.version - 1,
                             f"holding v{held.version}" if held is not None else "nothing held yet", ref.anchor)
-        version, content = self._read(ref, start, base)
+        version, content, digest = self._read(ref, start, base)
         log.info("weights %s v%d rebuilt from the log in %.2fs (from %s)", ref.policy, version,
                  time.monotonic() - started, f"v{base[0]}" if base else f"anchor v{ref.anchor}")
-        return content
+        return content, digest
 
-    def _read(self, ref: LogRef, start: int, base: tuple[int, Content] | None) -> tuple[int, Content]:
-        """Apply the policy's versions from offset ``start`` on to ``base`` until ``ref.version``."""
+    def _read(self, ref: LogRef, start: int, base: tuple[int, Content] | None) -> tuple[int, Content, str]:
+        """Apply the policy's versions from offset ``start`` on to ``base`` (changing its tensors in place) until
+        ``ref.version``; that version, its content and its hash (checked against its chunks')."""
         version, content = base if base is not None else (-1, None)
         parts: list[bytes] = []
         first = True
@@ -240,16 +246,21 @@ class WeightLogReader:
                 continue
             if c.kind == DELTA and c.base_version != version:
                 raise ValueError(f"v{c.version} is a delta on v{c.base_version}, but v{version} came before it")
-            rebuilt = apply(b"".join(parts), None if c.kind == ANCHOR else content)
-            if content_hash(rebuilt) != c.content_hash:
+            payload = bytearray().join(parts)  # one copy, which the anchor's tensors are then views of
+            parts = []
+            rebuilt = apply(payload, None if c.kind == ANCHOR else content, in_place=True)
+            digest = content_hash(rebuilt)
+            if digest != c.content_hash:
                 raise ValueError(f"v{c.version} rebuilt from the log does not match its chunks' hash")
-            version, content, parts = c.version, rebuilt, []
+            version, content = c.version, rebuilt
             if version == ref.version:
-                return version, content
+                return version, content, digest
         raise OSError(f"weights of {ref.policy} v{ref.version} not found in the log from offset {start}")
 
-    def _check(self, pv: PolicyVersion, content: Content) -> None:
-        if pv.content_hash and content_hash(content) != pv.content_hash:
+    def _check(self, pv: PolicyVersion, digest: str) -> None:
+        """``digest``: the hash of the content, computed from its tensors when it was rebuilt (once: it is the
+        chunks' hash too, checked in ``_read``)."""
+        if pv.content_hash and digest != pv.content_hash:
             raise self._refuse(pv, "hash_mismatch", "its weights do not match the hash its PolicyVersion carries")
 
     @staticmethod

@@ -9,7 +9,7 @@ recovery stays exactly-once; only Adam's moments may be up to K - 1 steps old af
 optimizer state holds the parameters themselves (ZeRO's fp32 master weights, FSDP2's shards) write it every
 version: an older one would roll the weights back.
 
-After the first version the weights go through ``safetensors`` directly (the tensor names ``save_pretrained`` chose
+After the first version the weights go through ``policy.tensorfile`` (safetensors, without copies) directly (the tensor names ``save_pretrained`` chose
 the first time, the static files kept in memory): ``save_pretrained``'s own overhead is most of a tiny model's
 write. The content each version announces is hashed from what was written, as workers hash the folder.
 
@@ -31,10 +31,11 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from rlstream.models.loading import dtype_name, load_model
 from rlstream.policy.deltas import Content, read_folder
+from rlstream.policy.tensorfile import save_file
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class VersionWriter:
         the master weights go beside them (module docstring)."""
         state = full_state if full_state is not None else self.model.state_dict()
         if self.publish_dtype is not None:
-            save_file(_unshared(state), str(folder / MASTER_FILE), metadata={"format": "pt"})
+            save_file(_unshared(state), folder / MASTER_FILE, metadata={"format": "pt"})
         if self._names is None or full_state is not None or not fast:
             published = cast_state(state, self.publish_dtype) if self.publish_dtype is not None else full_state
             self.model.save_pretrained(folder, safe_serialization=True, state_dict=published)
@@ -100,7 +101,7 @@ class VersionWriter:
         # Copies: the weights log keeps the content as the next delta's base while the model trains on.
         cast = cast_state({name: state[name] for name in self._names}, self.publish_dtype)
         tensors = {name: cast[name] for name in self._names}
-        save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
         for rel, data in self._files.items():
             (folder / rel).parent.mkdir(parents=True, exist_ok=True)
             (folder / rel).write_bytes(data)
