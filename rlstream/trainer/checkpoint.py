@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from rlstream.models.loading import dtype_name, load_model
-from rlstream.policy.deltas import Content, read_folder
+from rlstream.policy.deltas import Content, content_hash, read_folder
 from rlstream.policy.tensorfile import save_file
 
 log = logging.getLogger(__name__)
@@ -79,33 +80,46 @@ class VersionWriter:
         self.publish_dtype = publish_dtype if publish_dtype is not None and trained != {publish_dtype} else None
         self._names: list[str] | None = None  # the tensor names save_pretrained wrote (None: not learned yet)
         self._files: dict[str, bytes] = {}  # config, generation config, tokenizer: the same for every version
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="version-writer")
 
-    def write(self, folder: Path, full_state=None, fast: bool = True) -> Content:
-        """Write the version's weights and static files into ``folder``; return its content (for the hash and the
-        weights log). ``full_state``: the whole model's parameters where an engine shards them; ``fast=False``:
-        through ``save_pretrained`` every time (``--checkpoint-every 1``, the path before K). With a publish dtype,
-        the master weights go beside them (module docstring)."""
+    def write(self, folder: Path, full_state=None, fast: bool = True) -> tuple[Content, str]:
+        """Write the version's weights and static files into ``folder``; return its content (for the weights log)
+        and its ``content_hash`` (what the PolicyVersion carries). ``full_state``: the whole model's parameters
+        where an engine shards them; ``fast=False``: through ``save_pretrained`` every time (``--checkpoint-every
+        1``, the path before K). With a publish dtype, the master weights go beside them (module docstring).
+
+        The master's file and the hash run in threads beside the weights' file (each mostly outside the GIL: file
+        writes, hashlib over buffers); all are done before this returns, so before the store makes the folder
+        appear and before the version is announced."""
         state = full_state if full_state is not None else self.model.state_dict()
+        jobs = []
         if self.publish_dtype is not None:
-            save_file(_unshared(state), folder / MASTER_FILE, metadata={"format": "pt"})
-        if self._names is None or full_state is not None or not fast:
-            published = cast_state(state, self.publish_dtype) if self.publish_dtype is not None else full_state
-            self.model.save_pretrained(folder, safe_serialization=True, state_dict=published)
-            self.tokenizer.save_pretrained(folder)
-            if self.publish_dtype is not None:
-                _name_dtype(folder / "config.json", self.publish_dtype)
-            content = read_folder(folder)
-            if full_state is None and set(content.shards.values()) == {WEIGHTS_FILE}:
-                self._names, self._files = sorted(content.tensors), dict(content.files)
-            return content
-        # Copies: the weights log keeps the content as the next delta's base while the model trains on.
-        cast = cast_state({name: state[name] for name in self._names}, self.publish_dtype)
-        tensors = {name: cast[name] for name in self._names}
-        save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
-        for rel, data in self._files.items():
-            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-            (folder / rel).write_bytes(data)
-        return Content(tensors=tensors, shards={name: WEIGHTS_FILE for name in tensors}, files=dict(self._files))
+            jobs.append(self._pool.submit(save_file, _unshared(state), folder / MASTER_FILE, {"format": "pt"}))
+        try:
+            if self._names is None or full_state is not None or not fast:
+                published = cast_state(state, self.publish_dtype) if self.publish_dtype is not None else full_state
+                self.model.save_pretrained(folder, safe_serialization=True, state_dict=published)
+                self.tokenizer.save_pretrained(folder)
+                if self.publish_dtype is not None:
+                    _name_dtype(folder / "config.json", self.publish_dtype)
+                content = read_folder(folder)
+                if full_state is None and set(content.shards.values()) == {WEIGHTS_FILE}:
+                    self._names, self._files = sorted(content.tensors), dict(content.files)
+                return content, content_hash(content)
+            # Copies: the weights log keeps the content as the next delta's base while the model trains on.
+            cast = cast_state({name: state[name] for name in self._names}, self.publish_dtype)
+            tensors = {name: cast[name] for name in self._names}
+            content = Content(tensors=tensors, shards={name: WEIGHTS_FILE for name in tensors},
+                              files=dict(self._files))
+            digest = self._pool.submit(content_hash, content)
+            save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
+            for rel, data in self._files.items():
+                (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+                (folder / rel).write_bytes(data)
+            return content, digest.result()
+        finally:
+            for job in jobs:
+                job.result()  # the master is in the folder before it can appear (an error raises here)
 
 
 def _name_dtype(config: Path, dtype: torch.dtype) -> None:

@@ -37,7 +37,6 @@ from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.devices import enable_gradient_checkpointing, resolve_device
 from rlstream.models.loading import TINY, check_folder, load_model, load_tokenizer, read_chat_template, torch_dtype
 from rlstream.models.logprobs import check_packing
-from rlstream.policy.deltas import content_hash
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weight_log import WeightLogWriter
 from rlstream.policy.weights import PolicyWeights, WeightStore, tokenizer_hash
@@ -345,7 +344,8 @@ class TrainerService:
 
         def write(folder: Path) -> None:
             # What workers load, hashed as they will hash it (the store may be remote: hashed while it is here).
-            written["content"] = self._writer.write(folder, full_state, fast=self.settings.checkpoint_every > 1)
+            written["content"], written["digest"] = self._writer.write(folder, full_state,
+                                                                     fast=self.settings.checkpoint_every > 1)
             if self._tokenizer_hash is None:
                 self._tokenizer_hash = tokenizer_hash(folder)
             if full_checkpoint:
@@ -353,7 +353,7 @@ class TrainerService:
 
         # The checkpoint exists before the record that announces it.
         uri = self.store.put(policy, version, write)
-        digest = content_hash(written["content"])
+        digest = written["digest"]
         stats["weights_s"] = time.monotonic() - publish_started
         published = hdr.now_ms()
         record = PolicyVersion(policy=policy, version=version, weights_uri=uri, created_at=published,

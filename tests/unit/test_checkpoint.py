@@ -27,9 +27,10 @@ def test_every_version_folder_loads_to_the_models_weights_and_hashes_as_workers_
     for v in range(3):
         folder = tmp_path / f"v{v}"
         folder.mkdir()
-        contents.append(writer.write(folder))
+        content, digest = writer.write(folder)
+        contents.append(content)
         assert writer._names is not None  # the first save taught it the names: later ones skip save_pretrained
-        assert folder_hash(folder) == content_hash(contents[-1])
+        assert folder_hash(folder) == content_hash(content) == digest
         loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         for (name, p), (_, q) in zip(model.state_dict().items(), loaded.state_dict().items()):
             assert torch.equal(p, q), name
@@ -65,10 +66,10 @@ def test_a_bf16_publish_of_an_fp32_model_keeps_the_fp32_master_for_the_resume(tm
         _nudge(model)
         folder = tmp_path / f"v{v}"
         folder.mkdir()
-        content = writer.write(folder)
+        content, digest = writer.write(folder)
         assert {t.dtype for t in content.tensors.values()} == {torch.bfloat16}
         assert (folder / MASTER_FILE).exists() and MASTER_FILE not in content.names()
-        assert folder_hash(folder) == content_hash(content)
+        assert folder_hash(folder) == content_hash(content) == digest
         assert AutoModelForCausalLM.from_pretrained(folder).dtype == torch.bfloat16  # the config names bf16
         resumed = load_resumed(folder)
         assert resumed.dtype == torch.float32
@@ -85,6 +86,6 @@ def test_publishing_in_the_trained_dtype_writes_no_master(tmp_path):
     for dtype in (None, torch.float32):
         folder = tmp_path / str(dtype)
         folder.mkdir()
-        content = VersionWriter(model, tok, publish_dtype=dtype).write(folder)
+        content, _ = VersionWriter(model, tok, publish_dtype=dtype).write(folder)
         assert not (folder / MASTER_FILE).exists()
         assert {t.dtype for t in content.tensors.values()} == {torch.float32}
