@@ -15,7 +15,8 @@ engine is built from it) and is not counted.
 
 Printed per version: its kind, payload bytes and share of an anchor, the end-to-end seconds, and the profile of
 each hop: trainer (write: the store folder with the master, and the content hash, in threads beside it; encode:
-anchor or delta; produce: chunks to the broker inside the transaction; commit), worker (seen: the watcher has the record; read: chunks fetched; apply;
+anchor or delta, in a thread from when the content exists (beside the write: not all of it on the path);
+produce: what of it is inside the transaction (the encoding's wait, chunks to the broker); commit), worker (seen: the watcher has the record; read: chunks fetched; apply;
 hash: every hash the reader computes; write: its cache folder; load: the engine's ``load_weights``; generate).
 Then p50 / p99 per kind, and the baseline of ``safetensors.save_file`` of the bf16 tensors to one local file (what
 a store on a shared path costs the trainer). Needs a broker ($RLSTREAM_BOOTSTRAP). One process does both sides in
@@ -141,8 +142,8 @@ def main() -> None:
         # -- the trainer (TrainerService._publish) -----------------------------------------------------------
         written = {}
         t0 = time.perf_counter()
-        store.put(POLICY, version, lambda folder: written.update(zip(("content", "digest"),
-                                                                      version_writer.write(folder))))
+        store.put(POLICY, version, lambda folder: written.update(zip(("content", "digest"), version_writer.write(
+            folder, on_content=lambda content: log_writer.prepare(content, version)))))
         digest = written["digest"]
         prof.add("write", time.perf_counter() - t0)  # the hash is in it, in a thread beside the weights' file
         pv = PolicyVersion(POLICY, version, "", created_at=created_ms, published_at=hdr.now_ms(), content_hash=digest)
@@ -158,7 +159,7 @@ def main() -> None:
         log_writer.committed()
         t4 = time.perf_counter()
         trainer_encode = prof.now["encode"]
-        prof.add("produce", produced["s"] - trainer_encode)
+        prof.add("produce", produced["s"])
         prof.add("commit", t4 - t3 - produced["s"])
         # -- the worker (RolloutStage._prefetch, then _swap_to_latest) -----------------------------------------
         assert watcher.wait_for(version, 60), f"v{version} not seen"

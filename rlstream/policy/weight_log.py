@@ -27,7 +27,9 @@ and says in its log that it rebuilds from the anchor because the delta's base is
 **Checks.** Each rebuilt version must hash to the ``content_hash`` its chunks carry, and the version asked for to
 the one its PolicyVersion carries; otherwise the version is refused (ValueError, logged, counted in
 ``rlstream_weights_refused_total``),
-nothing is written to the cache, and the worker keeps the weights it holds. Chunks no longer in the log, or
+nothing is written to the cache, and the worker keeps the weights it holds (its engine's, and its folder; the reader
+applies deltas to the version it holds in memory in place, so after a refusal its next fetch rebuilds from the
+anchor). Each version is hashed once, when it is rebuilt: the PolicyVersion's hash is compared with that digest. Chunks no longer in the log, or
 not found, raise OSError. Either way the rollout keeps generating with (and stamping) its current version.
 
 **Retention.** The topic keeps records until the trainer deletes a prefix, and it deletes only up to the first
@@ -46,6 +48,7 @@ import logging
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode, urlparse
@@ -112,15 +115,32 @@ class WeightLogWriter:
         self._base: tuple[int, Content] | None = None  # the last committed version, what the next delta is against
         self._anchors: list[tuple[int, int, int]] = []  # committed anchors: (version, partition, first offset)
         self._pending = None
+        self._prepared = None  # (version, content, anchor, the payload's future): prepare's
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-encode")
         self.last_payload_bytes = 0  # of the last version produced (benchmarks)
+
+    def _anchor(self, version: int) -> bool:
+        base = self._base
+        return base is None or base[0] != version - 1 or version % self.anchor_every == 0
+
+    def prepare(self, content: Content, version: int) -> None:
+        """Start encoding ``version``'s payload in a thread, for ``produce`` to take: the trainer calls it as soon as
+        the version's content exists, so the encoding runs beside the writing of its folder and its hash."""
+        anchor = self._anchor(version)
+        self._prepared = (version, content, anchor,
+                          self._pool.submit(encode, content, None if anchor else self._base[1]))
 
     def produce(self, txn, content: Content, digest: str, version: int, flush_timeout_s: float = 300.0) -> str:
         """Produce version ``version`` (its content, ``deltas.read_folder`` of the written checkpoint, and its
         ``content_hash``) into ``txn``'s open transaction; return its URI. A delivery error raises KafkaException,
         which aborts the transaction."""
-        base = self._base
-        anchor = base is None or base[0] != version - 1 or version % self.anchor_every == 0
-        payload = encode(content, None if anchor else base[1])
+        base, prepared, self._prepared = self._base, self._prepared, None
+        if prepared is not None and prepared[0] == version and prepared[1] is content and \
+                prepared[2] == self._anchor(version):
+            anchor, payload = prepared[2], prepared[3].result()
+        else:  # not prepared, or for another version or base (a redone step): encoded now
+            anchor = self._anchor(version)
+            payload = encode(content, None if anchor else base[1])
         parts = split(payload, self.chunk_bytes)
         created, files = now_ms(), content.names()
         chunks = [WeightChunk(policy=self.policy, version=version, kind=ANCHOR if anchor else DELTA,

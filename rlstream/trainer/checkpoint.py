@@ -82,11 +82,13 @@ class VersionWriter:
         self._files: dict[str, bytes] = {}  # config, generation config, tokenizer: the same for every version
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="version-writer")
 
-    def write(self, folder: Path, full_state=None, fast: bool = True) -> tuple[Content, str]:
+    def write(self, folder: Path, full_state=None, fast: bool = True, on_content=None) -> tuple[Content, str]:
         """Write the version's weights and static files into ``folder``; return its content (for the weights log)
         and its ``content_hash`` (what the PolicyVersion carries). ``full_state``: the whole model's parameters
         where an engine shards them; ``fast=False``: through ``save_pretrained`` every time (``--checkpoint-every
         1``, the path before K). With a publish dtype, the master weights go beside them (module docstring).
+        ``on_content(content)`` is called as soon as the content exists, before its file is written (the weights
+        log starts encoding it then).
 
         The master's file and the hash run in threads beside the weights' file (each mostly outside the GIL: file
         writes, hashlib over buffers); all are done before this returns, so before the store makes the folder
@@ -105,12 +107,16 @@ class VersionWriter:
                 content = read_folder(folder)
                 if full_state is None and set(content.shards.values()) == {WEIGHTS_FILE}:
                     self._names, self._files = sorted(content.tensors), dict(content.files)
+                if on_content is not None:
+                    on_content(content)
                 return content, content_hash(content)
             # Copies: the weights log keeps the content as the next delta's base while the model trains on.
             cast = cast_state({name: state[name] for name in self._names}, self.publish_dtype)
             tensors = {name: cast[name] for name in self._names}
             content = Content(tensors=tensors, shards={name: WEIGHTS_FILE for name in tensors},
                               files=dict(self._files))
+            if on_content is not None:
+                on_content(content)
             digest = self._pool.submit(content_hash, content)
             save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
             for rel, data in self._files.items():

@@ -344,8 +344,9 @@ class TrainerService:
 
         def write(folder: Path) -> None:
             # What workers load, hashed as they will hash it (the store may be remote: hashed while it is here).
-            written["content"], written["digest"] = self._writer.write(folder, full_state,
-                                                                     fast=self.settings.checkpoint_every > 1)
+            prepare = (lambda content: self.weight_log.prepare(content, version)) if self.weight_log else None
+            written["content"], written["digest"] = self._writer.write(
+                folder, full_state, fast=self.settings.checkpoint_every > 1, on_content=prepare)
             if self._tokenizer_hash is None:
                 self._tokenizer_hash = tokenizer_hash(folder)
             if full_checkpoint:
