@@ -26,11 +26,11 @@ and says in its log that it rebuilds from the anchor because the delta's base is
 
 **Checks.** Each rebuilt version must hash to the ``content_hash`` its chunks carry, and the version asked for to
 the one its PolicyVersion carries; otherwise the version is refused (ValueError, logged, counted in
-``rlstream_weights_refused_total``),
-nothing is written to the cache, and the worker keeps the weights it holds (its engine's, and its folder; the reader
-applies deltas to the version it holds in memory in place, so after a refusal its next fetch rebuilds from the
-anchor). Each version is hashed once, when it is rebuilt: the PolicyVersion's hash is compared with that digest. Chunks no longer in the log, or
-not found, raise OSError. Either way the rollout keeps generating with (and stamping) its current version.
+``rlstream_weights_refused_total``), nothing is written to the cache, and the worker keeps the weights it holds
+(its engine's, and its folder; the reader applies deltas in place to the version it holds in memory, so after a
+refusal its next fetch rebuilds from the anchor). Each version is hashed once, when it is rebuilt: the
+PolicyVersion's hash is compared with that digest. Chunks no longer in the log, or not found, raise OSError.
+Either way the rollout keeps generating with (and stamping) its current version.
 
 **Retention.** The topic keeps records until the trainer deletes a prefix, and it deletes only up to the first
 chunk of the newest anchor at or below ``version - η - 1``: every retained delta keeps its anchor, and every
