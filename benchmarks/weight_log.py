@@ -16,8 +16,9 @@ engine is built from it) and is not counted.
 Printed per version: its kind, payload bytes and share of an anchor, the end-to-end seconds, and the profile of
 each hop: trainer (write: the store folder with the master, and the content hash, in threads beside it; encode:
 anchor or delta, in a thread from when the content exists (beside the write: not all of it on the path);
-produce: what of it is inside the transaction (the encoding's wait, chunks to the broker); commit), worker (seen: the watcher has the record; read: chunks fetched; apply;
-hash: every hash the reader computes; write: its cache folder; load: the engine's ``load_weights``; generate).
+produce: what of it is inside the transaction (the encoding's wait, chunks to the broker); commit), worker (seen:
+the watcher has the record; read: chunks fetched; apply; rhash: every hash the reader computes; rwrite: its cache
+folder; load: the engine's ``load_weights``; generate).
 Then p50 / p99 per kind, and the baseline of ``safetensors.save_file`` of the bf16 tensors to one local file (what
 a store on a shared path costs the trainer). Needs a broker ($RLSTREAM_BOOTSTRAP). One process does both sides in
 turn (the worker in the watcher's thread and this one), so the latency has no queueing in it.

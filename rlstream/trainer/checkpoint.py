@@ -9,9 +9,10 @@ recovery stays exactly-once; only Adam's moments may be up to K - 1 steps old af
 optimizer state holds the parameters themselves (ZeRO's fp32 master weights, FSDP2's shards) write it every
 version: an older one would roll the weights back.
 
-After the first version the weights go through ``policy.tensorfile`` (safetensors, without copies) directly (the tensor names ``save_pretrained`` chose
-the first time, the static files kept in memory): ``save_pretrained``'s own overhead is most of a tiny model's
-write. The content each version announces is hashed from what was written, as workers hash the folder.
+After the first version the weights go through ``policy.tensorfile`` (safetensors without copies) directly (the
+tensor names ``save_pretrained`` chose the first time, the static files kept in memory): ``save_pretrained``'s own
+overhead is most of a tiny model's write. The content each version announces is hashed from what was written, as
+workers hash the folder.
 
 **Publish dtype** (``--publish-dtype``). Workers may load a version in another dtype than the trainer trains in
 (fp32 training, bf16 published: a bf16 delta changes few elements, an fp32 one every element). The folder then holds

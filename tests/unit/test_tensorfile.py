@@ -1,4 +1,4 @@
-"""rlstream.policy.tensorfile: files and blobs the safetensors library reads back bit-exactly, and blobs read as views."""
+"""rlstream.policy.tensorfile: files and blobs the safetensors library reads back bit-exactly; blobs read as views."""
 from __future__ import annotations
 
 import pytest
