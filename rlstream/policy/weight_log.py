@@ -198,6 +198,7 @@ class WeightLogReader:
         self.timeout_s = timeout_s
         self._held: _Held | None = None
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-aside")
 
     def fetch(self, pv: PolicyVersion) -> Path:
         """The local folder of ``pv``'s weights; ValueError when refused, OSError when not readable."""
@@ -214,19 +215,22 @@ class WeightLogReader:
                 # The held content is the base the deltas are applied to, in place (no copy of every changed
                 # tensor): from here on it is no longer the held version's, whatever happens.
                 self._held = None
-                content, digest = self._rebuild(ref, base)
+                # Its folder is written aside while it is hashed, and moved in only once every check passed.
+                content, digest = self._rebuild(ref, base, beside=lambda rebuilt: self._write_aside(ref, rebuilt))
                 self._check(pv, digest)
             except ValueError as exc:
+                shutil.rmtree(self._aside(ref), ignore_errors=True)
                 raise self._refuse(pv, "invalid", str(exc)) from None
             except OSError as exc:
+                shutil.rmtree(self._aside(ref), ignore_errors=True)
                 metrics.WEIGHTS_REFUSED.labels("unreadable").inc()
                 raise OSError(f"{pv.policy} v{pv.version} not readable from the weights log: {exc}") from None
-            folder = self._write(ref, content)
+            folder = self._move_in(ref)
             self._held = _Held(ref.version, content, ref, folder, digest)
             self._drop_old(ref.policy, keep={folder, held.folder if held else folder})
             return folder
 
-    def _rebuild(self, ref: LogRef, held: _Held | None) -> tuple[Content, str]:
+    def _rebuild(self, ref: LogRef, held: _Held | None, beside=None) -> tuple[Content, str]:
         started = time.monotonic()
         if held is not None and ref.anchor <= held.version < ref.version:
             start = ref.offset if held.version == ref.version - 1 else held.ref.offset
@@ -237,14 +241,16 @@ class WeightLogReader:
                 log.warning("v%d is a delta whose base v%d is not held here (%s): rebuilding from anchor v%d",
                             ref.version, ref.version - 1,
                             f"holding v{held.version}" if held is not None else "nothing held yet", ref.anchor)
-        version, content, digest = self._read(ref, start, base)
+        version, content, digest = self._read(ref, start, base, beside)
         log.info("weights %s v%d rebuilt from the log in %.2fs (from %s)", ref.policy, version,
                  time.monotonic() - started, f"v{base[0]}" if base else f"anchor v{ref.anchor}")
         return content, digest
 
-    def _read(self, ref: LogRef, start: int, base: tuple[int, Content] | None) -> tuple[int, Content, str]:
+    def _read(self, ref: LogRef, start: int, base: tuple[int, Content] | None,
+              beside=None) -> tuple[int, Content, str]:
         """Apply the policy's versions from offset ``start`` on to ``base`` (changing its tensors in place) until
-        ``ref.version``; that version, its content and its hash (checked against its chunks')."""
+        ``ref.version``; that version, its content and its hash (checked against its chunks'). ``beside(content)``
+        runs in a thread while the version asked for is hashed (and is done when this returns or raises)."""
         version, content = base if base is not None else (-1, None)
         parts: list[bytes] = []
         first = True
@@ -269,7 +275,12 @@ class WeightLogReader:
             payload = bytearray().join(parts)  # one copy, which the anchor's tensors are then views of
             parts = []
             rebuilt = apply(payload, None if c.kind == ANCHOR else content, in_place=True)
-            digest = content_hash(rebuilt)
+            aside = self._pool.submit(beside, rebuilt) if beside is not None and c.version == ref.version else None
+            try:
+                digest = content_hash(rebuilt)
+            finally:
+                if aside is not None:
+                    aside.result()
             if digest != c.content_hash:
                 raise ValueError(f"v{c.version} rebuilt from the log does not match its chunks' hash")
             version, content = c.version, rebuilt
@@ -289,15 +300,23 @@ class WeightLogReader:
         log.error("refusing %s v%d: %s; keeping the weights held now", pv.policy, pv.version, why)
         return ValueError(f"{pv.policy} v{pv.version} refused: {why}")
 
-    def _write(self, ref: LogRef, content: Content) -> Path:
-        """The version's folder under the cache, appearing whole (written aside, then renamed)."""
-        final = self.cache_dir / ref.policy / f"v{ref.version}"
-        tmp = final.with_name(final.name + ".tmp")
+    def _folder(self, ref: LogRef) -> Path:
+        return self.cache_dir / ref.policy / f"v{ref.version}"
+
+    def _aside(self, ref: LogRef) -> Path:
+        return self._folder(ref).with_name(f"v{ref.version}.tmp")
+
+    def _write_aside(self, ref: LogRef, content: Content) -> None:
+        tmp = self._aside(ref)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         write_folder(content, tmp)
+
+    def _move_in(self, ref: LogRef) -> Path:
+        """The version's folder under the cache, appearing whole (written aside, then renamed)."""
+        final = self._folder(ref)
         shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        self._aside(ref).rename(final)
         return final
 
     def _drop_old(self, policy: str, keep: set[Path]) -> None:
