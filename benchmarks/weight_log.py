@@ -17,8 +17,10 @@ Printed per version: its kind, payload bytes and share of an anchor, the end-to-
 each hop: trainer (write: the store folder with the master, and the content hash, in threads beside it; encode:
 anchor or delta, in a thread from when the content exists (beside the write: not all of it on the path);
 produce: what of it is inside the transaction (the encoding's wait, chunks to the broker); commit), worker (seen:
-the watcher has the record; read: chunks fetched; apply; rhash: every hash the reader computes; rwrite: its cache
-folder; load: the engine's ``load_weights``; generate).
+the watcher has the record; fetch: ``PolicyWeights.folder``, of which read: chunks fetched, apply, rhash: every
+hash the reader computes, rwrite: its cache folder, in a thread beside the hash; load: the engine's
+``load_weights``; generate). On the path: write, produce, commit, seen, fetch, load, generate (they add up to the
+total); encode and rwrite overlap others.
 Then p50 / p99 per kind, and the baseline of ``safetensors.save_file`` of the bf16 tensors to one local file (what
 a store on a shared path costs the trainer). Needs a broker ($RLSTREAM_BOOTSTRAP). One process does both sides in
 turn (the worker in the watcher's thread and this one), so the latency has no queueing in it.
@@ -54,7 +56,8 @@ from rlstream.schemas.records import PolicyVersion, SamplingParams
 from rlstream.trainer.checkpoint import VersionWriter
 
 POLICY = "policy"
-HOPS = ("write", "encode", "produce", "commit", "seen", "read", "apply", "rhash", "rwrite", "load", "generate")
+HOPS = ("write", "encode", "produce", "commit", "seen", "fetch", "read", "apply", "rhash", "rwrite", "load",
+        "generate")
 
 
 class Profile:
@@ -76,6 +79,23 @@ class Profile:
                 return inner(*a, **kw)
             finally:
                 self.add(hop, time.perf_counter() - t0)
+        setattr(module, name, timed)
+
+    def wrap_iter(self, module, name: str, hop: str) -> None:
+        """The same for a generator function: the time spent getting each item."""
+        inner = getattr(module, name)
+
+        def timed(*a, **kw):
+            it = iter(inner(*a, **kw))
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                finally:
+                    self.add(hop, time.perf_counter() - t0)
+                yield item
         setattr(module, name, timed)
 
     def take(self) -> dict[str, float]:
@@ -128,7 +148,8 @@ def main() -> None:
     prof.wrap(weight_log, "encode", "encode")
     prof.wrap(weight_log, "apply", "apply")
     prof.wrap(weight_log, "content_hash", "rhash")  # weight_log hashes only on the reader's side
-    prof.wrap(weight_log, "write_folder", "rwrite")
+    prof.wrap(weight_log, "write_folder", "rwrite")  # in a thread, beside the hash
+    prof.wrap_iter(weight_log, "read_from", "read")
     print(f"model: Qwen2 {params / 1e6:.1f} M parameters, trained in fp32, published as bf16 "
           f"({2 * params / 1e6:.1f} MB)")
     rows, backend, sampling = [], None, SamplingParams(max_tokens=1, temperature=1.0)
@@ -167,12 +188,9 @@ def main() -> None:
         t5 = time.perf_counter()
         prof.add("seen", t5 - t4)
         seen = watcher.latest
-        read_before = {k: prof.now[k] for k in ("apply", "rhash", "rwrite")}
         weights.folder(seen)  # the prefetch: rebuilt, hash-checked, written
         t6 = time.perf_counter()
-        # What the wrappers did not time inside the fetch is the chunks' reading (the tail reader's iteration).
-        inner = sum(prof.now[k] - read_before[k] for k in read_before)
-        prof.add("read", (t6 - t5) - inner)
+        prof.add("fetch", t6 - t5)
         if backend is None:  # version 0: the worker's engine starts from it
             backend = TransformersBackend(weights.folder(seen))
             backend.version = 0
