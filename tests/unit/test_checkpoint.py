@@ -36,6 +36,8 @@ def test_every_version_folder_loads_to_the_models_weights_and_hashes_as_workers_
             assert torch.equal(p, q), name
         assert sorted(f.name for f in folder.iterdir()) == sorted(f.name for f in (tmp_path / "v0").iterdir())
         _nudge(model)
+    # The last version's content (the weights log's next base) is intact after the next one is written.
+    assert content_hash(contents[1]) == folder_hash(tmp_path / "v1")
     # The content kept (the weights log's next base) is a copy: training on did not change it.
     assert not torch.equal(contents[1].tensors["model.embed_tokens.weight"],
                            model.state_dict()["model.embed_tokens.weight"])
