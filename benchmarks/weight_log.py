@@ -1,17 +1,30 @@
-"""Weights through Kafka: bytes per version of anchors and deltas after real optimizer steps, and publish-to-load
-latency of a worker that shares no path with the trainer.
+"""Weights through Kafka: bytes per version of anchors and deltas after real optimizer steps, and the latency from a
+PolicyVersion's creation to a rollout engine that shares no path with the trainer generating with it.
 
-    python -m benchmarks.weight_log [--steps 12] [--anchor-every 10] [--hidden 256] [--layers 4] [--lr 1e-5]
+    python -m benchmarks.weight_log [--steps 9] [--anchor-every 3] [--hidden 256] [--layers 4] [--lr 1e-5]
 
-A Qwen2 built in code (random init) trains with AdamW in fp32 on random tokens; each version is published as bf16
-(what rollout engines load) through ``WeightLogWriter`` in a transaction with its PolicyVersion, as the trainer
-does, and a ``WeightLogReader`` with its own cache directory rebuilds and hash-checks it at once. Printed: per
-version its kind, payload bytes and share of a full anchor, the checkpoint's time (``save_pretrained``, read back,
-content hash), the publishing transaction's, and the time from the version's creation (before its checkpoint is
-written, as the trainer's PolicyVersion) to the rebuilt, verified folder (p50 / p99 over deltas and anchors); and
-the baseline: ``safetensors.save_file`` of the same bf16 tensors to one local file (what a store on a shared path
-costs the trainer). Needs a broker ($RLSTREAM_BOOTSTRAP). One process does both sides in turn, so the latency has
-no queueing in it. ``--hidden 768 --layers 8 --vocab 16384`` is a ~100 M-parameter model.
+A Qwen2 built in code (random init) trains with AdamW in fp32 on random tokens; each version is published as the
+trainer publishes it (``--publish-dtype bf16``): ``VersionWriter`` writes the bf16 folder and the fp32 master into a
+``WeightStore`` folder, its content is hashed, and ``WeightLogWriter`` puts it on the weights topic in a transaction
+with its PolicyVersion. The worker side is the rollout stage's: a ``PolicyWatcher`` sees the committed record,
+``PolicyWeights.folder`` rebuilds and hash-checks the version from the log into its own cache (called twice, as the
+rollout's prefetch and swap do), the in-process transformers engine (``TransformersBackend``) ``load_weights`` it,
+and generates one token with it. The clock starts at the version's creation (before its checkpoint is written, as
+the trainer stamps ``created_at``) and stops when that token is sampled. Version 0 is the worker's start (its
+engine is built from it) and is not counted.
+
+Printed per version: its kind, payload bytes and share of an anchor, the end-to-end seconds, and the profile of
+each hop: trainer (write: the store folder with the master, and the content hash, in threads beside it; encode:
+anchor or delta, in a thread from when the content exists (beside the write: not all of it on the path);
+produce: what of it is inside the transaction (the encoding's wait, chunks to the broker); commit), worker (seen:
+the watcher has the record; fetch: ``PolicyWeights.folder``, of which read: chunks fetched, apply, rhash: every
+hash the reader computes, rwrite: its cache folder, in a thread beside the hash; load: the engine's
+``load_weights``; generate). On the path: write, produce, commit, seen, fetch, load, generate (they add up to the
+total); encode and rwrite overlap others.
+Then p50 / p99 per kind, and the baseline of ``safetensors.save_file`` of the bf16 tensors to one local file (what
+a store on a shared path costs the trainer). Needs a broker ($RLSTREAM_BOOTSTRAP). One process does both sides in
+turn (the worker in the watcher's thread and this one), so the latency has no queueing in it.
+``--hidden 768 --layers 8 --vocab 16384`` is a ~100 M-parameter model.
 """
 from __future__ import annotations
 
@@ -22,6 +35,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -33,10 +47,60 @@ from rlstream.config import KafkaSettings
 from rlstream.kafka import records
 from rlstream.kafka.topics import create_topics
 from rlstream.kafka.transactions import TransactionalProducer
-from rlstream.policy.deltas import content_hash, read_folder
-from rlstream.policy.weight_log import WeightLogReader, WeightLogWriter, parse_uri
+from rlstream.policy import weight_log
+from rlstream.policy.watcher import PolicyWatcher
+from rlstream.policy.weight_log import WeightLogWriter, parse_uri
+from rlstream.policy.weights import PolicyWeights, WeightStore
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.records import PolicyVersion
+from rlstream.schemas.records import PolicyVersion, SamplingParams
+from rlstream.trainer.checkpoint import VersionWriter
+
+POLICY = "policy"
+HOPS = ("write", "encode", "produce", "commit", "seen", "fetch", "read", "apply", "rhash", "rwrite", "load",
+        "generate")
+
+
+class Profile:
+    """Seconds per hop of the version being measured; module functions are wrapped to add theirs (a benchmark's
+    instrument: the code measured is the code that runs)."""
+
+    def __init__(self):
+        self.now: dict[str, float] = defaultdict(float)
+
+    def add(self, hop: str, seconds: float) -> None:
+        self.now[hop] += seconds
+
+    def wrap(self, module, name: str, hop: str) -> None:
+        inner = getattr(module, name)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                self.add(hop, time.perf_counter() - t0)
+        setattr(module, name, timed)
+
+    def wrap_iter(self, module, name: str, hop: str) -> None:
+        """The same for a generator function: the time spent getting each item."""
+        inner = getattr(module, name)
+
+        def timed(*a, **kw):
+            it = iter(inner(*a, **kw))
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                finally:
+                    self.add(hop, time.perf_counter() - t0)
+                yield item
+        setattr(module, name, timed)
+
+    def take(self) -> dict[str, float]:
+        out, self.now = dict(self.now), defaultdict(float)
+        return out
 
 
 def build_model(hidden: int, layers: int, vocab: int):
@@ -50,8 +114,8 @@ def build_model(hidden: int, layers: int, vocab: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--anchor-every", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--anchor-every", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
@@ -67,16 +131,28 @@ def main() -> None:
     print(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  commit {commit}  "
           f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}  cores {os.cpu_count()}")
 
+    from rlstream.models.tiny import build_tokenizer
+    from rlstream.stages.inference.local import TransformersBackend
     model = build_model(args.hidden, args.layers, args.vocab)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     txn = TransactionalProducer(kafka, f"{run}.bench", who="bench", transaction_timeout_ms=120000)
     txn.start()
-    writer = WeightLogWriter(run, "policy", args.anchor_every)
     work = Path(tempfile.mkdtemp(prefix="weight-log-bench-"))
-    reader = WeightLogReader(kafka.client_config(), run, work / "worker-cache")
-    print(f"model: Qwen2 {params / 1e6:.1f} M parameters, published as bf16 ({2 * params / 1e6:.1f} MB)")
-    rows = []
+    store = WeightStore(str(work / "trainer-store"))
+    version_writer = VersionWriter(model, build_tokenizer(), publish_dtype=torch.bfloat16)
+    log_writer = WeightLogWriter(run, POLICY, args.anchor_every)
+    weights = PolicyWeights(work / "worker-cache", kafka.client_config(), run)
+    watcher = PolicyWatcher(kafka.client_config(), run, POLICY)
+    prof = Profile()
+    prof.wrap(weight_log, "encode", "encode")
+    prof.wrap(weight_log, "apply", "apply")
+    prof.wrap(weight_log, "content_hash", "rhash")  # weight_log hashes only on the reader's side
+    prof.wrap(weight_log, "write_folder", "rwrite")  # in a thread, beside the hash
+    prof.wrap_iter(weight_log, "read_from", "read")
+    print(f"model: Qwen2 {params / 1e6:.1f} M parameters, trained in fp32, published as bf16 "
+          f"({2 * params / 1e6:.1f} MB)")
+    rows, backend, sampling = [], None, SamplingParams(max_tokens=1, temperature=1.0)
     for version in range(args.steps + 1):
         if version:
             ids = torch.randint(0, args.vocab, (4, 64))
@@ -84,53 +160,95 @@ def main() -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
-        bf16 = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+        created, created_ms = time.perf_counter(), hdr.now_ms()
+        # -- the trainer (TrainerService._publish) -----------------------------------------------------------
+        written = {}
+        t0 = time.perf_counter()
+        store.put(POLICY, version, lambda folder: written.update(zip(("content", "digest"), version_writer.write(
+            folder, on_content=lambda content: log_writer.prepare(content, version)))))
+        digest = written["digest"]
+        prof.add("write", time.perf_counter() - t0)  # the hash is in it, in a thread beside the weights' file
+        pv = PolicyVersion(POLICY, version, "", created_at=created_ms, published_at=hdr.now_ms(), content_hash=digest)
+        produced = {}
+
+        def body():
+            t = time.perf_counter()
+            pv.weights_uri = log_writer.produce(txn, written["content"], digest, version)
+            records.produce(txn, run, "policy-versions", POLICY.encode(), pv, version)
+            produced["s"] = time.perf_counter() - t
+        t3 = time.perf_counter()
+        assert txn.transact(body), "publishing transaction aborted"
+        log_writer.committed()
+        t4 = time.perf_counter()
+        trainer_encode = prof.now["encode"]
+        prof.add("produce", produced["s"])
+        prof.add("commit", t4 - t3 - produced["s"])
+        # -- the worker (RolloutStage._prefetch, then _swap_to_latest) -----------------------------------------
+        assert watcher.wait_for(version, 60), f"v{version} not seen"
+        t5 = time.perf_counter()
+        prof.add("seen", t5 - t4)
+        seen = watcher.latest
+        weights.folder(seen)  # the prefetch: rebuilt, hash-checked, written
+        t6 = time.perf_counter()
+        prof.add("fetch", t6 - t5)
+        if backend is None:  # version 0: the worker's engine starts from it
+            backend = TransformersBackend(weights.folder(seen))
+            backend.version = 0
+        else:
+            folder = weights.folder(seen)  # the swap asks again (held: checked against the hash, not rebuilt)
+            t7 = time.perf_counter()
+            backend.load_weights(folder, seen.version)
+            t8 = time.perf_counter()
+            prof.add("load", t8 - t7)
+        t9 = time.perf_counter()
+        backend.generate([[1, 5, 6]], sampling)
+        done = time.perf_counter()
+        prof.add("generate", done - t9)
+        hops = prof.take()
+        hops["encode"] = trainer_encode  # the trainer's (the reader encodes nothing)
+        assert backend.version == version
+        ref = parse_uri(pv.weights_uri)
+        bf16 = written["content"].tensors
         t0 = time.perf_counter()
         save_file(bf16, str(work / "plain.safetensors"))
         plain = time.perf_counter() - t0
-        created = time.perf_counter()
-        folder = work / "trainer" / f"v{version}"
-        model.save_pretrained(folder, state_dict=bf16)
-        content = read_folder(folder)
-        digest = content_hash(content)
-        started = time.perf_counter()
-        pv = PolicyVersion("policy", version, "", created_at=hdr.now_ms(), published_at=hdr.now_ms(),
-                           content_hash=digest)
+        rows.append({"version": version, "kind": "anchor" if ref.anchor == version else "delta",
+                     "bytes": log_writer.last_payload_bytes, "total": done - created, "plain": plain, **hops})
+        store.prune(POLICY, keep_from=version - 2, keep={0})
+    watcher.close()
+    report_rows(rows)
 
-        def body():
-            pv.weights_uri = writer.produce(txn, content, digest, version)
-            records.produce(txn, run, "policy-versions", b"policy", pv, version)
-        assert txn.transact(body), "publishing transaction aborted"
-        writer.committed()
-        published = time.perf_counter()
-        loaded = reader.fetch(pv)
-        done = time.perf_counter()
-        assert content_hash(read_folder(loaded)) == digest
-        ref = parse_uri(pv.weights_uri)
-        rows.append((version, "anchor" if ref.anchor == version else "delta", writer.last_payload_bytes,
-                     published - started, done - created, started - created, plain))
-    full = [r[2] for r in rows if r[1] == "anchor"]
-    anchor_bytes = sum(full) / len(full)
-    print(f"{'version':>7} {'kind':>6} {'payload MB':>10} {'of anchor':>9} {'checkpoint s':>12} {'publish s':>9} "
-          f"{'to loaded s':>11} {'file s':>6}")
-    for version, kind, size, pub, total, ckpt, plain in rows:
-        print(f"{version:>7} {kind:>6} {size / 1e6:>10.2f} {size / anchor_bytes:>9.1%} {ckpt:>12.3f} {pub:>9.3f} "
-              f"{total:>11.3f} {plain:>6.3f}")
+
+def report_rows(rows: list[dict]) -> None:
+    anchor_bytes = sum(r["bytes"] for r in rows if r["kind"] == "anchor") / \
+        max(1, sum(1 for r in rows if r["kind"] == "anchor"))
+    print(f"{'version':>7} {'kind':>6} {'MB':>7} {'of anchor':>9} {'total s':>7} " +
+          " ".join(f"{h:>8}" for h in HOPS))
+    for r in rows:
+        print(f"{r['version']:>7} {r['kind']:>6} {r['bytes'] / 1e6:>7.2f} {r['bytes'] / anchor_bytes:>9.1%} "
+              f"{r['total']:>7.3f} " + " ".join(f"{r.get(h, 0.0):>8.3f}" for h in HOPS))
+    print("(version 0 starts the worker's engine: not counted below)")
+    measured = [r for r in rows if r["version"] > 0]
     for kind in ("delta", "anchor"):
-        lat = [r[4] for r in rows if r[1] == kind]
-        sizes = [r[2] for r in rows if r[1] == kind]
-        if lat:
-            print(f"{kind}: n={len(lat)} mean {sum(sizes) / len(sizes) / 1e6:.2f} MB "
-                  f"({sum(sizes) / len(sizes) / anchor_bytes:.1%} of an anchor); publish->loaded p50 "
-                  f"{percentile(lat, 50):.3f} s p99 {percentile(lat, 99):.3f} s (checkpoint p50 "
-                  f"{percentile([r[5] for r in rows if r[1] == kind], 50):.3f} s)")
-    plain, size = [r[6] for r in rows], (work / "plain.safetensors").stat().st_size
-    print(f"baseline: save_file of the bf16 tensors to a local file ({size / 1e6:.1f} MB) p50 "
-          f"{percentile(plain, 50):.3f} s p99 {percentile(plain, 99):.3f} s")
-    deltas = [r[2] for r in rows if r[1] == "delta"]
-    result("weight_log", steps=args.steps, anchor_mb=anchor_bytes / 1e6,
+        mine = [r for r in measured if r["kind"] == kind]
+        if not mine:
+            continue
+        lat = [r["total"] for r in mine]
+        size = sum(r["bytes"] for r in mine) / len(mine)
+        print(f"{kind}: n={len(mine)} mean {size / 1e6:.2f} MB ({size / anchor_bytes:.1%} of an anchor); "
+              f"created->generating p50 {percentile(lat, 50):.3f} s p99 {percentile(lat, 99):.3f} s; hops p50: " +
+              ", ".join(f"{h} {percentile([r.get(h, 0.0) for r in mine], 50):.3f}" for h in HOPS))
+    plain = [r["plain"] for r in rows]
+    print(f"baseline: save_file of the bf16 tensors to a local file p50 {percentile(plain, 50):.3f} s "
+          f"p99 {percentile(plain, 99):.3f} s")
+    deltas = [r["bytes"] for r in measured if r["kind"] == "delta"]
+    lat = [r["total"] for r in measured]
+    result("weight_log", steps=len(measured), anchor_mb=anchor_bytes / 1e6,
            delta_of_anchor=sum(deltas) / len(deltas) / anchor_bytes if deltas else float("nan"),
-           loaded_p50_s=percentile([r[4] for r in rows], 50), save_file_p50_s=percentile(plain, 50))
+           generating_p50_s=percentile(lat, 50), generating_p99_s=percentile(lat, 99),
+           delta_p99_s=percentile([r["total"] for r in measured if r["kind"] == "delta"] or [float("nan")], 99),
+           anchor_p99_s=percentile([r["total"] for r in measured if r["kind"] == "anchor"] or [float("nan")], 99),
+           save_file_p50_s=percentile(plain, 50))
 
 
 if __name__ == "__main__":

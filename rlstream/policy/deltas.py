@@ -4,7 +4,7 @@ Pure logic, no Kafka (``rlstream.policy.weight_log`` moves the payloads):
 
 - ``Content``: what a version is: every tensor of its safetensors shards (with the shard each lives in) and
   every other file of its folder (config, generation config, tokenizer, chat template). Files only the trainer
-  needs (``PRIVATE``: optimizer state, its resume notes, the store's marker) are not part of a version.
+  needs (``PRIVATE``: optimizer state, master weights, its resume notes, the store's marker) are not part of a version.
 - ``content_hash``: sha256 over the tensors in name order (name, dtype, shape, raw bytes), then the other files
   in name order (name, length, bytes). Shard layout and safetensors header bytes are not hashed, so a folder
   rebuilt from a delta hashes equal to the trainer's ``save_pretrained`` folder when, and only when, every
@@ -26,16 +26,17 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import load_file
-from safetensors.torch import save as st_save
-from safetensors.torch import save_file
+
+from rlstream.policy import tensorfile
 
 #: Files (or folders) of a store folder that are the trainer's own, not the policy's (never hashed, never shipped):
-#: the optimizer state (``optimizer/`` holds a sharded engine's, a file per rank), the store's marker, and the skip
+#: the optimizer state (``optimizer/`` holds a sharded engine's, a file per rank), the master weights in the
+#: training dtype when the version is published in another (``--publish-dtype``), the store's marker, and the skip
 #: list older trainers wrote.
-PRIVATE = frozenset({"optimizer.pt", "optimizer", "consumed_ahead.json", "COMPLETE"})
+PRIVATE = frozenset({"optimizer.pt", "optimizer", "master.safetensors", "consumed_ahead.json", "COMPLETE"})
 
 ANCHOR, DELTA = "anchor", "delta"
 _META = "rlstream"
@@ -82,7 +83,7 @@ def write_folder(content: Content, folder: Path) -> None:
         by_shard.setdefault(shard, {})[name] = content.tensors[name]
     for shard, tensors in by_shard.items():
         (folder / shard).parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+        tensorfile.save_file(tensors, folder / shard, metadata={"format": "pt"})
     for rel, data in content.files.items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
         (folder / rel).write_bytes(data)
@@ -107,8 +108,9 @@ def folder_hash(folder: Path) -> str:
     return content_hash(read_folder(folder))
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+def _raw(t: torch.Tensor):
+    """The tensor's bytes as a view (hashlib reads the buffer; a copy would double a hash's time)."""
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
 
 
 def _int_view(t: torch.Tensor) -> torch.Tensor:
@@ -123,29 +125,27 @@ def _changed(new: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor | None
     return _int_view(new) != _int_view(old)
 
 
-_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
-
+# Bits, counts and element selections go through numpy: torch's bool sum, bit arithmetic and masked indexing take
+# several times as long on the CPU, and a 100 M-parameter delta does each over every element.
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     """A flat bool tensor as bytes, 8 elements a byte, the first in the high bit (the last byte zero-padded)."""
-    padded = torch.zeros(-(-mask.numel() // 8) * 8, dtype=torch.uint8)
-    padded[:mask.numel()] = mask.to(torch.uint8)
-    return (padded.view(-1, 8) * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
+    return torch.from_numpy(np.packbits(mask.numpy()))
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` elements of a ``pack_bits`` result, as a flat bool tensor."""
-    return (packed.reshape(-1, 1) & _BIT_WEIGHTS).ne(0).reshape(-1)[:n]
+    return torch.from_numpy(np.unpackbits(packed.numpy(), count=n).view(np.bool_))
 
 
-def encode(content: Content, base: Content | None) -> bytes:
+def encode(content: Content, base: Content | None) -> bytearray:
     """The payload of ``content``: an anchor when ``base`` is None, else a delta against ``base``."""
     blob: dict[str, torch.Tensor] = {}
     tensors: dict[str, list[str]] = {}
     for name, t in content.tensors.items():
         t = t.contiguous()
         mask = _changed(t, base.tensors.get(name) if base is not None else None)
-        changed = int(mask.sum()) if mask is not None else -1
+        changed = int(np.count_nonzero(mask.numpy())) if mask is not None else -1
         if mask is None:
             enc = "full"
         elif changed == 0:
@@ -159,12 +159,12 @@ def encode(content: Content, base: Content | None) -> bytes:
         if enc == "full":
             blob[f"t/{name}"] = t
         elif enc == "sparse":
-            idx = torch.nonzero(mask).reshape(-1)
-            blob[f"i/{name}"] = idx.to(index_dtype)
-            blob[f"v/{name}"] = t.reshape(-1)[idx]
+            idx = np.flatnonzero(mask.numpy())
+            blob[f"i/{name}"] = torch.from_numpy(idx).to(index_dtype)
+            blob[f"v/{name}"] = _select(t, idx)
         elif enc == "mask":
             blob[f"m/{name}"] = pack_bits(mask)
-            blob[f"v/{name}"] = t.reshape(-1)[mask]
+            blob[f"v/{name}"] = _select(t, mask.numpy())
         tensors[name] = [content.shards[name], enc]
     files: dict[str, str] = {}
     for rel, data in content.files.items():
@@ -175,7 +175,13 @@ def encode(content: Content, base: Content | None) -> bytes:
             blob[f"f/{rel}"] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
                 torch.empty(0, dtype=torch.uint8)
     manifest = {"kind": ANCHOR if base is None else DELTA, "tensors": tensors, "files": files}
-    return st_save(blob, metadata={_META: json.dumps(manifest)})
+    return tensorfile.save(blob, metadata={_META: json.dumps(manifest)})
+
+
+def _select(t: torch.Tensor, where) -> torch.Tensor:
+    """The flat tensor's elements at ``where`` (numpy indices or bool mask), bit-exact, through its integer view."""
+    view = _int_view(t)
+    return torch.from_numpy(view.numpy()[where]).view(t.dtype)
 
 
 def payload_kind(payload: bytes) -> str:
@@ -193,14 +199,13 @@ def _manifest(payload: bytes) -> dict:
         raise ValueError(f"not a weights payload: {exc}") from None
 
 
-def apply(payload: bytes, base: Content | None) -> Content:
+def apply(payload: bytes | bytearray, base: Content | None, in_place: bool = False) -> Content:
     """The content a payload encodes; a delta needs the ``base`` it was made against (ValueError if absent, or if
-    the payload does not fit it)."""
+    the payload does not fit it). The tensors it carries whole are views of ``payload`` (a bytearray is taken as
+    it is, bytes copied once). ``in_place``: the changed tensors of ``base`` are changed where they are, not copied
+    (a reader that drops ``base`` on any error: a failed apply or hash leaves it half-changed)."""
     manifest = _manifest(payload)
-    try:
-        blob = st_load(payload)
-    except Exception as exc:  # safetensors raises its own error types for a damaged blob
-        raise ValueError(f"weights payload does not decode: {exc}") from None
+    blob, _ = tensorfile.load(payload if isinstance(payload, bytearray) else bytearray(payload))
     if manifest["kind"] == DELTA and base is None:
         raise ValueError("a delta needs its base version")
     out = Content()
@@ -217,15 +222,16 @@ def apply(payload: bytes, base: Content | None) -> Content:
             if enc == "mask":
                 packed = blob[f"m/{name}"]
                 fits = packed.numel() == -(-old.numel() // 8)
-                idx = unpack_bits(packed, old.numel()) if fits else None
-                fits = fits and int(idx.sum()) == values.numel()
+                idx = unpack_bits(packed, old.numel()).numpy() if fits else None
+                fits = fits and int(np.count_nonzero(idx)) == values.numel()
             else:
-                idx = blob[f"i/{name}"].long()
-                fits = idx.numel() == values.numel() and not (idx.numel() and int(idx.max()) >= old.numel())
+                idx = blob[f"i/{name}"].numpy().astype(np.int64)
+                fits = idx.size == values.numel() and not (idx.size and (int(idx.max()) >= old.numel()
+                                                                         or int(idx.min()) < 0))
             if values.dtype != old.dtype or not fits:
                 raise ValueError(f"delta of tensor {name!r} does not fit its base")
-            t = old.clone()
-            _int_view(t)[idx] = _int_view(values)
+            t = old if in_place and old.is_contiguous() else old.clone()
+            _int_view(t).numpy()[idx] = _int_view(values).numpy()
         out.tensors[name], out.shards[name] = t, shard
     for rel, enc in manifest["files"].items():
         if enc == "data":
@@ -237,8 +243,9 @@ def apply(payload: bytes, base: Content | None) -> Content:
     return out
 
 
-def split(payload: bytes, chunk_bytes: int) -> list[bytes]:
+def split(payload: bytes | bytearray, chunk_bytes: int) -> list[bytes]:
     """The payload as chunks of at most ``chunk_bytes`` (at least one, even for an empty payload)."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
-    return [payload[i:i + chunk_bytes] for i in range(0, len(payload), chunk_bytes)] or [b""]
+    view = memoryview(payload)  # one copy per chunk, not a slice and then its bytes
+    return [bytes(view[i:i + chunk_bytes]) for i in range(0, len(payload), chunk_bytes)] or [b""]

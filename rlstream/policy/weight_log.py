@@ -26,9 +26,11 @@ and says in its log that it rebuilds from the anchor because the delta's base is
 
 **Checks.** Each rebuilt version must hash to the ``content_hash`` its chunks carry, and the version asked for to
 the one its PolicyVersion carries; otherwise the version is refused (ValueError, logged, counted in
-``rlstream_weights_refused_total``),
-nothing is written to the cache, and the worker keeps the weights it holds. Chunks no longer in the log, or
-not found, raise OSError. Either way the rollout keeps generating with (and stamping) its current version.
+``rlstream_weights_refused_total``), nothing is written to the cache, and the worker keeps the weights it holds
+(its engine's, and its folder; the reader applies deltas in place to the version it holds in memory, so after a
+refusal its next fetch rebuilds from the anchor). Each version is hashed once, when it is rebuilt: the
+PolicyVersion's hash is compared with that digest. Chunks no longer in the log, or not found, raise OSError.
+Either way the rollout keeps generating with (and stamping) its current version.
 
 **Retention.** The topic keeps records until the trainer deletes a prefix, and it deletes only up to the first
 chunk of the newest anchor at or below ``version - η - 1``: every retained delta keeps its anchor, and every
@@ -46,6 +48,7 @@ import logging
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode, urlparse
@@ -112,15 +115,32 @@ class WeightLogWriter:
         self._base: tuple[int, Content] | None = None  # the last committed version, what the next delta is against
         self._anchors: list[tuple[int, int, int]] = []  # committed anchors: (version, partition, first offset)
         self._pending = None
+        self._prepared = None  # (version, content, anchor, the payload's future): prepare's
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-encode")
         self.last_payload_bytes = 0  # of the last version produced (benchmarks)
+
+    def _anchor(self, version: int) -> bool:
+        base = self._base
+        return base is None or base[0] != version - 1 or version % self.anchor_every == 0
+
+    def prepare(self, content: Content, version: int) -> None:
+        """Start encoding ``version``'s payload in a thread, for ``produce`` to take: the trainer calls it as soon as
+        the version's content exists, so the encoding runs beside the writing of its folder and its hash."""
+        anchor = self._anchor(version)
+        self._prepared = (version, content, anchor,
+                          self._pool.submit(encode, content, None if anchor else self._base[1]))
 
     def produce(self, txn, content: Content, digest: str, version: int, flush_timeout_s: float = 300.0) -> str:
         """Produce version ``version`` (its content, ``deltas.read_folder`` of the written checkpoint, and its
         ``content_hash``) into ``txn``'s open transaction; return its URI. A delivery error raises KafkaException,
         which aborts the transaction."""
-        base = self._base
-        anchor = base is None or base[0] != version - 1 or version % self.anchor_every == 0
-        payload = encode(content, None if anchor else base[1])
+        base, prepared, self._prepared = self._base, self._prepared, None
+        if prepared is not None and prepared[0] == version and prepared[1] is content and \
+                prepared[2] == self._anchor(version):
+            anchor, payload = prepared[2], prepared[3].result()
+        else:  # not prepared, or for another version or base (a redone step): encoded now
+            anchor = self._anchor(version)
+            payload = encode(content, None if anchor else base[1])
         parts = split(payload, self.chunk_bytes)
         created, files = now_ms(), content.names()
         chunks = [WeightChunk(policy=self.policy, version=version, kind=ANCHOR if anchor else DELTA,
@@ -162,6 +182,7 @@ class _Held:
     content: Content
     ref: LogRef
     folder: Path
+    digest: str  # content_hash(content), computed when it was rebuilt
 
 
 class WeightLogReader:
@@ -177,31 +198,39 @@ class WeightLogReader:
         self.timeout_s = timeout_s
         self._held: _Held | None = None
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-aside")
 
     def fetch(self, pv: PolicyVersion) -> Path:
         """The local folder of ``pv``'s weights; ValueError when refused, OSError when not readable."""
         with self._lock:
             held = self._held
             if held is not None and held.version == pv.version and held.ref.policy == pv.policy:
-                self._check(pv, held.content)
+                self._check(pv, held.digest)
                 return held.folder
             try:
                 ref = parse_uri(pv.weights_uri)
                 if ref.version != pv.version or ref.policy != pv.policy:
                     raise ValueError(f"its URI names {ref.policy} v{ref.version}")
-                content = self._rebuild(ref, held if held is not None and held.ref.policy == ref.policy else None)
+                base = held if held is not None and held.ref.policy == ref.policy else None
+                # The held content is the base the deltas are applied to, in place (no copy of every changed
+                # tensor): from here on it is no longer the held version's, whatever happens.
+                self._held = None
+                # Its folder is written aside while it is hashed, and moved in only once every check passed.
+                content, digest = self._rebuild(ref, base, beside=lambda rebuilt: self._write_aside(ref, rebuilt))
+                self._check(pv, digest)
             except ValueError as exc:
+                shutil.rmtree(self._aside(ref), ignore_errors=True)
                 raise self._refuse(pv, "invalid", str(exc)) from None
             except OSError as exc:
+                shutil.rmtree(self._aside(ref), ignore_errors=True)
                 metrics.WEIGHTS_REFUSED.labels("unreadable").inc()
                 raise OSError(f"{pv.policy} v{pv.version} not readable from the weights log: {exc}") from None
-            self._check(pv, content)
-            folder = self._write(ref, content)
-            self._held = _Held(ref.version, content, ref, folder)
+            folder = self._move_in(ref)
+            self._held = _Held(ref.version, content, ref, folder, digest)
             self._drop_old(ref.policy, keep={folder, held.folder if held else folder})
             return folder
 
-    def _rebuild(self, ref: LogRef, held: _Held | None) -> Content:
+    def _rebuild(self, ref: LogRef, held: _Held | None, beside=None) -> tuple[Content, str]:
         started = time.monotonic()
         if held is not None and ref.anchor <= held.version < ref.version:
             start = ref.offset if held.version == ref.version - 1 else held.ref.offset
@@ -212,13 +241,16 @@ class WeightLogReader:
                 log.warning("v%d is a delta whose base v%d is not held here (%s): rebuilding from anchor v%d",
                             ref.version, ref.version - 1,
                             f"holding v{held.version}" if held is not None else "nothing held yet", ref.anchor)
-        version, content = self._read(ref, start, base)
+        version, content, digest = self._read(ref, start, base, beside)
         log.info("weights %s v%d rebuilt from the log in %.2fs (from %s)", ref.policy, version,
                  time.monotonic() - started, f"v{base[0]}" if base else f"anchor v{ref.anchor}")
-        return content
+        return content, digest
 
-    def _read(self, ref: LogRef, start: int, base: tuple[int, Content] | None) -> tuple[int, Content]:
-        """Apply the policy's versions from offset ``start`` on to ``base`` until ``ref.version``."""
+    def _read(self, ref: LogRef, start: int, base: tuple[int, Content] | None,
+              beside=None) -> tuple[int, Content, str]:
+        """Apply the policy's versions from offset ``start`` on to ``base`` (changing its tensors in place) until
+        ``ref.version``; that version, its content and its hash (checked against its chunks'). ``beside(content)``
+        runs in a thread while the version asked for is hashed (and is done when this returns or raises)."""
         version, content = base if base is not None else (-1, None)
         parts: list[bytes] = []
         first = True
@@ -240,16 +272,26 @@ class WeightLogReader:
                 continue
             if c.kind == DELTA and c.base_version != version:
                 raise ValueError(f"v{c.version} is a delta on v{c.base_version}, but v{version} came before it")
-            rebuilt = apply(b"".join(parts), None if c.kind == ANCHOR else content)
-            if content_hash(rebuilt) != c.content_hash:
+            payload = bytearray().join(parts)  # one copy, which the anchor's tensors are then views of
+            parts = []
+            rebuilt = apply(payload, None if c.kind == ANCHOR else content, in_place=True)
+            aside = self._pool.submit(beside, rebuilt) if beside is not None and c.version == ref.version else None
+            try:
+                digest = content_hash(rebuilt)
+            finally:
+                if aside is not None:
+                    aside.result()
+            if digest != c.content_hash:
                 raise ValueError(f"v{c.version} rebuilt from the log does not match its chunks' hash")
-            version, content, parts = c.version, rebuilt, []
+            version, content = c.version, rebuilt
             if version == ref.version:
-                return version, content
+                return version, content, digest
         raise OSError(f"weights of {ref.policy} v{ref.version} not found in the log from offset {start}")
 
-    def _check(self, pv: PolicyVersion, content: Content) -> None:
-        if pv.content_hash and content_hash(content) != pv.content_hash:
+    def _check(self, pv: PolicyVersion, digest: str) -> None:
+        """``digest``: the hash of the content, computed from its tensors when it was rebuilt (once: it is the
+        chunks' hash too, checked in ``_read``)."""
+        if pv.content_hash and digest != pv.content_hash:
             raise self._refuse(pv, "hash_mismatch", "its weights do not match the hash its PolicyVersion carries")
 
     @staticmethod
@@ -258,15 +300,23 @@ class WeightLogReader:
         log.error("refusing %s v%d: %s; keeping the weights held now", pv.policy, pv.version, why)
         return ValueError(f"{pv.policy} v{pv.version} refused: {why}")
 
-    def _write(self, ref: LogRef, content: Content) -> Path:
-        """The version's folder under the cache, appearing whole (written aside, then renamed)."""
-        final = self.cache_dir / ref.policy / f"v{ref.version}"
-        tmp = final.with_name(final.name + ".tmp")
+    def _folder(self, ref: LogRef) -> Path:
+        return self.cache_dir / ref.policy / f"v{ref.version}"
+
+    def _aside(self, ref: LogRef) -> Path:
+        return self._folder(ref).with_name(f"v{ref.version}.tmp")
+
+    def _write_aside(self, ref: LogRef, content: Content) -> None:
+        tmp = self._aside(ref)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         write_folder(content, tmp)
+
+    def _move_in(self, ref: LogRef) -> Path:
+        """The version's folder under the cache, appearing whole (written aside, then renamed)."""
+        final = self._folder(ref)
         shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        self._aside(ref).rename(final)
         return final
 
     def _drop_old(self, policy: str, keep: set[Path]) -> None:

@@ -9,52 +9,169 @@ recovery stays exactly-once; only Adam's moments may be up to K - 1 steps old af
 optimizer state holds the parameters themselves (ZeRO's fp32 master weights, FSDP2's shards) write it every
 version: an older one would roll the weights back.
 
-After the first version the weights go through ``safetensors`` directly (the tensor names ``save_pretrained`` chose
-the first time, the static files kept in memory): ``save_pretrained``'s own overhead is most of a tiny model's
-write. The content each version announces is hashed from what was written, as workers hash the folder.
+After the first version the weights go through ``policy.tensorfile`` (safetensors without copies) directly (the
+tensor names ``save_pretrained`` chose the first time, the static files kept in memory): ``save_pretrained``'s own
+overhead is most of a tiny model's write. The content each version announces is hashed from what was written, as
+workers hash the folder.
+
+**Publish dtype** (``--publish-dtype``). Workers may load a version in another dtype than the trainer trains in
+(fp32 training, bf16 published: a bf16 delta changes few elements, an fp32 one every element). The folder then holds
+the cast tensors (its config naming their dtype), and the trainer's master weights, as trained, in the private
+``master.safetensors`` beside them (``deltas.PRIVATE``: never hashed, never on the weights topic). A resume loads
+the master over the folder's weights (``load_resumed``), so a restart continues from the weights exactly as trained,
+not from their rounding. Invariant: **an announced version's folder holds the master it was published from.** It
+holds because the master is written inside the version's folder, which ``WeightStore.put`` makes appear whole
+before ``TrainerService._publish`` opens the transaction that announces the version and commits its samples'
+offsets: a SIGKILL before the commit leaves an unannounced folder (overwritten when the step is redone), one after
+it a folder whose master matches the committed offsets.
 """
 from __future__ import annotations
 
+import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file
 
-from rlstream.policy.deltas import Content, read_folder
+from rlstream.models.loading import dtype_name, load_model
+from rlstream.policy.deltas import Content, content_hash, read_folder
+from rlstream.policy.tensorfile import save_file
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
+MASTER_FILE = "master.safetensors"
+_DTYPE_KNOB = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """CPU copies of ``state``'s tensors, floating ones in ``dtype`` (None: as they are); tensors that share storage
+    (tied embeddings) stay shared, so ``save_pretrained`` still saves them once."""
+    out, done = {}, {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key not in done:
+            to = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            done[key] = t.detach().to("cpu", dtype=to, copy=True).contiguous()
+        out[name] = done[key]
+    return out
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each storage once (the first name in order): safetensors refuses shared tensors."""
+    out, seen = {}, set()
+    for name in sorted(state):
+        t = state[name]
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = t.detach().to("cpu").contiguous()
+    return out
 
 
 class VersionWriter:
     """Writes one version's folder; the first through ``save_pretrained``, later ones through safetensors."""
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, publish_dtype: torch.dtype | None = None):
         self.model, self.tokenizer = model, tokenizer
+        # None: published as trained. A dtype the parameters already have changes nothing either: no master.
+        trained = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        self.publish_dtype = publish_dtype if publish_dtype is not None and trained != {publish_dtype} else None
         self._names: list[str] | None = None  # the tensor names save_pretrained wrote (None: not learned yet)
         self._files: dict[str, bytes] = {}  # config, generation config, tokenizer: the same for every version
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="version-writer")
+        self._buffers: list[dict[str, torch.Tensor]] = [{}, {}]  # what _copy casts into, in turn
 
-    def write(self, folder: Path, full_state=None, fast: bool = True) -> Content:
-        """Write the version's weights and static files into ``folder``; return its content (for the hash and the
-        weights log). ``full_state``: the whole model's parameters where an engine shards them; ``fast=False``:
-        through ``save_pretrained`` every time (``--checkpoint-every 1``, the path before K)."""
-        if self._names is None or full_state is not None or not fast:
-            self.model.save_pretrained(folder, safe_serialization=True, state_dict=full_state)
-            self.tokenizer.save_pretrained(folder)
-            content = read_folder(folder)
-            if full_state is None and set(content.shards.values()) == {WEIGHTS_FILE}:
-                self._names, self._files = sorted(content.tensors), dict(content.files)
-            return content
-        state = self.model.state_dict()
-        # Copies: the weights log keeps the content as the next delta's base while the model trains on.
-        tensors = {name: state[name].detach().to("cpu", copy=True).contiguous() for name in self._names}
-        save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
-        for rel, data in self._files.items():
-            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-            (folder / rel).write_bytes(data)
-        return Content(tensors=tensors, shards={name: WEIGHTS_FILE for name in tensors}, files=dict(self._files))
+    def _copy(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The published tensors: copies (in the publish dtype), as the weights log keeps a version's content as
+        the next delta's base while the model trains on. Into the buffers of the version before the last: fresh
+        memory costs its page faults every version (about 5x the copy itself on the CPU). So a content returned
+        by ``write`` stays as it is until two more versions are written (the weights log needs only the last)."""
+        self._buffers.reverse()
+        into = self._buffers[0]
+        dtype = self.publish_dtype
+        out = {}
+        for name in self._names:
+            src = state[name].detach()
+            want = dtype if dtype is not None and src.is_floating_point() else src.dtype
+            dst = into.get(name)
+            if dst is None or dst.shape != src.shape or dst.dtype != want:
+                dst = into[name] = torch.empty(src.shape, dtype=want)
+            dst.copy_(src)
+            out[name] = dst
+        return out
+    def write(self, folder: Path, full_state=None, fast: bool = True, on_content=None) -> tuple[Content, str]:
+        """Write the version's weights and static files into ``folder``; return its content (for the weights log)
+        and its ``content_hash`` (what the PolicyVersion carries). ``full_state``: the whole model's parameters
+        where an engine shards them; ``fast=False``: through ``save_pretrained`` every time (``--checkpoint-every
+        1``, the path before K). With a publish dtype, the master weights go beside them (module docstring).
+        ``on_content(content)`` is called as soon as the content exists, before its file is written (the weights
+        log starts encoding it then).
+
+        The master's file and the hash run in threads beside the weights' file (each mostly outside the GIL: file
+        writes, hashlib over buffers); all are done before this returns, so before the store makes the folder
+        appear and before the version is announced."""
+        state = full_state if full_state is not None else self.model.state_dict()
+        jobs = []
+        if self.publish_dtype is not None:
+            jobs.append(self._pool.submit(save_file, _unshared(state), folder / MASTER_FILE, {"format": "pt"}))
+        try:
+            if self._names is None or full_state is not None or not fast:
+                published = cast_state(state, self.publish_dtype) if self.publish_dtype is not None else full_state
+                self.model.save_pretrained(folder, safe_serialization=True, state_dict=published)
+                self.tokenizer.save_pretrained(folder)
+                if self.publish_dtype is not None:
+                    _name_dtype(folder / "config.json", self.publish_dtype)
+                content = read_folder(folder)
+                if full_state is None and set(content.shards.values()) == {WEIGHTS_FILE}:
+                    self._names, self._files = sorted(content.tensors), dict(content.files)
+                if on_content is not None:
+                    on_content(content)
+                return content, content_hash(content)
+            tensors = self._copy(state)
+            content = Content(tensors=tensors, shards={name: WEIGHTS_FILE for name in tensors},
+                              files=dict(self._files))
+            if on_content is not None:
+                on_content(content)
+            digest = self._pool.submit(content_hash, content)
+            save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
+            for rel, data in self._files.items():
+                (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+                (folder / rel).write_bytes(data)
+            return content, digest.result()
+        finally:
+            for job in jobs:
+                job.result()  # the master is in the folder before it can appear (an error raises here)
+
+
+def _name_dtype(config: Path, dtype: torch.dtype) -> None:
+    """Make a saved config name the dtype its tensors were published in (``save_pretrained`` names the model's)."""
+    data = json.loads(config.read_text())
+    for key in ("dtype", "torch_dtype"):  # transformers 5 writes dtype, older ones torch_dtype
+        if key in data or key == "dtype":
+            data[key] = dtype_name(dtype)
+    config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def load_resumed(folder: Path, dtype: str = "auto", flag: str = "resume from"):
+    """The model a trainer resumes from ``folder``: its master weights, bit for bit, where the version was published
+    in another dtype (in the master's dtype unless ``--dtype`` names one), else the folder's weights."""
+    master = folder / MASTER_FILE
+    if not master.exists():
+        return load_model(folder, dtype, flag=flag)
+    state = load_file(str(master))
+    trained = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    model = load_model(folder, dtype if dtype != "auto" else _DTYPE_KNOB.get(trained, "fp32"), flag=flag)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # A tied tensor is saved once: the names left out must share storage with one loaded.
+    loaded = {t.untyped_storage().data_ptr() for n, t in model.state_dict().items() if n in state}
+    absent = [n for n in missing if model.state_dict()[n].untyped_storage().data_ptr() not in loaded]
+    if unexpected or absent:
+        raise ValueError(f"{master}: does not fit the model in {folder} (missing {absent}, unexpected {unexpected})")
+    log.info("resumed the master weights (%s) from %s", dtype_name(trained), master)
+    return model
 
 
 def has_optimizer_state(folder: Path) -> bool:

@@ -37,7 +37,6 @@ from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.devices import enable_gradient_checkpointing, resolve_device
 from rlstream.models.loading import TINY, check_folder, load_model, load_tokenizer, read_chat_template, torch_dtype
 from rlstream.models.logprobs import check_packing
-from rlstream.policy.deltas import content_hash
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weight_log import WeightLogWriter
 from rlstream.policy.weights import PolicyWeights, WeightStore, tokenizer_hash
@@ -45,7 +44,7 @@ from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion
 from rlstream.trainer.chain import chain_stats
-from rlstream.trainer.checkpoint import VersionWriter, resume_optimizer_states, write_optimizer_states
+from rlstream.trainer.checkpoint import VersionWriter, load_resumed, resume_optimizer_states, write_optimizer_states
 from rlstream.trainer.distill import DistillConfig, coef_at
 from rlstream.trainer.distributed import Ranks, check_nproc, launch
 from rlstream.trainer.engine import make_engine
@@ -183,7 +182,7 @@ class TrainerService:
         so the warm-up runs on rank 0 alone."""
         if folder is not None:
             self.tokenizer = load_tokenizer(folder, flag="resume from")
-            self.model = load_model(folder, self.settings.dtype, flag="resume from")
+            self.model = load_resumed(folder, self.settings.dtype)
         else:
             self.model, self.tokenizer = self._initial_policy()
             if self.settings.warmup_steps > 0 and self.ranks.lead:
@@ -214,14 +213,16 @@ class TrainerService:
             raise UserError(f"trainer: {policy} v{announced.version} is announced in run {self.kafka.run!r} but is "
                             f"not in the store {self.settings.weights!r} nor loadable from {announced.weights_uri} "
                             f"({exc}). Point --weights at the store that holds it, or start a new --run") from None
-        log.warning("resuming %s at v%d from %s: not in this trainer's store, so the optimizer state starts anew",
-                    policy, announced.version, announced.weights_uri)
+        log.warning("resuming %s at v%d from %s: not in this trainer's store, so the optimizer state starts anew%s",
+                    policy, announced.version, announced.weights_uri,
+                    "" if self.settings.publish_dtype == "auto" else
+                    f" and the weights are the published {self.settings.publish_dtype} ones, not the master")
         return folder
 
     def _load_ref(self, folder: Path | None) -> None:
         """The KL reference (version 0), on this rank's device; None without --kl-coef."""
         self.ref_model = None if folder is None else \
-            load_model(folder, self.settings.dtype).to(self.engine.device).eval()
+            load_resumed(folder, self.settings.dtype, flag="--kl-coef reference").to(self.engine.device).eval()
 
     def _initial_policy(self):
         """Version 0's model and tokenizer: ``--model`` as given, or the tiny model built from its seed."""
@@ -335,14 +336,17 @@ class TrainerService:
         self.ranks.command("save")
         full_state, optimizer_states = self._checkpoint_parts()
         if self._writer is None:
-            self._writer = VersionWriter(self.model, self.tokenizer)
+            self._writer = VersionWriter(self.model, self.tokenizer, None if self.settings.publish_dtype == "auto"
+                                         else torch_dtype(self.settings.publish_dtype))
 
         every = 1 if self.engine.sharded or full_state is not None else self.settings.checkpoint_every
         full_checkpoint = self._full_checkpoint is None or version % every == 0
 
         def write(folder: Path) -> None:
             # What workers load, hashed as they will hash it (the store may be remote: hashed while it is here).
-            written["content"] = self._writer.write(folder, full_state, fast=self.settings.checkpoint_every > 1)
+            prepare = (lambda content: self.weight_log.prepare(content, version)) if self.weight_log else None
+            written["content"], written["digest"] = self._writer.write(
+                folder, full_state, fast=self.settings.checkpoint_every > 1, on_content=prepare)
             if self._tokenizer_hash is None:
                 self._tokenizer_hash = tokenizer_hash(folder)
             if full_checkpoint:
@@ -350,7 +354,7 @@ class TrainerService:
 
         # The checkpoint exists before the record that announces it.
         uri = self.store.put(policy, version, write)
-        digest = content_hash(written["content"])
+        digest = written["digest"]
         stats["weights_s"] = time.monotonic() - publish_started
         published = hdr.now_ms()
         record = PolicyVersion(policy=policy, version=version, weights_uri=uri, created_at=published,

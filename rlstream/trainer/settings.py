@@ -38,6 +38,10 @@ class TrainerSettings:
                               "tokenizer) or a hub id where a hub is reachable; tiny: the demo's built-in model")
     dtype: str = knob("auto", "Parameter dtype of the trained model: auto (the checkpoint's own), bf16, fp16, fp32",
                       choices=("auto", "bf16", "fp16", "fp32"))
+    publish_dtype: str = knob("auto", "Dtype of the published weights workers load: auto (as trained), bf16, fp16, "
+                                      "fp32; another than the trained one keeps the master weights, as trained, "
+                                      "private in the trainer's store for its resume (train fp32, publish bf16: "
+                                      "the weights log's deltas stay small)", choices=("auto", "bf16", "fp16", "fp32"))
     chat_template: str = knob("", "A Jinja chat template file, set on the model's tokenizer and saved with every "
                                   "version (for a model folder that has none)")
     task: str = knob("reverse", "Built-in task of the supervised warm-up (--warmup-steps)")

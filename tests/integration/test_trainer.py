@@ -183,3 +183,33 @@ def test_a_restart_resumes_adam_from_the_newest_optimizer_state_written_every_k_
     thread2.join(60)
     assert trainer2.trained == [(4, ["task-50", "task-51"])], "restarted trainer retrained or skipped samples"
     assert (store / "v5" / "optimizer.pt").exists(), "a restarted trainer's first version carries the state"
+
+
+@pytest.mark.timeout(300)
+def test_a_bf16_publish_resumes_the_fp32_master_bit_for_bit(bootstrap, run_name, tmp_path):
+    """--publish-dtype bf16 on the fp32 tiny model: the announced folders are bf16 and match the hash their
+    PolicyVersion carries; a restart resumes the fp32 weights as trained, not their bf16 rounding."""
+    import torch
+
+    from rlstream.policy.deltas import folder_hash
+    from rlstream.policy.watcher import last_policy_version
+    from rlstream.policy.weights import local_path
+    trainer, thread = start(bootstrap, run_name, tmp_path, publish_dtype="bf16")
+    wait_version(trainer, 0)
+    produce_groups(bootstrap, run_name, [1, 2], version=0)
+    wait_version(trainer, 1)
+    trainer.stop()
+    thread.join(60)
+    trained = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    pv = last_policy_version(KafkaSettings(bootstrap=bootstrap, run=run_name).client_config(), run_name, "policy")
+    folder = local_path(pv.weights_uri)
+    assert pv.version == 1 and folder_hash(folder) == pv.content_hash
+    from safetensors.torch import load_file
+    assert {t.dtype for t in load_file(str(folder / "model.safetensors")).values()} == {torch.bfloat16}
+
+    trainer2, thread2 = start(bootstrap, run_name, tmp_path, publish_dtype="bf16")
+    wait_version(trainer2, 1)
+    trainer2.stop()
+    thread2.join(60)
+    resumed = trainer2.model.state_dict()
+    assert all(resumed[k].dtype == torch.float32 and torch.equal(resumed[k], v) for k, v in trained.items())
