@@ -5,10 +5,14 @@ with RL + OPD (PPO on A_t - λ·KL_t). Goal: OPD reaches the target in <= 0.5x R
 The teacher is the demo's policy after it has learned: a first loop trains the tiny model on the reverse task until
 held-out greedy accuracy reaches ``--teacher-target`` (or give ``--teacher DIR``, a model folder). Every student
 starts the same way (the demo's 300-step supervised warm-up from the same seed) and runs the same loop (η = 2, 16
-groups of 8 a step, lr 1e-4), with the teacher stage between reward and trainer in the two distillation runs. Time
-runs from rollout's first version; held-out accuracy is measured off the clock on snapshots, as vs_trl does.
+groups of 8 a step), with the teacher stage between reward and trainer in the two distillation runs. RL trains at
+``--lr`` (1e-4; 2e-4 collapses it), the distillation students at ``--opd-lr`` with ``--opd-lr-warmup-steps``: each
+side at the rate it learns best at (``benchmarks.distill_offline`` sweeps them). ``--top-k K`` has the teacher send
+its top-K form, and ``--opd-kl`` picks the KL's direction. Time runs from rollout's first version; held-out accuracy
+is measured off the clock on snapshots, as vs_trl does.
 
     python -m benchmarks.distill_vs_rl [--target 0.5] [--teacher-target 0.8] [--max-seconds 300] [--teacher DIR]
+        [--opd-lr 1e-4] [--opd-lr-warmup-steps 0] [--opd-kl reverse] [--top-k 0]
 """
 from __future__ import annotations
 
@@ -30,13 +34,18 @@ MODES = {
 def run_loop(name: str, trainer_extra: tuple, teacher: Path | None, target: float, args) -> dict:
     """One loop until held-out greedy >= target or --max-seconds; its curve and the folder of its best version."""
     loop = Loop(f"distill-{name.replace('+', '-')}")
-    loop.trainer(eta=2, groups_per_step=16, lr=1e-4, warmup_steps=300, extra=trainer_extra)
+    distill = teacher is not None
+    lr = args.opd_lr if distill else args.lr
+    # The distillation students' learning rate may differ from RL's: each at its best (benchmarks/README.md).
+    warm = ("--lr-warmup-steps", str(args.opd_lr_warmup_steps)) if distill and args.opd_lr_warmup_steps else ()
+    kl = ("--opd-kl", args.opd_kl) if distill else ()
+    loop.trainer(eta=2, groups_per_step=16, lr=lr, warmup_steps=300, extra=(*trainer_extra, *warm, *kl))
     loop.rollout(eta=2, backend=args.backend)
     loop.env_stage()
     loop.reward("benchmarks.harness.workloads:exact")
     if teacher is not None:
         loop.add("teacher", ["run", "teacher", "--teacher", str(teacher), "--teacher-version", "demo-teacher",
-                             "--threads", "1", "--instance", "0"])
+                             "--threads", "1", "--instance", "0", "--top-k", str(args.top_k)])
     versions = Versions(loop)
     source = PacedSource(loop, versions, mode="async", eta=2, groups_per_step=16)
     try:
@@ -59,6 +68,15 @@ def main(argv=None) -> dict:
                                                   "untrained: the tiny model as built, for a smoke run")
     ap.add_argument("--modes", default="rl,opd,rl+opd", help="students to run, comma-separated: rl, opd, rl+opd")
     ap.add_argument("--max-seconds", type=float, default=300, help="longest a student runs")
+    ap.add_argument("--lr", type=float, default=1e-4, help="the RL student's learning rate (2e-4 collapses it)")
+    ap.add_argument("--opd-lr", type=float, default=1e-4, help="the distillation students' learning rate")
+    ap.add_argument("--opd-lr-warmup-steps", type=int, default=0,
+                    help="the distillation students' --lr-warmup-steps (a fresh Adam's first full-size steps)")
+    ap.add_argument("--opd-kl", default="reverse", choices=("reverse", "forward", "mixed"),
+                    help="the distillation students' --opd-kl")
+    ap.add_argument("--top-k", type=int, default=0, help="the teacher's top-k form (0: the sampled token's log-prob "
+                                                         "alone; the tiny model's vocabulary is 47: --top-k 47 is "
+                                                         "its whole distribution, the exact KL)")
     ap.add_argument("--teacher-seconds", type=float, default=600, help="longest the teacher's own training runs")
     ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N versions")
     ap.add_argument("--backend", default="vllm", choices=("vllm", "transformers"))
