@@ -75,7 +75,7 @@ def run_one(loss: str, lr: float, teacher, args) -> dict:
     """A fresh student (the demo's warm-up) trained by ``loss`` at ``lr``: its held-out curve over updates."""
     tok = build_tokenizer()
     student = build_model(tok, seed=0)
-    supervised_warmup(student, tok, "reverse", fraction=0.005, steps=300, seconds=None, seed=0)
+    supervised_warmup(student, tok, "reverse", fraction=0.005, steps=args.warmup_steps, seconds=None, seed=0)
     engine = TorchEngine(student, lr, 1.0, lr_warmup_steps=args.lr_warmup_steps)
     cfg = UpdateConfig(loss="ppo" if loss == "rl" else loss, is_cap=args.is_cap,
                        distill=DistillConfig(kl=args.kl))
@@ -110,7 +110,10 @@ def run_one(loss: str, lr: float, teacher, args) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--teacher", default=".rlstream/distill-teacher", help="the teacher's model folder")
+    ap.add_argument("--teacher", default=".rlstream/distill-teacher",
+                    help="the teacher's model folder (distill_vs_rl saves one there); untrained: the tiny model as "
+                         "built, for a smoke run")
+    ap.add_argument("--warmup-steps", type=int, default=300, help="the students' supervised warm-up (the demo's)")
     ap.add_argument("--runs", default="opd:1e-4,rl:1e-4", help="LOSS:LR,... (LOSS: rl, opd, ppo+opd, ppo+opd-sum)")
     ap.add_argument("--top-k", type=int, default=0, help="the teacher's top-k form (0: the sampled token alone)")
     ap.add_argument("--kl", default="reverse", choices=("reverse", "forward", "mixed"))
@@ -127,8 +130,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
-    teacher = AutoModelForCausalLM.from_pretrained(Path(args.teacher), dtype=torch.float32).eval()
     tok = build_tokenizer()
+    if args.teacher == "untrained":
+        teacher = build_model(tok, seed=1).eval()
+    elif not (Path(args.teacher) / "config.json").exists():
+        raise SystemExit(f"--teacher {args.teacher}: no model there; `python -m benchmarks.distill_vs_rl` trains and "
+                         "saves one at .rlstream/distill-teacher")
+    else:
+        teacher = AutoModelForCausalLM.from_pretrained(Path(args.teacher), dtype=torch.float32).eval()
     log("teacher", f"held-out greedy {greedy_exact_match(teacher, tok, 'reverse'):.3f}, sampled at T "
                    f"{args.temperature}: {sampled_heldout(teacher, tok, args.temperature):.3f} (the student's ceiling)")
     out = {}
