@@ -53,11 +53,15 @@ def run_loop(name: str, trainer_extra: tuple, teacher: Path | None, target: floa
                    startup_timeout=args.startup_timeout, tag=name)
     finally:
         source.stop()
+        # Where each stage's time went (the teacher's batches against the reward's), read before the loop stops.
+        stages = {n: loop.stage_profile(n) for n in ("reward", "teacher") if n in loop.metrics_ports}
         dead = loop.dead()
         loop.stop()
         versions.close()
+    reached = next((c for c in run.curve if c["heldout"] >= target), None)
     return {"curve": run.curve, "run": loop.run, "dead": dead, "best": run.best[0], "best_folder": run.best[1],
-            "seconds_to_target": run.seconds_to(target)}
+            "seconds_to_target": run.seconds_to(target), "stages": stages,
+            "versions_to_target": reached["step"] - run.first_version if reached else None}
 
 
 def main(argv=None) -> dict:
@@ -106,8 +110,13 @@ def main(argv=None) -> dict:
     print(f"time to held-out {args.target} (teacher: {teacher}):")
     for m, r in results.items():
         secs = r["seconds_to_target"]
-        print(f"  {m:7s} " + (f"{secs:7.1f} s" if secs is not None else
+        n = r["versions_to_target"]
+        print(f"  {m:7s} " + (f"{secs:7.1f} s, {n} versions, {secs / max(1, n):.3f} s a version"
+                              if secs is not None else
                               f"not reached in {args.max_seconds:.0f} s (best {r['best']:.2f})"))
+        for stage, p in r["stages"].items():
+            print(f"          {stage:8s} {p['batches']:.0f} transactions, {p['records_per_batch']:.1f} records each, "
+                  f"{p['batch_s'] * 1000:.0f} ms a transaction, handler {p['handler_s'] * 1000:.0f} ms")
     figures = {f"{m.replace('+', '_')}_s": r["seconds_to_target"] for m, r in results.items()}
     rl = results.get("rl", {}).get("seconds_to_target")
     for m in ("opd", "rl+opd"):
