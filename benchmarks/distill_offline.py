@@ -52,7 +52,8 @@ def sample_step(student, teacher, tok, pairs: list[tuple[str, str]], group: int,
     attn = torch.cat([enc["attention_mask"], acted.long()], dim=1)
     mask = torch.cat([torch.zeros(len(prompts), n), acted], dim=1)[:, 1:]
     texts = tok.batch_decode(resp, skip_special_tokens=False)
-    rewards = torch.tensor([reverse_score(t, a) for t, (_, a) in zip(texts, [pq for pq in pairs for _ in range(group)])])
+    answers = [a for _, a in pairs for _ in range(group)]
+    rewards = torch.tensor([reverse_score(t, a) for t, a in zip(texts, answers)])
     adv = torch.cat([compute_advantages("grpo", r[None])[0] for r in rewards.split(group)])
     with torch.no_grad():
         s_logits = student(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
