@@ -1,12 +1,13 @@
 """On-policy distillation in one process, without the bus: how many updates a fresh student needs to reach a held-out
 target under each loss and its settings. A diagnosis of ``distill_vs_rl`` (which times the whole loop): here each
 update samples from the student (``--lag`` versions old, as the async loop's η makes them), the teacher scores the
-samples as the teacher stage does, and the trainer's own ``batch_loss`` takes the step; held-out greedy accuracy is
+samples as the teacher stage does, and the trainer's own ``policy_update`` takes the step; held-out greedy accuracy is
 measured every ``--eval-every`` updates. Only updates are counted, not seconds: the bus and the stage processes are
 what ``distill_vs_rl`` measures.
 
     python -m benchmarks.distill_offline --teacher .rlstream/distill-teacher --runs opd:1e-4,opd:3e-4,rl:1e-4
-        [--top-k 47] [--lag 2] [--temperature 1.0] [--is-cap 5] [--target 0.5] [--max-updates 300]
+        [--top-k 47] [--kl forward] [--lag 2] [--temperature 1.0] [--lr-warmup-steps 0] [--is-cap 5] [--target 0.5]
+        [--max-updates 300] [--seed 0]
 
 A run is ``LOSS:LR`` (``LOSS`` a trainer ``--loss``, ``rl`` for ppo); ``--top-k`` K > 0 gives the student the
 teacher's top-K form (K = the vocabulary: the whole distribution, the exact KL).
