@@ -83,7 +83,8 @@ def main(argv=None) -> dict:
                                                          "its whole distribution, the exact KL)")
     ap.add_argument("--teacher-seconds", type=float, default=600, help="longest the teacher's own training runs")
     ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N versions")
-    ap.add_argument("--backend", default="vllm", choices=("vllm", "transformers"))
+    ap.add_argument("--backend", default="auto", choices=("auto", "vllm", "transformers"),
+                    help="rollout's backend (auto: transformers for the tiny model, as the demo)")
     ap.add_argument("--startup-timeout", type=float, default=300)
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
