@@ -51,6 +51,9 @@ bench vs_trl 900 "--target 0.3 --latencies 0.2,0 --max-seconds 120 --sync-probe-
 bench loop_cost 900 "--versions 150 --json $OUT/loop_cost.json" "--versions 3 --skip 1 --warmup-steps 5 --backend transformers"
 bench distill_vs_rl 1800 "--target 0.5 --max-seconds 300" \
   "--teacher untrained --target 0 --max-seconds 30 --modes opd --eval-every 1"
+# After distill_vs_rl, which saves the teacher it trained at .rlstream/distill-teacher.
+bench distill_offline 900 "--runs opd:1e-4,opd:3e-4 --top-k 47 --kl forward --lag 2 --max-updates 200" \
+  "--teacher untrained --runs opd:1e-4 --top-k 8 --max-updates 2 --eval-every 1 --warmup-steps 2"
 bench learning_probe 300 "--max-seconds 120" "--steps 2 --max-seconds 20 --warmup-steps 5 --eval-every 1"
 echo "== done in $(( $(date +%s) - started )) s; logs and JSON in $OUT"
 if (( ${#failed[@]} )); then

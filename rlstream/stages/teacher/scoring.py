@@ -79,11 +79,13 @@ class TorchScorer:
                     logits = logits / temperature
                 lps = token_logprobs(logits, ids[:, 1:]).cpu()
                 top = top_k(logits, k) if k else None
-                top = (top[0].cpu(), top[1].cpu()) if top else None
+            # One tolist per tensor, rows sliced as lists: a tolist per row and array cost as much as the forward
+            # of a small teacher (three calls a row, ~0.1 ms each, against ~0.2 ms of forward a row).
+            lps = lps.tolist()
+            top_ids, top_lps = (top[0].cpu().tolist(), top[1].cpu().tolist()) if top else (None, None)
             for n, i in enumerate(chunk):
                 t = len(rows[i]) - 1  # the row's own positions, not the chunk's padding
-                out[i] = (lps[n, :t].tolist(), top[0][n, :t].tolist() if top else None,
-                          top[1][n, :t].tolist() if top else None)
+                out[i] = (lps[n][:t], top_ids[n][:t] if top else None, top_lps[n][:t] if top else None)
         return out
 
 
