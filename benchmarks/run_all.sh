@@ -49,8 +49,10 @@ bench chaos 600 "--kills 5 --seed 7" "--kills 1 --tasks 8"
 bench vs_trl 900 "--target 0.3 --latencies 0.2,0 --max-seconds 120 --sync-probe-steps 0 --json $OUT/vs_trl.json" \
   "--target 0.05 --max-seconds 20 --latencies 0 --sync-probe-steps 0 --eval-every 5"
 bench loop_cost 900 "--versions 150 --json $OUT/loop_cost.json" "--versions 3 --skip 1 --warmup-steps 5 --backend transformers"
-bench distill_vs_rl 1800 "--target 0.5 --max-seconds 300" \
-  "--teacher untrained --target 0 --max-seconds 30 --modes opd --eval-every 1"
+# The distillation students as measured in the READMEs: the teacher's whole distribution (the tiny vocabulary is 47),
+# forward KL, at the lr they learn best at (benchmarks/distill_offline.py's sweep); RL at its own 1e-4.
+bench distill_vs_rl 1800 "--target 0.5 --max-seconds 300 --modes opd,rl --top-k 47 --opd-kl forward --opd-lr 3e-4" \
+  "--teacher untrained --target 0 --max-seconds 30 --modes opd --eval-every 1 --top-k 8 --opd-kl forward"
 # After distill_vs_rl, which saves the teacher it trained at .rlstream/distill-teacher.
 bench distill_offline 900 "--runs opd:1e-4,opd:3e-4 --top-k 47 --kl forward --lag 2 --max-updates 200" \
   "--teacher untrained --runs opd:1e-4 --top-k 8 --max-updates 2 --eval-every 1 --warmup-steps 2"
