@@ -102,6 +102,7 @@ class VersionWriter:
             dst.copy_(src)
             out[name] = dst
         return out
+
     def write(self, folder: Path, full_state=None, fast: bool = True, on_content=None) -> tuple[Content, str]:
         """Write the version's weights and static files into ``folder``; return its content (for the weights log)
         and its ``content_hash`` (what the PolicyVersion carries). ``full_state``: the whole model's parameters
