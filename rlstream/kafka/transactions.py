@@ -10,6 +10,9 @@ become visible together or not at all. What can go wrong, and what this module d
   transactional id, whose registration aborts the open transaction; the caller re-reads its inputs.
 - A call that never returns (librdkafka can block in ``send_offsets_to_transaction`` after a broker restart,
   issues 5456 and 5511) is abandoned after its timeout plus a minute, and the producer replaced likewise.
+- An abort that keeps timing out past the transaction timeout is the same fault in another form (seen after a
+  broker restart: the abort request queued for a coordinator connection that never came back): the producer is
+  replaced, and the new one waits for the broker in ``init_transactions``.
 - A producer fenced by a newer instance of its own transactional id is the zombie: it raises and the process
   exits, because replacing it would fence the live instance in turn.
 """
@@ -102,6 +105,7 @@ class TransactionalProducer:
         self.who = who
         self.run = kafka.run
         self._config = producer_config(kafka, transactional_id, transaction_timeout_ms, **overrides)
+        self._transaction_timeout_s = transaction_timeout_ms / 1000
         self._stopping = stopping
         self._replaced = 0  # replacements since the last commit
         self._wedged: list[Producer] = []  # stuck producers, kept so that no destructor waits on them
@@ -191,7 +195,8 @@ class TransactionalProducer:
     def abort(self) -> None:
         """Abort the open transaction, waiting out a broker restart; replace the producer if it cannot abort."""
         metrics.TRANSACTIONS.labels(self.who, "aborted").inc()
-        deadline = time.monotonic() + 600
+        started = time.monotonic()
+        deadline = started + 600
         while True:
             try:
                 self._bounded(self.producer.abort_transaction, 30)
@@ -209,6 +214,11 @@ class TransactionalProducer:
                 if err.fatal() or not err.retriable() or self._stopping() or time.monotonic() > deadline:
                     log.error("%s abort failed: %s", self.who, exc)
                     raise
+                if time.monotonic() - started > self._transaction_timeout_s:
+                    # The broker aborts an open transaction by itself past its timeout; an abort still timing out
+                    # then will not finish on this producer (module docstring).
+                    self._replace(exc)
+                    return
                 log.warning("%s abort not done yet (%s); retrying", self.who, err.str())
 
     def _replace(self, exc: Exception) -> None:
