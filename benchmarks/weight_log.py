@@ -29,8 +29,10 @@ turn (the worker in the watcher's thread and this one), so the latency has no qu
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -139,6 +141,8 @@ def main() -> None:
     txn = TransactionalProducer(kafka, f"{run}.bench", who="bench", transaction_timeout_ms=120000)
     txn.start()
     work = Path(tempfile.mkdtemp(prefix="weight-log-bench-"))
+    # 2-3 GB a run at 100 M parameters (the store, the worker's cache): left behind, a few runs fill a disk.
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
     store = WeightStore(str(work / "trainer-store"))
     version_writer = VersionWriter(model, build_tokenizer(), publish_dtype=torch.bfloat16)
     log_writer = WeightLogWriter(run, POLICY, args.anchor_every)
