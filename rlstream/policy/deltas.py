@@ -93,9 +93,9 @@ def content_hash(content: Content) -> str:
     """The version's hash (see the module docstring for what it covers)."""
     h = hashlib.sha256()
     for name in sorted(content.tensors):
-        t = content.tensors[name].detach().cpu().contiguous()
+        t = content.tensors[name]
         h.update(f"tensor:{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
-        h.update(_raw(t))
+        h.update(tensorfile.raw_bytes(t))  # a view: a copy would double a hash's time
     for rel in sorted(content.files):
         data = content.files[rel]
         h.update(f"file:{rel}:{len(data)}\n".encode())
@@ -106,11 +106,6 @@ def content_hash(content: Content) -> str:
 def folder_hash(folder: Path) -> str:
     """``content_hash`` of a checkpoint folder."""
     return content_hash(read_folder(folder))
-
-
-def _raw(t: torch.Tensor):
-    """The tensor's bytes as a view (hashlib reads the buffer; a copy would double a hash's time)."""
-    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
 
 
 def _int_view(t: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,9 @@ _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torc
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 
-def _bytes_of(t: torch.Tensor):
-    """The tensor's memory as a flat uint8 array (no copy when it is a contiguous CPU tensor)."""
+def raw_bytes(t: torch.Tensor):
+    """The tensor's memory as a flat uint8 array (no copy when it is a contiguous CPU tensor): what files and
+    blobs are written from, and what the content hash reads."""
     t = t.detach().to("cpu").contiguous().reshape(-1)
     return t.view(torch.uint8).numpy() if t.numel() else b""
 
@@ -49,7 +50,7 @@ def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = Non
     view[:len(head)] = head
     at = len(head)
     for t in tensors.values():
-        data = _bytes_of(t)
+        data = raw_bytes(t)
         view[at:at + len(data)] = data
         at += len(data)
     return out
@@ -61,7 +62,7 @@ def save_file(tensors: dict[str, torch.Tensor], path: Path | str, metadata: dict
     with open(path, "wb") as f:
         f.write(head)
         for t in tensors.values():
-            f.write(_bytes_of(t))
+            f.write(raw_bytes(t))
 
 
 def load(buf: bytearray | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
