@@ -38,6 +38,7 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -55,11 +56,11 @@ from rlstream.policy.weight_log import WeightLogWriter, parse_uri
 from rlstream.policy.weights import PolicyWeights, WeightStore
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, SamplingParams
-from rlstream.trainer.checkpoint import VersionWriter
+from rlstream.trainer.checkpoint import PendingVersion, VersionWriter
 
 POLICY = "policy"
-HOPS = ("write", "encode", "produce", "commit", "seen", "fetch", "read", "apply", "rhash", "rwrite", "load",
-        "generate")
+HOPS = ("produce", "write", "commit", "wfiles", "encode", "seen", "fetch", "read", "apply", "rhash", "rwrite",
+        "load", "generate")
 
 
 class Profile:
@@ -145,6 +146,7 @@ def main() -> None:
     atexit.register(shutil.rmtree, work, ignore_errors=True)
     store = WeightStore(str(work / "trainer-store"))
     version_writer = VersionWriter(model, build_tokenizer(), publish_dtype=torch.bfloat16)
+    writes = ThreadPoolExecutor(1, thread_name_prefix="publish-write")
     log_writer = WeightLogWriter(run, POLICY, args.anchor_every)
     weights = PolicyWeights(work / "worker-cache", kafka.client_config(), run)
     watcher = PolicyWatcher(kafka.client_config(), run, POLICY)
@@ -166,42 +168,55 @@ def main() -> None:
             opt.zero_grad()
         created, created_ms = time.perf_counter(), hdr.now_ms()
         # -- the trainer (TrainerService._publish) -----------------------------------------------------------
-        written = {}
+        written, clock = {}, {}
+
+        def write(folder, on_content):
+            def hand_over(content, digest):
+                log_writer.prepare(content, version)
+                on_content(content, digest)
+            written.update(zip(("content", "digest"), version_writer.write(folder, on_content=hand_over)))
+            clock["written"] = time.perf_counter()
+
         t0 = time.perf_counter()
-        store.put(POLICY, version, lambda folder: written.update(zip(("content", "digest"), version_writer.write(
-            folder, on_content=lambda content: log_writer.prepare(content, version)))))
-        digest = written["digest"]
-        prof.add("write", time.perf_counter() - t0)  # the hash is in it, in a thread beside the weights' file
-        pv = PolicyVersion(POLICY, version, "", created_at=created_ms, published_at=hdr.now_ms(), content_hash=digest)
-        produced = {}
+        pending = PendingVersion(writes, store, POLICY, version, write)
 
         def body():
-            t = time.perf_counter()
-            pv.weights_uri = log_writer.produce(txn, written["content"], digest, version)
+            content, digest = pending.content()
+            uri = log_writer.produce(txn, content, digest, version)
+            clock["produced"] = time.perf_counter()
+            pending.uri()
+            clock["folder"] = time.perf_counter()
+            pv = PolicyVersion(POLICY, version, uri, created_at=created_ms, published_at=hdr.now_ms(),
+                               content_hash=digest)
             records.produce(txn, run, "policy-versions", POLICY.encode(), pv, version)
-            produced["s"] = time.perf_counter() - t
-        t3 = time.perf_counter()
+            clock["announced"] = time.perf_counter()
+            written["pv"] = pv
         assert txn.transact(body), "publishing transaction aborted"
         log_writer.committed()
         t4 = time.perf_counter()
+        pv = written["pv"]
+        # On the path: the weights' chunks produced (the content, its hash, the encoding's wait, the broker), then
+        # what was left of the folder's write (its files, the master), then the commit.
+        prof.add("produce", clock["produced"] - t0)
+        prof.add("write", clock["folder"] - clock["produced"])
+        prof.add("commit", t4 - clock["folder"])
+        prof.add("wfiles", clock["written"] - t0)  # the whole write, most of it beside the produce
         trainer_encode = prof.now["encode"]
-        prof.add("produce", produced["s"])
-        prof.add("commit", t4 - t3 - produced["s"])
         # -- the worker (RolloutStage._prefetch, then _swap_to_latest) -----------------------------------------
         assert watcher.wait_for(version, 60), f"v{version} not seen"
         t5 = time.perf_counter()
         prof.add("seen", t5 - t4)
         seen = watcher.latest
-        weights.folder(seen)  # the prefetch: rebuilt, hash-checked, written
+        # The prefetch: rebuilt and hash-checked (a folder written only for the engine's start).
+        weights.prefetch(seen, folder=backend is None)
         t6 = time.perf_counter()
         prof.add("fetch", t6 - t5)
-        if backend is None:  # version 0: the worker's engine starts from it
+        if backend is None:  # version 0: the worker's engine starts from its folder
             backend = TransformersBackend(weights.folder(seen))
             backend.version = 0
         else:
-            folder = weights.folder(seen)  # the swap asks again (held: checked against the hash, not rebuilt)
             t7 = time.perf_counter()
-            backend.load_weights(folder, seen.version)
+            weights.load(seen, backend)  # the swap: the held tensors, checked against the hash, not rebuilt
             t8 = time.perf_counter()
             prof.add("load", t8 - t7)
         t9 = time.perf_counter()

@@ -103,7 +103,7 @@ class PolicyEngine:
                 or not getattr(self.backend, "follows_policy", True):
             return
         try:
-            self.backend.load_weights(self.weights.folder(latest), latest.version)
+            self.weights.load(latest, self.backend)
         except (OSError, ValueError) as exc:
             self._failed = latest.version
             log.warning("gateway: could not load v%d: %s", latest.version, exc)

@@ -133,8 +133,9 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return torch.from_numpy(np.unpackbits(packed.numpy(), count=n).view(np.bool_))
 
 
-def encode(content: Content, base: Content | None) -> bytearray:
-    """The payload of ``content``: an anchor when ``base`` is None, else a delta against ``base``."""
+def encode(content: Content, base: Content | None, into: bytearray | None = None) -> bytearray:
+    """The payload of ``content``: an anchor when ``base`` is None, else a delta against ``base``; built in ``into``
+    when it has the payload's size (``tensorfile.save``)."""
     blob: dict[str, torch.Tensor] = {}
     tensors: dict[str, list[str]] = {}
     for name, t in content.tensors.items():
@@ -170,7 +171,7 @@ def encode(content: Content, base: Content | None) -> bytearray:
             blob[f"f/{rel}"] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
                 torch.empty(0, dtype=torch.uint8)
     manifest = {"kind": ANCHOR if base is None else DELTA, "tensors": tensors, "files": files}
-    return tensorfile.save(blob, metadata={_META: json.dumps(manifest)})
+    return tensorfile.save(blob, metadata={_META: json.dumps(manifest)}, into=into)
 
 
 def _select(t: torch.Tensor, where) -> torch.Tensor:
@@ -238,9 +239,10 @@ def apply(payload: bytes | bytearray, base: Content | None, in_place: bool = Fal
     return out
 
 
-def split(payload: bytes | bytearray, chunk_bytes: int) -> list[bytes]:
-    """The payload as chunks of at most ``chunk_bytes`` (at least one, even for an empty payload)."""
+def split(payload: bytes | bytearray, chunk_bytes: int) -> list[memoryview]:
+    """The payload as chunks of at most ``chunk_bytes`` (at least one, even for an empty payload): views of it, not
+    copies (the record encoding copies each once), so the payload must not change while they are in use."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
-    view = memoryview(payload)  # one copy per chunk, not a slice and then its bytes
-    return [bytes(view[i:i + chunk_bytes]) for i in range(0, len(payload), chunk_bytes)] or [b""]
+    view = memoryview(payload)
+    return [view[i:i + chunk_bytes] for i in range(0, len(payload), chunk_bytes)] or [view[0:0]]

@@ -42,10 +42,12 @@ def _header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None) -
     return len(text).to_bytes(8, "little") + text, offset
 
 
-def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytearray:
-    """A safetensors blob of ``tensors`` (in their order), built in one buffer."""
+def save(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
+         into: bytearray | None = None) -> bytearray:
+    """A safetensors blob of ``tensors`` (in their order), built in one buffer: ``into`` when it has the blob's size
+    (a buffer reused from the version before: fresh memory costs its page faults, about as much as the copy)."""
     head, size = _header(tensors, metadata)
-    out = bytearray(len(head) + size)
+    out = into if into is not None and len(into) == len(head) + size else bytearray(len(head) + size)
     view = memoryview(out)
     view[:len(head)] = head
     at = len(head)

@@ -51,7 +51,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 from urllib.parse import parse_qs, urlencode, urlparse
+
+import torch
 
 from rlstream import metrics
 from rlstream.kafka import records
@@ -82,6 +85,17 @@ class LogRef:
         return f"{SCHEME}:weights?" + urlencode({
             "policy": self.policy, "version": self.version, "partition": self.partition, "offset": self.offset,
             "anchor": self.anchor, "anchor_offset": self.anchor_offset})
+
+
+def _join(parts: list[bytes], into: bytearray | None) -> bytearray:
+    """The parts back to back, in ``into`` when it has their size (reused: no fresh pages to fault in)."""
+    size = sum(len(p) for p in parts)
+    out = into if into is not None and len(into) == size else bytearray(size)
+    view, at = memoryview(out), 0
+    for p in parts:
+        view[at:at + len(p)] = p
+        at += len(p)
+    return out
 
 
 def is_log_uri(uri: str) -> bool:
@@ -117,6 +131,8 @@ class WeightLogWriter:
         self._pending = None
         self._prepared = None  # (version, content, anchor, the payload's future): prepare's
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-encode")
+        # The last anchor's payload once produced (its records are encoded copies): the next anchor is built in it.
+        self._spare: bytearray | None = None
         self.last_payload_bytes = 0  # of the last version produced (benchmarks)
 
     def _anchor(self, version: int) -> bool:
@@ -127,8 +143,14 @@ class WeightLogWriter:
         """Start encoding ``version``'s payload in a thread, for ``produce`` to take: the trainer calls it as soon as
         the version's content exists, so the encoding runs beside the writing of its folder and its hash."""
         anchor = self._anchor(version)
-        self._prepared = (version, content, anchor,
-                          self._pool.submit(encode, content, None if anchor else self._base[1]))
+        self._prepared = (version, content, anchor, self._pool.submit(encode, *self._encoding(anchor, content)))
+
+    def _encoding(self, anchor: bool, content: Content) -> tuple:
+        """``encode``'s arguments: a delta against the base; an anchor in the spare buffer, handed over."""
+        if not anchor:
+            return content, self._base[1]
+        into, self._spare = self._spare, None
+        return content, None, into
 
     def produce(self, txn, content: Content, digest: str, version: int, flush_timeout_s: float = 300.0) -> str:
         """Produce version ``version`` (its content, ``deltas.read_folder`` of the written checkpoint, and its
@@ -140,7 +162,7 @@ class WeightLogWriter:
             anchor, payload = prepared[2], prepared[3].result()
         else:  # not prepared, or for another version or base (a redone step): encoded now
             anchor = self._anchor(version)
-            payload = encode(content, None if anchor else base[1])
+            payload = encode(*self._encoding(anchor, content))
         parts = split(payload, self.chunk_bytes)
         created, files = now_ms(), content.names()
         chunks = [WeightChunk(policy=self.policy, version=version, kind=ANCHOR if anchor else DELTA,
@@ -149,6 +171,8 @@ class WeightLogWriter:
                   for i, part in enumerate(parts)]
         partition, offset = records.produce_located(txn, self.run, "weights", self.policy.encode(), chunks, version,
                                                     flush_timeout_s)
+        if anchor:
+            self._spare = payload
         if anchor:
             ref = LogRef(self.policy, version, partition, offset, version, offset)
         else:
@@ -181,77 +205,104 @@ class _Held:
     version: int
     content: Content
     ref: LogRef
-    folder: Path
+    folder: Path | None  # its folder in the cache, once a caller asked for one
     digest: str  # content_hash(content), computed when it was rebuilt
+    buffer: bytearray | None  # the anchor's payload, which the content's tensors are views of
 
 
 class WeightLogReader:
-    """A worker's side: rebuilds announced versions from the topic into its own cache folder, checked by hash.
+    """A worker's side: rebuilds announced versions from the topic, checked by hash, for an engine to load from memory
+    (``load``) or from a folder in its own cache (``fetch``).
 
-    ``fetch`` is safe to call from several threads (one fetch at a time); the newest verified version stays in
-    memory as the base of the next delta, and its folder and the one before stay on disk (an engine may still
-    be reading the previous one)."""
+    Safe to call from several threads (one call at a time). The newest verified version stays in memory as the base
+    of the next delta; the folders of it and of the one before stay on disk (an engine may still be reading the
+    previous one). A folder is written only for a caller that asks for one (a server fleet, a teacher, a resuming
+    trainer): an in-process engine loads the tensors as they are, and the anchor's buffer is reused by the next
+    anchor (a fresh 200 MB buffer costs its page faults, about as much as reading it from the broker)."""
 
     def __init__(self, client_config: dict, run: str, cache_dir: Path, timeout_s: float = 300.0):
         self.client_config, self.run = client_config, run
         self.cache_dir = Path(cache_dir)
         self.timeout_s = timeout_s
         self._held: _Held | None = None
+        self._spare: bytearray | None = None  # a dropped anchor's buffer, for the next anchor to be read into
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-aside")
 
-    def fetch(self, pv: PolicyVersion) -> Path:
-        """The local folder of ``pv``'s weights; ValueError when refused, OSError when not readable."""
+    def fetch(self, pv: PolicyVersion, folder: bool = True) -> Path | None:
+        """The local folder of ``pv``'s weights (``folder=False``: rebuilt and checked only, as a prefetch for
+        ``load``; None); ValueError when refused, OSError when not readable."""
         with self._lock:
-            held = self._held
-            if held is not None and held.version == pv.version and held.ref.policy == pv.policy:
-                self._check(pv, held.digest)
-                return held.folder
-            try:
-                ref = parse_uri(pv.weights_uri)
-                if ref.version != pv.version or ref.policy != pv.policy:
-                    raise ValueError(f"its URI names {ref.policy} v{ref.version}")
-                base = held if held is not None and held.ref.policy == ref.policy else None
-                # The held content is the base the deltas are applied to, in place (no copy of every changed
-                # tensor): from here on it is no longer the held version's, whatever happens.
-                self._held = None
-                # Its folder is written aside while it is hashed, and moved in only once every check passed.
-                content, digest = self._rebuild(ref, base, beside=lambda rebuilt: self._write_aside(ref, rebuilt))
-                self._check(pv, digest)
-            except ValueError as exc:
-                shutil.rmtree(self._aside(ref), ignore_errors=True)
-                raise self._refuse(pv, "invalid", str(exc)) from None
-            except OSError as exc:
-                shutil.rmtree(self._aside(ref), ignore_errors=True)
-                metrics.WEIGHTS_REFUSED.labels("unreadable").inc()
-                raise OSError(f"{pv.policy} v{pv.version} not readable from the weights log: {exc}") from None
-            folder = self._move_in(ref)
-            self._held = _Held(ref.version, content, ref, folder, digest)
-            self._drop_old(ref.policy, keep={folder, held.folder if held else folder})
-            return folder
+            held = self._hold(pv, folder)
+            if folder and held.folder is None:
+                self._write_aside(held.ref, held.content)
+                held.folder = self._move_in(held.ref)
+                self._drop_old(held.ref.policy, keep={held.folder})
+            return held.folder
 
-    def _rebuild(self, ref: LogRef, held: _Held | None, beside=None) -> tuple[Content, str]:
+    def load(self, pv: PolicyVersion, use: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        """Call ``use(tensors)`` with ``pv``'s tensors, rebuilt and checked as ``fetch`` does, but with no folder
+        written. ``use`` runs under the reader's lock, so no delta changes the tensors while it reads them: it must
+        copy what it keeps (an engine's ``load_state_dict`` does). Its errors propagate."""
+        with self._lock:
+            use(self._hold(pv, False).content.tensors)
+
+    def _hold(self, pv: PolicyVersion, folder: bool) -> _Held:
+        """``pv`` rebuilt and checked, now the held version (its folder written when ``folder``)."""
+        held = self._held
+        if held is not None and held.version == pv.version and held.ref.policy == pv.policy:
+            self._check(pv, held.digest)
+            return held
+        try:
+            ref = parse_uri(pv.weights_uri)
+            if ref.version != pv.version or ref.policy != pv.policy:
+                raise ValueError(f"its URI names {ref.policy} v{ref.version}")
+            base = held if held is not None and held.ref.policy == ref.policy else None
+            # The held content is the base the deltas are applied to, in place (no copy of every changed tensor):
+            # from here on it is no longer the held version's, whatever happens.
+            self._held = None
+            # A folder asked for is written aside while the version is hashed, and moved in once every check passed.
+            beside = (lambda rebuilt: self._write_aside(ref, rebuilt)) if folder else None
+            content, digest, buffer = self._rebuild(ref, base, beside)
+            self._check(pv, digest)
+        except ValueError as exc:
+            shutil.rmtree(self._aside(ref), ignore_errors=True)
+            raise self._refuse(pv, "invalid", str(exc)) from None
+        except OSError as exc:
+            shutil.rmtree(self._aside(ref), ignore_errors=True)
+            metrics.WEIGHTS_REFUSED.labels("unreadable").inc()
+            raise OSError(f"{pv.policy} v{pv.version} not readable from the weights log: {exc}") from None
+        moved = self._move_in(ref) if folder else None
+        self._held = _Held(ref.version, content, ref, moved, digest, buffer)
+        if moved is not None:
+            self._drop_old(ref.policy, keep={moved} | ({held.folder} if held is not None and held.folder else set()))
+        return self._held
+
+    def _rebuild(self, ref: LogRef, held: _Held | None, beside=None) -> tuple[Content, str, bytearray | None]:
         started = time.monotonic()
         if held is not None and ref.anchor <= held.version < ref.version:
             start = ref.offset if held.version == ref.version - 1 else held.ref.offset
-            base = (held.version, held.content)
+            base = (held.version, held.content, held.buffer)
         else:
             start, base = ref.anchor_offset, None
+            if held is not None and held.buffer is not None:
+                self._spare = held.buffer  # the held version is dropped (``_hold``): nothing reads its tensors now
             if ref.anchor != ref.version:
                 log.warning("v%d is a delta whose base v%d is not held here (%s): rebuilding from anchor v%d",
                             ref.version, ref.version - 1,
                             f"holding v{held.version}" if held is not None else "nothing held yet", ref.anchor)
-        version, content, digest = self._read(ref, start, base, beside)
+        version, content, digest, buffer = self._read(ref, start, base, beside)
         log.info("weights %s v%d rebuilt from the log in %.2fs (from %s)", ref.policy, version,
                  time.monotonic() - started, f"v{base[0]}" if base else f"anchor v{ref.anchor}")
-        return content, digest
+        return content, digest, buffer
 
-    def _read(self, ref: LogRef, start: int, base: tuple[int, Content] | None,
-              beside=None) -> tuple[int, Content, str]:
-        """Apply the policy's versions from offset ``start`` on to ``base`` (changing its tensors in place) until
-        ``ref.version``; that version, its content and its hash (checked against its chunks'). ``beside(content)``
-        runs in a thread while the version asked for is hashed (and is done when this returns or raises)."""
-        version, content = base if base is not None else (-1, None)
+    def _read(self, ref: LogRef, start: int, base: tuple[int, Content, bytearray | None] | None,
+              beside=None) -> tuple[int, Content, str, bytearray | None]:
+        """Apply the policy's versions from offset ``start`` on to ``base`` (version, content, its anchor's buffer;
+        its tensors changed in place) until ``ref.version``; that version, its content, its hash (checked against its
+        chunks') and its anchor's buffer. ``beside(content)`` runs in a thread while the version asked for is hashed
+        (and is done when this returns or raises)."""
+        version, content, buffer = base if base is not None else (-1, None, None)
         parts: list[bytes] = []
         first = True
         for seen in read_from(self.client_config, self.run, "weights", ref.partition, start,
@@ -272,7 +323,11 @@ class WeightLogReader:
                 continue
             if c.kind == DELTA and c.base_version != version:
                 raise ValueError(f"v{c.version} is a delta on v{c.base_version}, but v{version} came before it")
-            payload = bytearray().join(parts)  # one copy, which the anchor's tensors are then views of
+            if c.kind == ANCHOR:  # one copy, which the anchor's tensors are then views of
+                payload = buffer = _join(parts, self._spare)
+                self._spare = None
+            else:
+                payload = bytearray().join(parts)
             parts = []
             rebuilt = apply(payload, None if c.kind == ANCHOR else content, in_place=True)
             aside = self._pool.submit(beside, rebuilt) if beside is not None and c.version == ref.version else None
@@ -285,7 +340,7 @@ class WeightLogReader:
                 raise ValueError(f"v{c.version} rebuilt from the log does not match its chunks' hash")
             version, content = c.version, rebuilt
             if version == ref.version:
-                return version, content, digest
+                return version, content, digest, buffer
         raise OSError(f"weights of {ref.policy} v{ref.version} not found in the log from offset {start}")
 
     def _check(self, pv: PolicyVersion, digest: str) -> None:

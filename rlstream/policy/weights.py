@@ -189,9 +189,7 @@ class PolicyWeights:
 
     def folder(self, pv: PolicyVersion) -> Path:
         if is_log_uri(pv.weights_uri):
-            if self._log is None:
-                raise OSError(f"{pv.weights_uri}: weights on the log, but no broker to read them from")
-            return self._log.fetch(pv)
+            return self._reader(pv).fetch(pv)
         folder = fetch_uri(pv.weights_uri, self.cache_dir)
         if pv.content_hash and self._checked != (pv.content_hash, folder):
             if folder_hash(folder) != pv.content_hash:
@@ -201,6 +199,29 @@ class PolicyWeights:
                 raise ValueError(f"{pv.policy} v{pv.version} refused: {folder} does not match its content hash")
             self._checked = (pv.content_hash, folder)
         return folder
+
+
+    def prefetch(self, pv: PolicyVersion, folder: bool = True) -> None:
+        """Get ``pv`` ready to load before the engine is taken: its folder (``folder``), or, from the weights log, only
+        rebuilt and checked in memory (for an engine that ``loads_tensors``). Errors as ``folder``'s."""
+        if folder or not is_log_uri(pv.weights_uri):
+            self.folder(pv)
+        else:
+            self._reader(pv).fetch(pv, folder=False)
+
+    def load(self, pv: PolicyVersion, backend) -> None:
+        """Swap ``pv`` into an inference backend: from the weights log's tensors in memory when the backend
+        ``loads_tensors`` (no folder written and read back), else from its folder. Errors as ``folder``'s, and the
+        backend's own."""
+        if getattr(backend, "loads_tensors", False) and is_log_uri(pv.weights_uri):
+            self._reader(pv).load(pv, lambda tensors: backend.load_tensors(tensors, pv.version))
+        else:
+            backend.load_weights(self.folder(pv), pv.version)
+
+    def _reader(self, pv: PolicyVersion) -> WeightLogReader:
+        if self._log is None:
+            raise OSError(f"{pv.weights_uri}: weights on the log, but no broker to read them from")
+        return self._log
 
 
 def local_path(uri: str) -> Path:

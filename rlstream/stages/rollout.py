@@ -259,7 +259,7 @@ class RolloutStage(Stage):
         if latest.version == failed_version and time.monotonic() - failed_at < self.settings.retry_load_s:
             return False  # not on every engine step: a load that failed is retried now and then
         try:
-            self.backend.load_weights(self.weights.folder(latest), latest.version)
+            self.weights.load(latest, self.backend)
         except (OSError, ValueError) as exc:
             # Weights not readable (pruned, not in the log) or refused (hash mismatch): keep the old ones, and the
             # tokens keep their version; η decides.
@@ -300,13 +300,14 @@ class RolloutStage(Stage):
                 self.watcher.wait_for(self.watcher.version + 1, self.settings.retry_load_s)
 
     def _prefetch(self, pv) -> None:
-        """Fetch (and check) a version's folder before taking the engine: a generation in progress does not wait
-        for the weights log between its steps. Failures are left to the load, which logs and retries them."""
+        """Fetch (and check) a version before taking the engine: a generation in progress does not wait for the
+        weights log between its steps. Its folder only where the engine loads from one (from the weights log, an
+        in-process engine takes the tensors in memory). Failures are left to the load, which logs and retries them."""
         failed_version, failed_at = self._failed
         if pv.version == failed_version and time.monotonic() - failed_at < self.settings.retry_load_s:
             return
         try:
-            self.weights.folder(pv)
+            self.weights.prefetch(pv, folder=not getattr(self.backend, "loads_tensors", False))
         except (OSError, ValueError):
             pass
 

@@ -21,15 +21,15 @@ the cast tensors (its config naming their dtype), and the trainer's master weigh
 the master over the folder's weights (``load_resumed``), so a restart continues from the weights exactly as trained,
 not from their rounding. Invariant: **an announced version's folder holds the master it was published from.** It
 holds because the master is written inside the version's folder, which ``WeightStore.put`` makes appear whole
-before ``TrainerService._publish`` opens the transaction that announces the version and commits its samples'
-offsets: a SIGKILL before the commit leaves an unannounced folder (overwritten when the step is redone), one after
-it a folder whose master matches the committed offsets.
+before ``TrainerService._publish`` produces the record that announces the version (``PendingVersion.uri``), in the
+transaction that commits its samples' offsets: a SIGKILL before the commit leaves an unannounced folder (overwritten
+when the step is redone), one after it a folder whose master matches the committed offsets.
 """
 from __future__ import annotations
 
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -108,8 +108,8 @@ class VersionWriter:
         and its ``content_hash`` (what the PolicyVersion carries). ``full_state``: the whole model's parameters
         where an engine shards them; ``fast=False``: through ``save_pretrained`` every time (``--checkpoint-every
         1``, the path before K). With a publish dtype, the master weights go beside them (module docstring).
-        ``on_content(content)`` is called as soon as the content exists, before its file is written (the weights
-        log starts encoding it then).
+        ``on_content(content, digest)`` is called as soon as the content exists, before its file is written, with a
+        future of its hash (the weights log starts encoding it then, and produces it once the hash is known).
 
         The master's file and the hash run in threads beside the weights' file (each mostly outside the GIL: file
         writes, hashlib over buffers); all are done before this returns, so before the store makes the folder
@@ -128,15 +128,17 @@ class VersionWriter:
                 content = read_folder(folder)
                 if full_state is None and set(content.shards.values()) == {WEIGHTS_FILE}:
                     self._names, self._files = sorted(content.tensors), dict(content.files)
+                digest = Future()
+                digest.set_result(content_hash(content))
                 if on_content is not None:
-                    on_content(content)
-                return content, content_hash(content)
+                    on_content(content, digest)
+                return content, digest.result()
             tensors = self._copy(state)
             content = Content(tensors=tensors, shards={name: WEIGHTS_FILE for name in tensors},
                               files=dict(self._files))
-            if on_content is not None:
-                on_content(content)
             digest = self._pool.submit(content_hash, content)
+            if on_content is not None:
+                on_content(content, digest)
             save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
             for rel, data in self._files.items():
                 (folder / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -145,6 +147,33 @@ class VersionWriter:
         finally:
             for job in jobs:
                 job.result()  # the master is in the folder before it can appear (an error raises here)
+
+
+class PendingVersion:
+    """One version's folder being written into the store in a thread (``WeightStore.put``), its content and hash
+    handed over as soon as they exist: the weights log's chunks go into the open transaction while the files (the
+    master, the optimizer state) are still being written. ``write(folder, on_content)`` writes the folder and calls
+    ``on_content`` as ``VersionWriter.write`` does."""
+
+    def __init__(self, pool: ThreadPoolExecutor, store, policy: str, version: int, write):
+        self._content: Future = Future()
+        self._put = pool.submit(store.put, policy, version, lambda folder: write(folder, self._hand_over))
+
+    def _hand_over(self, content: Content, digest: Future) -> None:
+        self._content.set_result((content, digest))
+
+    def content(self) -> tuple[Content, str]:
+        """The version's content and hash, once known (the write's error if it failed before)."""
+        wait([self._content, self._put], return_when=FIRST_COMPLETED)
+        if not self._content.done():
+            self._put.result()
+            raise RuntimeError("the version's folder was written without its content being handed over")
+        content, digest = self._content.result()
+        return content, digest.result()
+
+    def uri(self) -> str:
+        """The version's URI in the store, once its folder is there whole (the write's error if it failed)."""
+        return self._put.result()
 
 
 def _name_dtype(config: Path, dtype: torch.dtype) -> None:

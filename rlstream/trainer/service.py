@@ -21,6 +21,7 @@ import logging
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -44,7 +45,8 @@ from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion
 from rlstream.trainer.chain import chain_stats
-from rlstream.trainer.checkpoint import VersionWriter, load_resumed, resume_optimizer_states, write_optimizer_states
+from rlstream.trainer.checkpoint import (PendingVersion, VersionWriter, load_resumed, resume_optimizer_states,
+                                         write_optimizer_states)
 from rlstream.trainer.distill import DistillConfig, coef_at
 from rlstream.trainer.distributed import Ranks, check_nproc, launch
 from rlstream.trainer.engine import make_engine
@@ -85,6 +87,8 @@ class TrainerService:
         self._log_start = 0  # the weights log's start offset after the last truncation
         self._commit_s: float | None = None  # the last announcing transaction's seconds
         self._writer: VersionWriter | None = None  # built at the first publish, once the model is
+        # Where a version's folder is written while its weights already go into the transaction (PendingVersion).
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="publish-write")
         self._tokenizer_hash: str | None = None  # the same for every version this process writes
         self._full_checkpoint: int | None = None  # the newest announced version with the optimizer state
         self._resuming = -1  # the announced version a restarted trainer resumes
@@ -342,30 +346,41 @@ class TrainerService:
         every = 1 if self.engine.sharded or full_state is not None else self.settings.checkpoint_every
         full_checkpoint = self._full_checkpoint is None or version % every == 0
 
-        def write(folder: Path) -> None:
+        def write(folder: Path, on_content) -> None:
             # What workers load, hashed as they will hash it (the store may be remote: hashed while it is here).
-            prepare = (lambda content: self.weight_log.prepare(content, version)) if self.weight_log else None
+            def hand_over(content, digest) -> None:
+                if self.weight_log is not None:
+                    self.weight_log.prepare(content, version)
+                on_content(content, digest)
             written["content"], written["digest"] = self._writer.write(
-                folder, full_state, fast=self.settings.checkpoint_every > 1, on_content=prepare)
+                folder, full_state, fast=self.settings.checkpoint_every > 1, on_content=hand_over)
             if self._tokenizer_hash is None:
                 self._tokenizer_hash = tokenizer_hash(folder)
             if full_checkpoint:
                 write_optimizer_states(folder, optimizer_states, self.engine.sharded)
 
-        # The checkpoint exists before the record that announces it.
-        uri = self.store.put(policy, version, write)
-        digest = written["digest"]
-        stats["weights_s"] = time.monotonic() - publish_started
-        published = hdr.now_ms()
-        record = PolicyVersion(policy=policy, version=version, weights_uri=uri, created_at=published,
-                               published_at=published, step=version, parent_version=self.version,
-                               samples_trained=samples, metrics=stats, trainer_id=self.group_id,
-                               tokenizer_hash=self._tokenizer_hash, content_hash=digest)
+        pending = PendingVersion(self._writes, self.store, policy, version, write)
+        if self.weight_log is None:
+            pending.uri()  # nothing to send before the folder is there: the transaction stays short
+        clock = {"committing": time.monotonic()}
 
         def body():
+            weights_uri = None
             if self.weight_log is not None:
-                # The weights go in the announcing transaction: visible with their PolicyVersion or not at all.
-                record.weights_uri = self.weight_log.produce(self.txn, written["content"], digest, version)
+                # The weights go in the announcing transaction: visible with their PolicyVersion or not at all. They
+                # need only the content and its hash, so they go while the folder's files are still being written.
+                content, digest = pending.content()
+                weights_uri = self.weight_log.produce(self.txn, content, digest, version)
+            # The checkpoint exists before the record that announces it.
+            uri = pending.uri()
+            clock["committing"] = time.monotonic()
+            stats["weights_s"] = clock["committing"] - publish_started
+            published = hdr.now_ms()
+            record = PolicyVersion(policy=policy, version=version, weights_uri=weights_uri or uri,
+                                   created_at=published, published_at=published, step=version,
+                                   parent_version=self.version, samples_trained=samples, metrics=stats,
+                                   trainer_id=self.group_id, tokenizer_hash=self._tokenizer_hash,
+                                   content_hash=written["digest"])
             records.produce(self.txn, self.kafka.run, "policy-versions", policy, record, version)
             for m, reason, error in self._pop_letters():
                 self.txn.dead_letter("trainer", m, reason, error)
@@ -377,7 +392,6 @@ class TrainerService:
                             "would train them again (a smaller --head-timeout-s or --window-groups keeps it short)",
                             left_out)
             return points
-        committing = time.monotonic()
         if not self.txn.transact(body, lambda: self.consumer.consumer_group_metadata()):
             # The model has moved on past what the log says: exit, and a restart resumes from the last announced
             # version and the committed offsets (the step is redone).
@@ -385,7 +399,7 @@ class TrainerService:
         self.version = version
         if full_checkpoint:
             self._full_checkpoint = version
-        self._commit_s = time.monotonic() - committing  # known only once committed: the next version carries it
+        self._commit_s = time.monotonic() - clock["committing"]  # known only once committed: the next version carries it
         metrics.PUBLISH_SECONDS.observe(time.monotonic() - publish_started)
         metrics.POLICY_VERSION.labels("trainer").set(version)
         # Versions older than η + 1 behind can no longer be needed by a rollout worker.

@@ -3,14 +3,18 @@ through safetensors directly, load in transformers to the same weights, hash as 
 live model; and a resume takes the newest optimizer state at or before its version."""
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from rlstream.models.tiny import build_model, build_tokenizer
 from rlstream.policy.deltas import content_hash, folder_hash
 from rlstream.policy.weights import WeightStore
-from rlstream.trainer.checkpoint import (MASTER_FILE, VersionWriter, load_resumed, resume_optimizer_states,
-                                         write_optimizer_states)
+from rlstream.trainer.checkpoint import (MASTER_FILE, PendingVersion, VersionWriter, load_resumed,
+                                         resume_optimizer_states, write_optimizer_states)
 
 
 def _nudge(model) -> None:
@@ -91,3 +95,36 @@ def test_publishing_in_the_trained_dtype_writes_no_master(tmp_path):
         content, _ = VersionWriter(model, tok, publish_dtype=dtype).write(folder)
         assert not (folder / MASTER_FILE).exists()
         assert {t.dtype for t in content.tensors.values()} == {torch.float32}
+
+
+def test_a_pending_version_hands_its_content_over_before_its_folder_is_done_and_passes_on_a_failed_write(tmp_path):
+    tok = build_tokenizer()
+    model = build_model(tok, seed=0)
+    writer = VersionWriter(model, tok, publish_dtype=torch.bfloat16)
+    store, pool = WeightStore(str(tmp_path / "store")), ThreadPoolExecutor(1)
+    (tmp_path / "v0").mkdir()
+    writer.write(tmp_path / "v0")  # the first write learns the tensor names; later ones take the fast path
+    release = threading.Event()
+
+    def write(folder, on_content):
+        writer.write(folder, on_content=on_content)
+        assert release.wait(30)  # the folder's last files are still being written
+    pending = PendingVersion(pool, store, "p", 1, write)
+    content, digest = pending.content()  # while the write is still held back
+    assert not store.versions("p") and digest == content_hash(content)
+    release.set()
+    assert pending.uri() == store.uri("p", 1) and folder_hash(store.path("p", 1)) == digest
+
+    def broken(folder, on_content):
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        PendingVersion(pool, store, "p", 2, broken).content()
+
+    def late(folder, on_content):
+        writer.write(folder, on_content=on_content)
+        raise OSError("no space for the optimizer state")
+    failing = PendingVersion(pool, store, "p", 3, late)
+    assert failing.content()[1]
+    with pytest.raises(OSError, match="optimizer state"):
+        failing.uri()
+    assert 3 not in store.versions("p")

@@ -192,3 +192,24 @@ def test_a_log_uri_round_trips_and_a_garbled_one_is_a_clear_error():
                 "&anchor=5&anchor_offset=1"):
         with pytest.raises(ValueError):
             parse_uri(bad)
+
+
+def test_an_anchor_is_built_in_a_buffer_of_its_size_and_chunks_are_views_of_the_payload():
+    first = encode(content(0), None)
+    second = encode(content(1), None, into=first)  # the same layout: the same size
+    assert second is first and content_hash(apply(second, None)) == content_hash(content(1))
+    other = encode(content(2), None, into=bytearray(10))  # a buffer of another size is not used
+    assert len(other) == len(first) and content_hash(apply(other, None)) == content_hash(content(2))
+    parts = split(second, 1000)
+    second[0] ^= 0xFF  # views, not copies: what the record encoding copies is the payload as it is then
+    assert parts[0][0] == second[0]
+
+
+def test_the_reader_joins_a_payloads_chunks_into_a_buffer_of_their_size():
+    from rlstream.policy.weight_log import _join
+    payload = encode(content(0), None)
+    chunks = [bytes(c) for c in split(payload, 300)]
+    spare = bytearray(len(payload))
+    assert _join(chunks, spare) is spare and spare == payload
+    fresh = _join(chunks, bytearray(3))
+    assert fresh == payload and len(fresh) == len(payload)

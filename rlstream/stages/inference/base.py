@@ -45,6 +45,9 @@ class InferenceBackend(ABC):
     follows_policy = True
     #: True when ``generate`` takes ``on_step`` (the gateway streams tokens as they come; others answer whole).
     streams = False
+    #: True when ``load_tensors`` takes a version's tensors from memory (an in-process engine: the weights log hands
+    #: them over without writing a folder for the engine to read back).
+    loads_tensors = False
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -62,6 +65,11 @@ class InferenceBackend(ABC):
     @abstractmethod
     def load_weights(self, folder: Path, version: int) -> None:
         """Swap in a policy version's weights (between calls to generate, or from ``between_steps``)."""
+
+    def load_tensors(self, tensors: dict, version: int) -> None:
+        """Swap in a policy version's weights from its tensors by checkpoint name (when ``loads_tensors``). The
+        tensors are the caller's: copied in, not kept."""
+        raise NotImplementedError(f"{self.name} loads weights from a folder only")
 
     def close(self) -> None:
         """Release the engine."""

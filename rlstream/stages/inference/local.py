@@ -22,6 +22,7 @@ class TransformersBackend(InferenceBackend):
 
     name = "transformers"
     streams = True
+    loads_tensors = True
 
     def __init__(self, folder: Path, threads: int = 1, device: str = "cpu", dtype: str = "auto"):
         import torch
@@ -41,8 +42,11 @@ class TransformersBackend(InferenceBackend):
         state = {}
         for shard in shards:  # save_pretrained splits a large model into several
             state.update(load_file(str(shard), device=self.device))
+        self.load_tensors(state, version)
+
+    def load_tensors(self, tensors: dict, version: int) -> None:
         # Tied embeddings are saved once; strict=False keeps lm_head tied to embed_tokens.
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
             raise ValueError(f"weights of v{version} do not fit the model: missing={missing} unexpected={unexpected}")
         self.version = version
@@ -149,6 +153,8 @@ class VLLMBackend(InferenceBackend):
                        gpu_memory_utilization=gpu_memory_utilization)
         self.tokenizer = self.llm.get_tokenizer()
         self.eos = self.tokenizer.eos_token_id
+        # Tensors reach an engine in this process as they are; one in its own process would need them pickled.
+        self.loads_tensors = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         self._calls = 0
         import json
         if json.loads((Path(folder) / "config.json").read_text()).get("tie_word_embeddings"):
@@ -157,7 +163,14 @@ class VLLMBackend(InferenceBackend):
                         folder)
 
     def load_weights(self, folder: Path, version: int) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        self._reload({"weights_path": str(folder)}, version)
+
+    def load_tensors(self, tensors: dict, version: int) -> None:
+        # The engine runs in this process (no V1 multiprocessing): the tensors reach its worker as they are.
+        self._reload({"weights_iterator": iter(tensors.items())}, version)
+
+    def _reload(self, source: dict, version: int) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs=source)
         # KV computed by the old weights must not be reused: not as cached prompt prefixes, and not for the
         # sequences in flight. reset_running_requests preempts those; they resume by recomputing their
         # prompt and tokens so far under the new weights (a prefill), so every later token is sampled, and
