@@ -89,17 +89,32 @@ def write_folder(content: Content, folder: Path) -> None:
         (folder / rel).write_bytes(data)
 
 
+class ContentHasher:
+    """``content_hash`` fed piece by piece: every tensor in name order, then every file in name order (a writer
+    hashes each tensor as soon as it exists)."""
+
+    def __init__(self):
+        self._h = hashlib.sha256()
+
+    def tensor(self, name: str, t: torch.Tensor) -> None:
+        self._h.update(f"tensor:{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
+        self._h.update(tensorfile.raw_bytes(t))  # a view: a copy would double a hash's time
+
+    def file(self, rel: str, data: bytes) -> None:
+        self._h.update(f"file:{rel}:{len(data)}\n".encode())
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def content_hash(content: Content) -> str:
     """The version's hash (see the module docstring for what it covers)."""
-    h = hashlib.sha256()
+    h = ContentHasher()
     for name in sorted(content.tensors):
-        t = content.tensors[name]
-        h.update(f"tensor:{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
-        h.update(tensorfile.raw_bytes(t))  # a view: a copy would double a hash's time
+        h.tensor(name, content.tensors[name])
     for rel in sorted(content.files):
-        data = content.files[rel]
-        h.update(f"file:{rel}:{len(data)}\n".encode())
-        h.update(data)
+        h.file(rel, content.files[rel])
     return h.hexdigest()
 
 

@@ -29,7 +29,8 @@ the one its PolicyVersion carries; otherwise the version is refused (ValueError,
 ``rlstream_weights_refused_total``), nothing is written to the cache, and the worker keeps the weights it holds
 (its engine's, and its folder; the reader applies deltas in place to the version it holds in memory, so after a
 refusal its next fetch rebuilds from the anchor). Each version is hashed once, when it is rebuilt: the
-PolicyVersion's hash is compared with that digest. Chunks no longer in the log, or not found, raise OSError.
+PolicyVersion's hash is compared with that digest. An engine is handed a version's tensors (``load``) only after
+both checks passed. Chunks no longer in the log, or not found, raise OSError.
 Either way the rollout keeps generating with (and stamping) its current version.
 
 **Retention.** The topic keeps records until the trainer deletes a prefix, and it deletes only up to the first

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlstream.models.loading import dtype_name, load_model
-from rlstream.policy.deltas import Content, content_hash, read_folder
+from rlstream.policy.deltas import Content, ContentHasher, content_hash, read_folder
 from rlstream.policy.tensorfile import save_file
 
 log = logging.getLogger(__name__)
@@ -84,11 +85,12 @@ class VersionWriter:
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="version-writer")
         self._buffers: list[dict[str, torch.Tensor]] = [{}, {}]  # what _copy casts into, in turn
 
-    def _copy(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _copy(self, state: dict[str, torch.Tensor], each=None) -> dict[str, torch.Tensor]:
         """The published tensors: copies (in the publish dtype), as the weights log keeps a version's content as
         the next delta's base while the model trains on. Into the buffers of the version before the last: fresh
         memory costs its page faults every version (about 5x the copy itself on the CPU). So a content returned
-        by ``write`` stays as it is until two more versions are written (the weights log needs only the last)."""
+        by ``write`` stays as it is until two more versions are written (the weights log needs only the last).
+        ``each(name, tensor)`` is called with each copy as soon as it is made (in name order)."""
         self._buffers.reverse()
         into = self._buffers[0]
         dtype = self.publish_dtype
@@ -101,6 +103,8 @@ class VersionWriter:
                 dst = into[name] = torch.empty(src.shape, dtype=want)
             dst.copy_(src)
             out[name] = dst
+            if each is not None:
+                each(name, dst)
         return out
 
     def write(self, folder: Path, full_state=None, fast: bool = True, on_content=None) -> tuple[Content, str]:
@@ -133,10 +137,16 @@ class VersionWriter:
                 if on_content is not None:
                     on_content(content, digest)
                 return content, digest.result()
-            tensors = self._copy(state)
+            # Each tensor is hashed in a thread as soon as it is cast (the hash needs them in name order, as cast):
+            # the hash is known about when the last tensor is, not a whole hash later.
+            cast: queue.SimpleQueue = queue.SimpleQueue()
+            digest = self._pool.submit(_hash_from, cast, self._files)
+            try:
+                tensors = self._copy(state, each=lambda name, t: cast.put((name, t)))
+            finally:
+                cast.put(None)
             content = Content(tensors=tensors, shards={name: WEIGHTS_FILE for name in tensors},
                               files=dict(self._files))
-            digest = self._pool.submit(content_hash, content)
             if on_content is not None:
                 on_content(content, digest)
             save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
@@ -147,6 +157,16 @@ class VersionWriter:
         finally:
             for job in jobs:
                 job.result()  # the master is in the folder before it can appear (an error raises here)
+
+
+def _hash_from(tensors: queue.SimpleQueue, files: dict[str, bytes]) -> str:
+    """``content_hash`` of the (name, tensor) pairs taken from ``tensors`` in name order until None, then ``files``."""
+    h = ContentHasher()
+    while (item := tensors.get()) is not None:
+        h.tensor(*item)
+    for rel in sorted(files):
+        h.file(rel, files[rel])
+    return h.hexdigest()
 
 
 class PendingVersion:
