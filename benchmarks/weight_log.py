@@ -4,23 +4,24 @@ PolicyVersion's creation to a rollout engine that shares no path with the traine
     python -m benchmarks.weight_log [--steps 9] [--anchor-every 3] [--hidden 256] [--layers 4] [--lr 1e-5]
 
 A Qwen2 built in code (random init) trains with AdamW in fp32 on random tokens; each version is published as the
-trainer publishes it (``--publish-dtype bf16``): ``VersionWriter`` writes the bf16 folder and the fp32 master into a
-``WeightStore`` folder, its content is hashed, and ``WeightLogWriter`` puts it on the weights topic in a transaction
-with its PolicyVersion. The worker side is the rollout stage's: a ``PolicyWatcher`` sees the committed record,
-``PolicyWeights.folder`` rebuilds and hash-checks the version from the log into its own cache (called twice, as the
-rollout's prefetch and swap do), the in-process transformers engine (``TransformersBackend``) ``load_weights`` it,
-and generates one token with it. The clock starts at the version's creation (before its checkpoint is written, as
-the trainer stamps ``created_at``) and stops when that token is sampled. Version 0 is the worker's start (its
-engine is built from it) and is not counted.
+trainer publishes it (``--publish-dtype bf16``, ``TrainerService._publish``): ``VersionWriter`` casts it and hashes
+each tensor as it is cast, ``PendingVersion`` writes the bf16 folder and the fp32 master into a ``WeightStore`` folder
+in a thread while ``WeightLogWriter`` puts the content on the weights topic in the open transaction, and the
+PolicyVersion goes in once the folder is there. The worker side is the rollout stage's: a ``PolicyWatcher`` sees the
+committed record, ``PolicyWeights.prefetch`` rebuilds and hash-checks the version from the log in memory, and
+``PolicyWeights.load`` hands its tensors to the in-process transformers engine (``TransformersBackend``), which
+generates one token with it. The clock starts at the version's creation (before its checkpoint is written; the
+trainer's ``created_at``) and stops when that token is sampled. Version 0 is the worker's start (its engine is built
+from its folder) and is not counted.
 
 Printed per version: its kind, payload bytes and share of an anchor, the end-to-end seconds, and the profile of
-each hop: trainer (write: the store folder with the master, and the content hash, in threads beside it; encode:
-anchor or delta, in a thread from when the content exists (beside the write: not all of it on the path);
-produce: what of it is inside the transaction (the encoding's wait, chunks to the broker); commit), worker (seen:
-the watcher has the record; fetch: ``PolicyWeights.folder``, of which read: chunks fetched, apply, rhash: every
-hash the reader computes, rwrite: its cache folder, in a thread beside the hash; load: the engine's
-``load_weights``; generate). On the path: write, produce, commit, seen, fetch, load, generate (they add up to the
-total); encode and rwrite overlap others.
+each hop: trainer (produce: from the creation until the weights' chunks are flushed into the transaction (the cast,
+its hash, the encoding's wait, chunks to the broker); write: what was left of the folder's write after that; commit:
+the PolicyVersion and the commit; wfiles: the whole folder write, most of it beside produce; encode: anchor or delta,
+in a thread from when the content exists), worker (seen: the watcher has the record; fetch: the prefetch, of which
+read: chunks fetched, apply, rhash: the reader's hash, rwrite: a folder written (none on this path); load: the
+engine's ``load_tensors``; generate). On the path: produce, write, commit, seen, fetch, load, generate (they add up to
+the total); wfiles, encode and rwrite overlap others.
 Then p50 / p99 per kind, and the baseline of ``safetensors.save_file`` of the bf16 tensors to one local file (what
 a store on a shared path costs the trainer). Needs a broker ($RLSTREAM_BOOTSTRAP). One process does both sides in
 turn (the worker in the watcher's thread and this one), so the latency has no queueing in it.

@@ -335,7 +335,7 @@ class TrainerService:
 
     def _publish(self, version: int, stats: dict[str, float], offsets, samples: int) -> None:
         policy = self.loop.policy
-        publish_started = time.monotonic()
+        publish_started, created = time.monotonic(), hdr.now_ms()  # the update is done: the version exists
         written = {}
         self.ranks.command("save")
         full_state, optimizer_states = self._checkpoint_parts()
@@ -375,9 +375,8 @@ class TrainerService:
             uri = pending.uri()
             clock["committing"] = time.monotonic()
             stats["weights_s"] = clock["committing"] - publish_started
-            published = hdr.now_ms()
             record = PolicyVersion(policy=policy, version=version, weights_uri=weights_uri or uri,
-                                   created_at=published, published_at=published, step=version,
+                                   created_at=created, published_at=hdr.now_ms(), step=version,
                                    parent_version=self.version, samples_trained=samples, metrics=stats,
                                    trainer_id=self.group_id, tokenizer_hash=self._tokenizer_hash,
                                    content_hash=written["digest"])
