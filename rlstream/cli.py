@@ -35,7 +35,7 @@ def kafka_settings(args: argparse.Namespace) -> KafkaSettings:
 
 def cmd_up(args: argparse.Namespace) -> None:
     from rlstream.infra import broker
-    print(broker.up(settings(LoopSettings, args).home_path, brokers=args.brokers))
+    print(broker.up(settings(LoopSettings, args).home_path, brokers=args.brokers, host=args.host))
 
 
 def cmd_down(args: argparse.Namespace) -> None:
@@ -95,6 +95,9 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start a local Kafka broker (data under HOME, .rlstream/); prints the bootstrap")
     p.add_argument("--brokers", type=int, default=1, choices=(1, 3), help="1, or 3 for a replicated cluster")
+    p.add_argument("--host", default=None,
+                   help="the address of this machine the broker listens on and advertises (default "
+                        "$RLSTREAM_KAFKA_HOST or 127.0.0.1; the port is $RLSTREAM_KAFKA_PORT or 9092)")
     config.add_arguments(p, LoopSettings, only=("home",))
     p.set_defaults(func=cmd_up)
 

@@ -11,8 +11,9 @@ import os
 import signal
 from pathlib import Path
 
-from rlstream.infra.broker_config import (HOST, BrokerError, bootstrap_of, broker_port, controller_port, kafka_root,
-                                          locked, new_cluster_id, node_ids, read_layout, resolve_port, write_layout)
+from rlstream.infra.broker_config import (BrokerError, bootstrap_of, broker_port, controller_port, host_of, kafka_root,
+                                          locked, new_cluster_id, node_ids, read_layout, resolve_host, resolve_port,
+                                          write_layout)
 from rlstream.infra.broker_jars import kafka_lib
 from rlstream.infra.broker_process import node_pid, pid_file, port_open, start_nodes, stop_nodes, wait_exit, wait_ready
 
@@ -30,10 +31,11 @@ def _wait_ready(home: Path, layout: dict, ids: list[int]) -> None:
     wait_ready(home, layout, ids, START_TIMEOUT_S * len(ids))
 
 
-def up(home: Path | str | None = None, brokers: int = 1, port: int | None = None) -> str:
+def up(home: Path | str | None = None, brokers: int = 1, port: int | None = None, host: str | None = None) -> str:
     """Start the local Kafka cluster (idempotent) and return its bootstrap address.
 
-    home defaults to $RLSTREAM_HOME or .rlstream, port to $RLSTREAM_KAFKA_PORT or 9092.
+    home defaults to $RLSTREAM_HOME or .rlstream, port to $RLSTREAM_KAFKA_PORT or 9092, host (the address the
+    nodes listen on) to $RLSTREAM_KAFKA_HOST or 127.0.0.1.
     """
     if brokers not in (1, 3):
         raise BrokerError(f"brokers must be 1 or 3, got {brokers}")
@@ -54,15 +56,19 @@ def up(home: Path | str | None = None, brokers: int = 1, port: int | None = None
             _wait_ready(home, layout, node_ids(layout))
             return bootstrap_of(layout)
         if layout is None:
-            layout = {"cluster_id": new_cluster_id(), "brokers": brokers, "port": resolve_port(port)}
+            layout = {"cluster_id": new_cluster_id(), "brokers": brokers, "port": resolve_port(port),
+                      "host": resolve_host(host)}
         else:
             layout["port"] = resolve_port(port, layout["port"])
+            layout["host"] = resolve_host(host, layout.get("host"))
         write_layout(home, layout)
+        where = host_of(layout)
         busy = [p for n in node_ids(layout)
-                for p in (broker_port(layout["port"], n), controller_port(layout["port"], n)) if port_open(p)]
+                for p in (broker_port(layout["port"], n), controller_port(layout["port"], n))
+                if port_open(p, host=where)]
         if busy:
             raise BrokerError(
-                f"port(s) {', '.join(map(str, busy))} already in use on {HOST}; stop what listens there "
+                f"port(s) {', '.join(map(str, busy))} already in use on {where}; stop what listens there "
                 "or choose another base port with RLSTREAM_KAFKA_PORT"
             )
         start_nodes(home, layout, node_ids(layout))
@@ -94,8 +100,8 @@ def status(home: Path | str | None = None) -> dict[int, dict]:
     for n in node_ids(layout):
         pid = node_pid(home, n)
         if pid is not None:
-            out[n] = {"pid": pid, "bootstrap": f"{HOST}:{broker_port(layout['port'], n)}",
-                      "controller": f"{HOST}:{controller_port(layout['port'], n)}"}
+            out[n] = {"pid": pid, "bootstrap": f"{host_of(layout)}:{broker_port(layout['port'], n)}",
+                      "controller": f"{host_of(layout)}:{controller_port(layout['port'], n)}"}
     return out
 
 
@@ -138,10 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", default=None, help="default $RLSTREAM_HOME or .rlstream")
     parser.add_argument("--brokers", type=int, default=1, choices=[1, 3])
     parser.add_argument("--port", type=int, default=None, help="default $RLSTREAM_KAFKA_PORT or 9092")
+    parser.add_argument("--host", default=None,
+                        help="the address the nodes listen on (default $RLSTREAM_KAFKA_HOST or 127.0.0.1)")
     args = parser.parse_args(argv)
     try:
         if args.action == "up":
-            print(up(args.home, brokers=args.brokers, port=args.port))
+            print(up(args.home, brokers=args.brokers, port=args.port, host=args.host))
         elif args.action == "down":
             down(args.home)
         elif args.action == "fetch":

@@ -26,6 +26,18 @@ class BrokerError(RuntimeError):
 # ---------------------------------------------------------------- ports
 
 
+def resolve_host(host: str | None, recorded: str | None = None) -> str:
+    """The address the nodes listen on: explicit, else $RLSTREAM_KAFKA_HOST, else the one the cluster last ran on,
+    else 127.0.0.1. Another address of this machine (a veth's, a bridge's) lets clients in other network
+    namespaces or containers reach the broker with nothing else of the host's network in reach."""
+    return host or os.environ.get("RLSTREAM_KAFKA_HOST") or recorded or HOST
+
+
+def host_of(layout: dict) -> str:
+    """The address a cluster's nodes listen on (clusters set up before it was recorded: 127.0.0.1)."""
+    return layout.get("host", HOST)
+
+
 def resolve_port(port: int | None, recorded: int | None = None) -> int:
     """Explicit port, else $RLSTREAM_KAFKA_PORT, else the port the cluster last ran on, else 9092."""
     if port is not None:
@@ -52,7 +64,7 @@ def node_ids(layout: dict) -> list[int]:
 
 def bootstrap_of(layout: dict) -> str:
     """The bootstrap address that names every node of the cluster."""
-    return ",".join(f"{HOST}:{broker_port(layout['port'], n)}" for n in node_ids(layout))
+    return ",".join(f"{host_of(layout)}:{broker_port(layout['port'], n)}" for n in node_ids(layout))
 
 
 # ---------------------------------------------------------------- layout on disk
@@ -147,15 +159,15 @@ def render(props: dict) -> str:
 
 
 def server_properties(home: Path, layout: dict, node_id: int) -> str:
-    """server.properties of one local node: combined broker and controller, on HOST only."""
-    port = layout["port"]
-    voters = ",".join(f"{i}@{HOST}:{controller_port(port, i)}" for i in node_ids(layout))
+    """server.properties of one local node: combined broker and controller, on the layout's host only."""
+    port, host = layout["port"], host_of(layout)
+    voters = ",".join(f"{i}@{host}:{controller_port(port, i)}" for i in node_ids(layout))
     bport, cport = broker_port(port, node_id), controller_port(port, node_id)
     return render({
         "node.id": node_id,
         "controller.quorum.voters": voters,
-        "listeners": f"PLAINTEXT://{HOST}:{bport},CONTROLLER://{HOST}:{cport}",
-        "advertised.listeners": f"PLAINTEXT://{HOST}:{bport}",
+        "listeners": f"PLAINTEXT://{host}:{bport},CONTROLLER://{host}:{cport}",
+        "advertised.listeners": f"PLAINTEXT://{host}:{bport}",
         "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
         "log.dirs": node_dir(home, node_id) / "data",
         **cluster_properties(layout["brokers"]),

@@ -15,8 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from rlstream.infra.broker_config import (HOST, BrokerError, bootstrap_of, broker_port, controller_port, kafka_root,
-                                          log4j2_properties, node_dir, node_ids, server_properties)
+from rlstream.infra.broker_config import (HOST, BrokerError, bootstrap_of, broker_port, controller_port, host_of,
+                                          kafka_root, log4j2_properties, node_dir, node_ids, server_properties)
 from rlstream.infra.broker_jars import java, kafka_lib
 
 JVM_HEAP = ["-Xmx512m", "-Xms256m"]
@@ -73,10 +73,10 @@ def node_pid(home: Path, node_id: int) -> int | None:
     return None
 
 
-def port_open(port: int, timeout: float = 0.5) -> bool:
+def port_open(port: int, timeout: float = 0.5, host: str = HOST) -> bool:
     """Whether something accepts connections on HOST:port."""
     try:
-        with socket.create_connection((HOST, port), timeout=timeout):
+        with socket.create_connection((host, port), timeout=timeout):
             return True
     except OSError:
         return False
@@ -177,7 +177,7 @@ def wait_ready(home: Path, layout: dict, ids: list[int], timeout: float) -> None
                     f"Kafka node {n} exited while starting (port {broker_port(port, n)} or "
                     f"{controller_port(port, n)} in use?). Log {node_dir(home, n) / 'logs'}:\n{_log_tail(home, n)}"
                 )
-        if all(port_open(broker_port(port, n)) for n in ids):
+        if all(port_open(broker_port(port, n), host=host_of(layout)) for n in ids):
             admin = AdminClient({"bootstrap.servers": bootstrap_of(layout), "log_level": 0,
                                  "logger": _quiet_logger()})
             try:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from rlstream.policy.weights import WeightStore
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.records import PolicyVersion
-from tests.helpers.kafka import produce
+from rlstream.schemas.records import PolicyVersion, Reward, ScoredTrajectory
+from tests.helpers.kafka import make_trajectory, produce
 
 
 def publish_version(bootstrap: str, run: str, folder: Path, root: Path, version: int = 0) -> PolicyVersion:
@@ -18,3 +18,16 @@ def publish_version(bootstrap: str, run: str, folder: Path, root: Path, version:
     pv = PolicyVersion("policy", version, uri, created_at=now, published_at=now)
     produce(bootstrap, run, "policy-versions", [(b"policy", pv, hdr.build(version, hdr.new_traceparent()))])
     return pv
+
+
+def scored_group(gid: int, version: int) -> list[tuple]:
+    """A group of two scored samples of the reverse task (rewards 1 and 0) sampled by ``version``, as produce()'s
+    items: what a trainer needs for one step without rollout, env or reward running."""
+    items = []
+    for i, r in enumerate((1.0, 0.0)):
+        traj = make_trajectory(gid * 100 + i, group=gid, response="cba" if r else "abc", n_tokens=4)
+        traj.task.group_size = 2
+        traj.task.prompt_token_ids = [1, 5, 6, 7, 40]
+        items.append((f"task-{gid}".encode(), ScoredTrajectory(traj, Reward(total=r, reward_version="v1")),
+                      hdr.build(version, hdr.new_traceparent(), "v1")))
+    return items

@@ -19,22 +19,12 @@ from rlstream.policy.weight_log import WeightLogWriter, parse_uri
 from rlstream.runtime.runner import StageRunner
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.records import PolicyVersion, Reward, ScoredTrajectory
+from rlstream.schemas.records import PolicyVersion
 from rlstream.stages.rollout import RolloutSettings, RolloutStage
-from tests.helpers.kafka import make_task, make_trajectory, produce, read_all, wait_for
+from tests.helpers.kafka import make_task, produce, read_all, wait_for
+from tests.helpers.policy import scored_group
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
-
-
-def scored_group(gid: int, version: int):
-    items = []
-    for i, r in enumerate((1.0, 0.0)):
-        traj = make_trajectory(gid * 100 + i, group=gid, response="cba" if r else "abc", n_tokens=4)
-        traj.task.group_size = 2
-        traj.task.prompt_token_ids = [1, 5, 6, 7, 40]
-        items.append((f"task-{gid}".encode(), ScoredTrajectory(traj, Reward(total=r, reward_version="v1")),
-                      hdr.build(version, hdr.new_traceparent(), "v1")))
-    return items
 
 
 def held_hash(stage: RolloutStage, like: Content) -> str:
