@@ -254,6 +254,7 @@ class WeightLogReader:
         if held is not None and held.version == pv.version and held.ref.policy == pv.policy:
             self._check(pv, held.digest)
             return held
+        ref = None
         try:
             ref = parse_uri(pv.weights_uri)
             if ref.version != pv.version or ref.policy != pv.policy:
@@ -267,10 +268,10 @@ class WeightLogReader:
             content, digest, buffer = self._rebuild(ref, base, beside)
             self._check(pv, digest)
         except ValueError as exc:
-            shutil.rmtree(self._aside(ref), ignore_errors=True)
+            self._discard_aside(ref)
             raise self._refuse(pv, "invalid", str(exc)) from None
         except OSError as exc:
-            shutil.rmtree(self._aside(ref), ignore_errors=True)
+            self._discard_aside(ref)
             metrics.WEIGHTS_REFUSED.labels("unreadable").inc()
             raise OSError(f"{pv.policy} v{pv.version} not readable from the weights log: {exc}") from None
         moved = self._move_in(ref) if folder else None
@@ -361,6 +362,10 @@ class WeightLogReader:
 
     def _aside(self, ref: LogRef) -> Path:
         return self._folder(ref).with_name(f"v{ref.version}.tmp")
+
+    def _discard_aside(self, ref: LogRef | None) -> None:
+        if ref is not None:  # None: the URI did not parse, nothing was written
+            shutil.rmtree(self._aside(ref), ignore_errors=True)
 
     def _write_aside(self, ref: LogRef, content: Content) -> None:
         tmp = self._aside(ref)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlstream.policy.deltas import Content, folder_hash, write_folder
+from rlstream.policy.weight_log import WeightLogReader
 from rlstream.policy.weights import COMPLETE, PolicyWeights, WeightStore
 from rlstream.schemas.records import PolicyVersion
 
@@ -71,3 +72,11 @@ def test_every_load_is_checked_against_the_announced_hash(store, tmp_path):
     log_uri = PolicyVersion("p", 2, "kafka:weights?policy=p&version=2", created_at=0, published_at=0)
     with pytest.raises(OSError, match="no broker"):
         weights.folder(log_uri)
+
+
+def test_a_garbled_log_uri_is_refused_with_its_reason_and_nothing_read(tmp_path):
+    reader = WeightLogReader({"bootstrap.servers": "127.0.0.1:1"}, "r", tmp_path / "cache")  # never reached
+    pv = PolicyVersion("policy", 3, "kafka:weights?policy=policy&version=3", created_at=0, published_at=0)
+    for call in (lambda: reader.fetch(pv), lambda: reader.load(pv, lambda tensors: None)):
+        with pytest.raises(ValueError, match="policy v3 refused: weights-log URI .* lacks or garbles"):
+            call()
