@@ -200,7 +200,6 @@ class PolicyWeights:
             self._checked = (pv.content_hash, folder)
         return folder
 
-
     def prefetch(self, pv: PolicyVersion, folder: bool = True) -> None:
         """Get ``pv`` ready to load before the engine is taken: its folder (``folder``), or, from the weights log, only
         rebuilt and checked in memory (for an engine that ``loads_tensors``). Errors as ``folder``'s."""

@@ -12,8 +12,9 @@ what was trained (or evicted) past it is listed in the offset's metadata, commit
 again skips it. Kept in Kafka, it reaches a trainer on any host.
 
 With ``--weights-transport kafka`` the version's weights also go on the run's weights topic, inside that same
-transaction (``rlstream.policy.weight_log``), and the PolicyVersion names them there; either way it carries the
-content hash every worker checks its load against.
+transaction (``rlstream.policy.weight_log``; produced while the folder is still being written, the PolicyVersion
+only once it is there), and the PolicyVersion names them there; either way it carries the content hash every
+worker checks its load against.
 """
 from __future__ import annotations
 
@@ -398,7 +399,8 @@ class TrainerService:
         self.version = version
         if full_checkpoint:
             self._full_checkpoint = version
-        self._commit_s = time.monotonic() - clock["committing"]  # known only once committed: the next version carries it
+        # Known only once committed: the next version carries it.
+        self._commit_s = time.monotonic() - clock["committing"]
         metrics.PUBLISH_SECONDS.observe(time.monotonic() - publish_started)
         metrics.POLICY_VERSION.labels("trainer").set(version)
         # Versions older than η + 1 behind can no longer be needed by a rollout worker.
