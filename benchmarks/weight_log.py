@@ -49,7 +49,7 @@ from benchmarks.harness.result import result
 from benchmarks.harness.stats import percentile
 from rlstream.config import KafkaSettings
 from rlstream.kafka import records
-from rlstream.kafka.topics import create_topics
+from rlstream.kafka.topics import create_topics, delete_topics
 from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.policy import weight_log
 from rlstream.policy.watcher import PolicyWatcher
@@ -130,6 +130,8 @@ def main() -> None:
     bootstrap = os.environ.get("RLSTREAM_BOOTSTRAP", "127.0.0.1:9092")
     run = "bench-wl-" + uuid.uuid4().hex[:8]
     create_topics({"bootstrap.servers": bootstrap}, run)
+    # Its weights topic holds 2 GB or more at 100 M parameters: left behind, runs fill the broker's disk.
+    atexit.register(delete_topics, {"bootstrap.servers": bootstrap}, run)
     kafka = KafkaSettings(bootstrap=bootstrap, run=run)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  commit {commit}  "

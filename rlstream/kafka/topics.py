@@ -98,6 +98,16 @@ def create_topics(admin_config: dict, run: str, replication: int = 1, partitions
     return names
 
 
+def delete_topics(admin_config: dict, run: str, timeout: float = 30.0) -> None:
+    """Delete the run's topics that exist (a benchmark's run, whose records are only in the way afterwards: a
+    weights topic at 100 M parameters holds gigabytes)."""
+    admin = AdminClient(admin_config)
+    existing = set(admin.list_topics(timeout=timeout).topics)
+    names = [topic_name(run, t) for t in TOPICS if topic_name(run, t) in existing]
+    for future in (admin.delete_topics(names, operation_timeout=timeout).values() if names else ()):
+        future.result()
+
+
 def delete_before(admin_config: dict, run: str, logical: str, partition: int, offset: int,
                   timeout: float = 30.0) -> int:
     """Delete the records of ``<run>.<logical>[partition]`` before ``offset`` (a retention policy the writer knows

@@ -10,7 +10,8 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from rlstream.infra import broker, broker_jars
-from tests.helpers.kafka import free_base_port
+from rlstream.kafka.topics import TOPICS, create_topics, delete_topics, topic_name
+from tests.helpers.kafka import free_base_port, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -109,3 +110,17 @@ def test_jars_are_fetched_into_the_cache_once_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
     with pytest.raises(broker.BrokerError, match="Maven"):
         broker_jars.kafka_lib()
+
+
+def test_a_runs_topics_are_created_and_deleted_together(bootstrap):
+    run = "del" + uuid.uuid4().hex[:8]
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    names = set(create_topics({"bootstrap.servers": bootstrap}, run, partitions=1))
+    assert names == {topic_name(run, t) for t in TOPICS}
+    other = "keep" + uuid.uuid4().hex[:8]
+    create_topics({"bootstrap.servers": bootstrap}, other, partitions=1)
+    delete_topics({"bootstrap.servers": bootstrap}, run)
+    wait_for(lambda: not names & set(admin.list_topics(timeout=10).topics), 30, f"{run}'s topics to go")
+    assert topic_name(other, "weights") in admin.list_topics(timeout=10).topics  # another run's stay
+    delete_topics({"bootstrap.servers": bootstrap}, other)
+    delete_topics({"bootstrap.servers": bootstrap}, run)  # none left: nothing to do, no error
