@@ -276,8 +276,9 @@ class WeightLogReader:
             raise OSError(f"{pv.policy} v{pv.version} not readable from the weights log: {exc}") from None
         moved = self._move_in(ref) if folder else None
         self._held = _Held(ref.version, content, ref, moved, digest, buffer)
-        if moved is not None:
-            self._drop_old(ref.policy, keep={moved} | ({held.folder} if held is not None and held.folder else set()))
+        # The folders of this version and the one before stay (an engine may still read the one before); with
+        # versions loaded from memory, an older folder (the one the engine started from) goes a version later.
+        self._drop_old(ref.policy, keep={f for f in (moved, held.folder if held is not None else None) if f})
         return self._held
 
     def _rebuild(self, ref: LogRef, held: _Held | None, beside=None) -> tuple[Content, str, bytearray | None]:

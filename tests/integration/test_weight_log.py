@@ -79,6 +79,8 @@ def test_workers_without_a_shared_path_load_versions_from_the_log_and_refuse_a_b
         sizes = {c.version: sum(len(x.payload) for x in chunks if x.version == c.version) for c in chunks}
         assert sizes[1] < sizes[0] and sizes[3] < sizes[2]
         assert "rebuilding from anchor" not in caplog.text, "A followed every delta from the version it held"
+        # A's engine took v1..v3 from memory: no folder written for them, and v0's (its start) gone since v2.
+        assert not list((tmp_path / "host-a").rglob("v[0-9]*")), list((tmp_path / "host-a").rglob("v[0-9]*"))
 
         # The trainer's host goes away: nothing of it can be read any more, only the broker remains.
         shutil.move(trainer_home, tmp_path / "gone")
