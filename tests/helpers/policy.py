@@ -31,3 +31,12 @@ def scored_group(gid: int, version: int) -> list[tuple]:
         items.append((f"task-{gid}".encode(), ScoredTrajectory(traj, Reward(total=r, reward_version="v1")),
                       hdr.build(version, hdr.new_traceparent(), "v1")))
     return items
+
+
+def start_log_trainer(start_stage, bootstrap: str, run: str, home: Path):
+    """A trainer process whose versions go through the weights log (an anchor every 2 versions), with its store under
+    ``home``, taking 3 steps of one 2-sample group each (``scored_group``) from version 0 (no warm-up)."""
+    return start_stage("trainer", bootstrap, run, "--home", str(home), "--weights", str(home / "weights"),
+                       "--weights-transport", "kafka", "--weights-anchor-every", "2", "--warmup-steps", "0",
+                       "--max-steps", "3", "--window-groups", "2", "--groups-per-step", "1", "--group-size", "2",
+                       "--lr", "1e-2", "--eta", "8")

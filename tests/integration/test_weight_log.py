@@ -22,7 +22,7 @@ from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion
 from rlstream.stages.rollout import RolloutSettings, RolloutStage
 from tests.helpers.kafka import make_task, produce, read_all, wait_for
-from tests.helpers.policy import scored_group
+from tests.helpers.policy import scored_group, start_log_trainer
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -49,11 +49,7 @@ def test_workers_without_a_shared_path_load_versions_from_the_log_and_refuse_a_b
         bootstrap, run_name, tmp_path, start_stage, caplog):
     caplog.set_level(logging.INFO, logger="rlstream.policy.weight_log")
     trainer_home = tmp_path / "trainer-host"
-    trainer = start_stage("trainer", bootstrap, run_name, "--home", str(trainer_home),
-                          "--weights", str(trainer_home / "weights"), "--weights-transport", "kafka",
-                          "--weights-anchor-every", "2", "--warmup-steps", "0", "--max-steps", "3",
-                          "--window-groups", "2", "--groups-per-step", "1", "--group-size", "2", "--lr", "1e-2",
-                          "--eta", "8")
+    trainer = start_log_trainer(start_stage, bootstrap, run_name, trainer_home)
     a, runner_a, thread_a = start_worker(bootstrap, run_name, tmp_path / "host-a")
     workers = [(runner_a, thread_a)]
     try:

@@ -19,7 +19,7 @@ from rlstream.kafka.topics import create_topics
 from rlstream.policy.weight_log import parse_uri
 from rlstream.schemas import headers as hdr
 from tests.helpers.kafka import free_base_port, make_task, produce, read_all, wait_for
-from tests.helpers.policy import scored_group
+from tests.helpers.policy import scored_group, start_log_trainer
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -77,11 +77,7 @@ def test_a_worker_in_its_own_network_namespace_loads_versions_through_the_broker
         run = "netns" + uuid.uuid4().hex[:8]
         create_topics({"bootstrap.servers": here}, run, partitions=2)
         trainer_home = tmp_path / "trainer-host"
-        trainer = start_stage("trainer", here, run, "--home", str(trainer_home),
-                              "--weights", str(trainer_home / "weights"), "--weights-transport", "kafka",
-                              "--weights-anchor-every", "2", "--warmup-steps", "0", "--max-steps", "3",
-                              "--window-groups", "2", "--groups-per-step", "1", "--group-size", "2", "--lr", "1e-2",
-                              "--eta", "8")
+        trainer = start_log_trainer(start_stage, here, run, trainer_home)
         worker_home, log = tmp_path / "worker-host", tmp_path / "worker.log"
         env = dict(os.environ, RLSTREAM_BOOTSTRAP=here, RLSTREAM_RUN=run)
         with open(log, "wb") as out:
