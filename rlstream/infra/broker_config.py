@@ -15,8 +15,10 @@ import uuid
 from pathlib import Path
 
 HOST = "127.0.0.1"
-DEFAULT_PORT = 9092
+# rlstream.kafka.topics.MAX_MESSAGE_BYTES again: the image that fetches the jars runs rlstream/infra alone, on a bare
+# Python without confluent_kafka, so nothing here imports rlstream.kafka at module level.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+DEFAULT_PORT = 9092
 
 
 class BrokerError(RuntimeError):

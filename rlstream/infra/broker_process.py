@@ -7,7 +7,6 @@ kafka.Kafka process, so a stale file left by a crash never names an unrelated pr
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import socket
@@ -155,17 +154,10 @@ def _log_tail(home: Path, node_id: int, lines: int = 10) -> str:
     return "\n".join(text)
 
 
-def _quiet_logger() -> logging.Logger:
-    """A logger that drops librdkafka's connection-refused chatter while the broker starts."""
-    logger = logging.getLogger("rlstream.infra.broker.admin")
-    logger.addHandler(logging.NullHandler())
-    logger.propagate = False
-    return logger
-
-
 def wait_ready(home: Path, layout: dict, ids: list[int], timeout: float) -> None:
     """Wait until the given nodes answer metadata requests and the cluster sees all of them."""
-    from confluent_kafka.admin import AdminClient
+    # Here, not at the top: the image that fetches the jars imports rlstream/infra alone, without confluent_kafka.
+    from rlstream.kafka.topics import broker_ids
 
     port = layout["port"]
     deadline = time.monotonic() + timeout
@@ -178,11 +170,8 @@ def wait_ready(home: Path, layout: dict, ids: list[int], timeout: float) -> None
                     f"{controller_port(port, n)} in use?). Log {node_dir(home, n) / 'logs'}:\n{_log_tail(home, n)}"
                 )
         if all(port_open(broker_port(port, n), host=host_of(layout)) for n in ids):
-            admin = AdminClient({"bootstrap.servers": bootstrap_of(layout), "log_level": 0,
-                                 "logger": _quiet_logger()})
             try:
-                seen = set(admin.list_topics(timeout=2).brokers)
-                if want <= seen:
+                if want <= broker_ids(bootstrap_of(layout)):
                     return
             except Exception:  # KafkaException while the broker is still starting up
                 pass

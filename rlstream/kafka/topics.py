@@ -118,15 +118,28 @@ def delete_before(admin_config: dict, run: str, logical: str, partition: int, of
     return future.result(timeout=timeout).low_watermark
 
 
+def _quiet_logger() -> logging.Logger:
+    """A logger that drops librdkafka's connection-refused chatter while a broker starts."""
+    quiet = logging.getLogger(__name__ + ".librdkafka")
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
+    return quiet
+
+
+def broker_ids(bootstrap: str, timeout: float = 2.0) -> set[int]:
+    """The node ids the cluster's metadata names now (a cluster starting: those up so far); KafkaException while
+    none answers."""
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0, "logger": _quiet_logger()})
+    return set(admin.list_topics(timeout=timeout).brokers)
+
+
 def wait_for_broker(admin_config: dict, wait_s: float, every_s: float = 10.0) -> None:
     """Return once the broker answers a metadata request. Until then, say every ``every_s`` that this process is
     waiting for it, with librdkafka's last word on why (a refused connection, a failed SASL handshake); after
     ``wait_s`` (0: one try) raise a UserError that says what to do. A SIGTERM while waiting ends the process
     cleanly: nothing has been consumed yet, so there is nothing to finish."""
     where = admin_config.get("bootstrap.servers", "?")  # never the whole config: it may hold a password
-    quiet = logging.getLogger(__name__ + ".librdkafka")  # connection-refused chatter while the broker starts
-    quiet.addHandler(logging.NullHandler())
-    quiet.propagate = False
+    quiet = _quiet_logger()
     why: list[str] = []  # librdkafka's errors (they name hosts and mechanisms, never credentials)
     admin = AdminClient({**admin_config, "log_level": 0, "logger": quiet, "error_cb": lambda e: why.append(e.str())})
     stopped: list = []
