@@ -39,7 +39,7 @@ from rlstream.runtime.runner import StageRunner
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, SamplingParams, Task
-from rlstream.stages.inference.servers import VLLMServerAPI
+from rlstream.engine.servers import VLLMServerAPI
 from rlstream.stages.rollout import RolloutSettings, RolloutStage
 from tests.helpers.kafka import produce, read_all
 from tests.helpers.models import chat_tokenizer, llama_folder

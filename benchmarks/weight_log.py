@@ -138,7 +138,7 @@ def main() -> None:
           f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}  cores {os.cpu_count()}")
 
     from rlstream.models.tiny import build_tokenizer
-    from rlstream.stages.inference.local import TransformersBackend
+    from rlstream.engine.local import TransformersBackend
     model = build_model(args.hidden, args.layers, args.vocab)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

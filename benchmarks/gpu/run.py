@@ -15,7 +15,7 @@ Sections (each prints its own lines; a section that cannot run here says why and
   ``--weights-transport kafka``, Kafka left out: the parameters in bf16 to a safetensors checkpoint, its content
   hash, and the anchor or delta payload (``policy.deltas``); bytes of each; against ``save_file`` of the same
   tensors alone (the plain file a store transport writes).
-- ``vllm``: in-process vLLM (``stages.inference``'s VLLMBackend, ``--gpu-memory-utilization``) generating from the
+- ``vllm``: in-process vLLM (``engine``'s VLLMBackend, ``--gpu-memory-utilization``) generating from the
   checkpoint: tokens/s over a batch of prompts, and the time to ``reload_weights`` a new version and generate again
   (publish -> generating with the new version, on one host: no Kafka hop).
 
@@ -186,7 +186,7 @@ def vllm_section(args, folder: Path, work: Path) -> None:
         print(f"vllm: not importable here ({exc}); skipped")
         return
     from rlstream.schemas.records import SamplingParams
-    from rlstream.stages.inference.factory import make_backend
+    from rlstream.engine.factory import make_backend
     backend = make_backend("vllm", folder, threads=args.threads, dtype="bf16", max_context=args.max_context,
                            gpu_memory_utilization=args.gpu_memory_utilization)
     vocab = SIZES[args.size]["vocab_size"]

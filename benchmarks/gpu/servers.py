@@ -30,7 +30,7 @@ from benchmarks.fleet_tokens import direct_round, stage_round
 from benchmarks.gpu.run import SIZES, build
 from benchmarks.harness.result import result
 from rlstream.infra import broker
-from rlstream.stages.inference.servers import SGLangAPI, VLLMServerAPI
+from rlstream.engine.servers import SGLangAPI, VLLMServerAPI
 from tests.helpers.servers import free_port
 
 #: kind -> (module that must import, the rollout backend, the stage's client of that server, how to launch it)

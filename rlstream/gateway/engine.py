@@ -1,6 +1,6 @@
 """The policy engine behind the gateway: the newest announced policy version, loaded into an inference backend.
 
-The same backends as rollout (``rlstream.stages.inference``): transformers or vLLM in this process, or a fleet of
+The same backends as rollout (``rlstream.engine``): transformers or vLLM in this process, or a fleet of
 vLLM / SGLang servers that each version is pushed to. One engine thread runs the calls: those waiting together
 with equal sampling parameters go to the backend as one batch (many agents at once keep the engine busy). New
 versions go in between batches (a follower thread loads an announced version while the engine is idle, and each
@@ -24,7 +24,7 @@ from rlstream.models.loading import context_limit, load_tokenizer
 from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import PolicyWeights
 from rlstream.schemas.records import SamplingParams
-from rlstream.stages.inference import FleetOptions, Generation, make_backend, server_urls
+from rlstream.engine import FleetOptions, Generation, make_backend, server_urls
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from rlstream.config import load as load_settings
 from rlstream.errors import UsageError
 from rlstream.gateway.sessions import SessionBook, SessionError
 from rlstream.gateway.streaming import stream
-from rlstream.stages.inference import KINDS
+from rlstream.engine import KINDS
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from rlstream.schemas.headers import new_traceparent, now_ms, trace_id
 from rlstream.schemas.records import Failure, SamplingParams, Task, Trajectory, Turn
-from rlstream.stages.inference.base import Generation
+from rlstream.engine.base import Generation
 
 #: ``Task.env_name`` of gateway episodes (no env stage steps them: the agent is the environment).
 ENV_NAME = "gateway"

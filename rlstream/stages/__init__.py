@@ -1,4 +1,4 @@
-"""The loop's stream processors: rollout (with its inference backends), env, reward,
+"""The loop's stream processors: rollout (its engines are rlstream/engine/), env, reward,
 teacher (a package: scoring, tokenizer alignment, its replay), and replay (the reward or the teacher stage
 over a past range).
 

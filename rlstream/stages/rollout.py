@@ -50,7 +50,7 @@ from rlstream.policy.weights import PolicyWeights
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn, episode_key, is_eval
-from rlstream.stages.inference import KINDS, FleetOptions, Generation, make_backend, server_urls
+from rlstream.engine import KINDS, FleetOptions, Generation, make_backend, server_urls
 
 #: Backends that are fleets of servers: the stage is pipelined on them (``RolloutStage.batched``).
 SERVER_KINDS = ("vllm-server", "sglang", "openai")

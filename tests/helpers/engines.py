@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 
 from rlstream.schemas.records import PolicyVersion
-from rlstream.stages.inference import Generation, InferenceBackend
+from rlstream.engine import Generation, InferenceBackend
 
 
 class FakeWatcher:

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from rlstream.infra.supervisor import StageProc, stage_env
-from rlstream.stages.inference import Generation
+from rlstream.engine import Generation
 from tests.helpers import ROOT
 from tests.helpers.kafka import wait_for
 from tests.helpers.models import chat_tokenizer

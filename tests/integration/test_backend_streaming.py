@@ -7,7 +7,7 @@ import pytest
 
 from rlstream.models.tiny import build_model, build_tokenizer, save_pretrained
 from rlstream.schemas.records import SamplingParams
-from rlstream.stages.inference import TransformersBackend, VLLMBackend
+from rlstream.engine import TransformersBackend, VLLMBackend
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from rlstream.models.loading import load_tokenizer
 from rlstream.models.tiny import build_model, build_tokenizer, save_pretrained
 from rlstream.schemas.records import SamplingParams
-from rlstream.stages.inference import TransformersBackend, VLLMBackend, make_backend
+from rlstream.engine import TransformersBackend, VLLMBackend, make_backend
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from rlstream.runtime.runner import StageRunner
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.runtime.stage import Incoming
 from rlstream.schemas.records import PolicyVersion, SamplingParams, Task
-from rlstream.stages.inference.servers import http_json
+from rlstream.engine.servers import http_json
 from rlstream.stages.rollout import RolloutSettings, RolloutStage
 from tests.helpers.engines import FakeWatcher
 from tests.helpers.kafka import produce, read_all

@@ -47,9 +47,9 @@ def test_gpu_memory_utilization_outside_0_1_is_refused_by_name():
 
 def test_transformers_backend_goes_to_the_device_asked(monkeypatch, tmp_path):
     from rlstream.errors import UsageError
-    from rlstream.stages.inference import make_backend
+    from rlstream.engine import make_backend
     placed = {}
-    import rlstream.stages.inference.local as local
+    import rlstream.engine.local as local
     monkeypatch.setattr(local.TransformersBackend, "__init__",
                         lambda self, folder, threads=1, device="cpu", dtype="auto": placed.update(device=device))
     make_backend("transformers", tmp_path, device="cpu")
@@ -71,8 +71,8 @@ def _weights(folder, *shapes):
 
 
 def test_auto_picks_transformers_for_a_small_model_on_the_cpu_and_vllm_otherwise(fake_vllm, monkeypatch, tmp_path):
-    from rlstream.stages.inference import factory
-    from rlstream.stages.inference.factory import auto_kind, parameter_count
+    from rlstream.engine import factory
+    from rlstream.engine.factory import auto_kind, parameter_count
     monkeypatch.setattr(factory, "SMALL_MODEL_PARAMETERS", 100_000)  # the rule, on files of a few hundred KB
     small = _weights(tmp_path / "small", (1000, 64), (64,))
     big = _weights(tmp_path / "big", (100, 1000), (8,))
@@ -86,7 +86,7 @@ def test_auto_picks_transformers_for_a_small_model_on_the_cpu_and_vllm_otherwise
 
 
 def test_auto_falls_back_to_transformers_without_vllm(monkeypatch, tmp_path):
-    from rlstream.stages.inference import factory
+    from rlstream.engine import factory
     monkeypatch.setattr(factory, "SMALL_MODEL_PARAMETERS", 100)
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
     assert factory.auto_kind(_weights(tmp_path / "big", (100, 2)), device="cpu") == "transformers"

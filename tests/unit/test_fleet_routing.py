@@ -8,9 +8,9 @@ import time
 import pytest
 
 from rlstream.schemas.records import SamplingParams
-from rlstream.stages.inference.base import Generation
-from rlstream.stages.inference.fleet import FleetOptions, NoServerAvailable, ServerFleet
-from rlstream.stages.inference.servers import PushRejected, ServerAPI, ServerError
+from rlstream.engine.base import Generation
+from rlstream.engine.fleet import FleetOptions, NoServerAvailable, ServerFleet
+from rlstream.engine.servers import PushRejected, ServerAPI, ServerError
 
 
 class Standin(ServerAPI):

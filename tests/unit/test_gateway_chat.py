@@ -151,7 +151,7 @@ def test_sampling_refuses_what_it_cannot_honour():
 
 def test_a_stop_string_ends_the_answer_and_the_tokens_after_it_are_dropped():
     from rlstream.gateway.service import cut_at_stop
-    from rlstream.stages.inference import Generation
+    from rlstream.engine import Generation
     ids = engine_tokens("It is 42. Then more", eos=False)
     gen = Generation(list(ids), [-1.0] * len(ids), "length", versions=[0] * len(ids))
     assert cut_at_stop(TOK, gen, ["nothing", ". T"]) == "It is 42"

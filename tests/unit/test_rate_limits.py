@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from rlstream.stages.inference.limits import RateLimits
+from rlstream.engine.limits import RateLimits
 
 
 class Clock:

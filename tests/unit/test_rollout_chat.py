@@ -7,7 +7,7 @@ import json
 
 from rlstream.runtime.stage import Incoming, InvalidRecord
 from rlstream.schemas.records import SamplingParams, Task, Turn
-from rlstream.stages.inference import Generation
+from rlstream.engine import Generation
 from rlstream.stages.rollout import RolloutSettings, RolloutStage
 from tests.helpers.engines import FakeBackend, FakeWatcher, pv
 from tests.helpers.models import chat_tokenizer

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rlstream.schemas.records import SamplingParams
-from rlstream.stages.inference.servers import Call, OpenAICompletionsAPI, ServerError
+from rlstream.engine.servers import Call, OpenAICompletionsAPI, ServerError
 
 
 class Slow(http.server.BaseHTTPRequestHandler):

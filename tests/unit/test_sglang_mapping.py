@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from rlstream.schemas.records import SamplingParams
-from rlstream.stages.inference.fleet import FleetOptions, ServerFleet
-from rlstream.stages.inference.servers import PushRejected, SGLangAPI
+from rlstream.engine.fleet import FleetOptions, ServerFleet
+from rlstream.engine.servers import PushRejected, SGLangAPI
 
 
 class Recorded(SGLangAPI):

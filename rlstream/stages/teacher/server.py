@@ -6,7 +6,7 @@ discarded) and ``prompt_logprobs`` k: vLLM then returns, at every prompt positio
 the k most likely (by rank). Prompt log-probs are the model's own distribution (temperature 1), as in process
 (``scoring.VllmScorer``). Up to ``in_flight`` requests run at once; rows not answered by the batch's deadline come
 back as None (status ``timeout`` in the stage), and a row the server refuses (HTTP 4xx) as a ValueError with the
-server's reason (dead-lettered). The HTTP plumbing is the inference fleet's (``stages/inference/servers.py``).
+server's reason (dead-lettered). The HTTP plumbing is the inference fleet's (``engine/servers.py``).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import logging
 import time
 
 from rlstream.errors import UserError
-from rlstream.stages.inference.servers import TOKENIZER_PROBE, ServerAPI, ServerError
+from rlstream.engine.servers import TOKENIZER_PROBE, ServerAPI, ServerError
 
 log = logging.getLogger(__name__)
 

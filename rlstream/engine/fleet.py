@@ -40,9 +40,9 @@ from pathlib import Path
 
 from rlstream import metrics
 from rlstream.schemas.records import SamplingParams
-from rlstream.stages.inference.base import BetweenSteps, Generation, InferenceBackend
-from rlstream.stages.inference.limits import RateLimits
-from rlstream.stages.inference.servers import Call, PushRejected, ServerAPI, ServerError
+from rlstream.engine.base import BetweenSteps, Generation, InferenceBackend
+from rlstream.engine.limits import RateLimits
+from rlstream.engine.servers import Call, PushRejected, ServerAPI, ServerError
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rlstream.models.loading import ModelError, context_limit, dtype_name, load_model, load_tokenizer, torch_dtype
 from rlstream.schemas.records import SamplingParams
-from rlstream.stages.inference.base import BetweenSteps, Generation, InferenceBackend, OnStep
+from rlstream.engine.base import BetweenSteps, Generation, InferenceBackend, OnStep
 
 log = logging.getLogger(__name__)
 

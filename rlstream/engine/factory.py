@@ -5,9 +5,9 @@ import logging
 from pathlib import Path
 
 from rlstream.errors import UserError
-from rlstream.stages.inference.base import InferenceBackend
-from rlstream.stages.inference.fleet import FleetOptions, ServerFleet
-from rlstream.stages.inference.servers import APIS, TOKENIZER_PROBE, ServerError
+from rlstream.engine.base import InferenceBackend
+from rlstream.engine.fleet import FleetOptions, ServerFleet
+from rlstream.engine.servers import APIS, TOKENIZER_PROBE, ServerError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def make_backend(kind: str, folder: Path, threads: int = 1, urls: tuple[str, ...
 
 def _make_local(kind: str, folder: Path, threads: int, dtype: str, max_context: int, device: str = "auto",
                 gpu_memory_utilization: float = 0.9) -> InferenceBackend:
-    from rlstream.stages.inference.local import TransformersBackend, VLLMBackend
+    from rlstream.engine.local import TransformersBackend, VLLMBackend
     if kind == "auto":
         kind = auto_kind(folder, device)
     if kind == "transformers":

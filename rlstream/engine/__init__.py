@@ -1,4 +1,4 @@
-"""Inference backends behind one interface: token ids in, sampled token ids, their log-probs and each token's
+"""The inference engines, one package that rollout, the gateway and the teacher use, behind one interface: token ids in, sampled token ids, their log-probs and each token's
 policy version out.
 
 - ``base``: the interface (``InferenceBackend``, ``Generation``).
@@ -10,10 +10,10 @@ policy version out.
 - ``limits``: per-server rate limits for hosted endpoints.
 - ``factory``: ``make_backend`` by name.
 """
-from rlstream.stages.inference.base import BetweenSteps, Generation, InferenceBackend
-from rlstream.stages.inference.factory import KINDS, make_backend, server_urls
-from rlstream.stages.inference.fleet import FleetOptions, NoServerAvailable, ServerFleet
-from rlstream.stages.inference.local import TransformersBackend, VLLMBackend
+from rlstream.engine.base import BetweenSteps, Generation, InferenceBackend
+from rlstream.engine.factory import KINDS, make_backend, server_urls
+from rlstream.engine.fleet import FleetOptions, NoServerAvailable, ServerFleet
+from rlstream.engine.local import TransformersBackend, VLLMBackend
 
 __all__ = ["BetweenSteps", "FleetOptions", "Generation", "InferenceBackend", "KINDS", "NoServerAvailable",
            "ServerFleet", "TransformersBackend", "VLLMBackend", "make_backend", "server_urls"]

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rlstream.schemas.records import SamplingParams
-from rlstream.stages.inference.base import Generation
+from rlstream.engine.base import Generation
 
 #: Text tokenized by the server and by the policy's tokenizer: equal ids mean the same tokenizer (digits, spaces,
 #: punctuation and non-ASCII catch most vocabulary differences).
