@@ -2,7 +2,7 @@
 files and processes a step leaves behind are there at the next step; the container is removed when the episode ends.
 
 The container is started at the episode's first call with the options of every sandbox container
-(``rlstream.sandbox_docker.container_options``: no network, memory/CPU/pid limits, read-only root, no
+(``rlstream.sandbox.containers.container_options``: no network, memory/CPU/pid limits, read-only root, no
 capabilities) and the workspace mounted at /work. Its one program is ``sleep`` under docker's init: the init reaps
 what calls leave behind, and the sleep bounds the container's life to ``LIFETIME_S`` even when the host dies without
 removing it (the container is started with auto-remove, so it is then gone too).
@@ -22,8 +22,8 @@ import signal
 import time
 
 from rlstream.envs.session import Session
-from rlstream.sandbox import Sandbox, SandboxResult, _classify
-from rlstream.sandbox_docker import WORKDIR, container_options
+from rlstream.sandbox import Sandbox, SandboxResult, classify
+from rlstream.sandbox.containers import WORKDIR, container_options
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class DockerSession(Session):
         if kind == "shell":  # the shell's convention, as the subprocess session's: 128 + signal number
             return SandboxResult(text, exit_code, duration, cut)
         status = 128 - exit_code if exit_code > 128 else exit_code  # back to -signal for the classifier
-        return SandboxResult(text, status, duration, cut, _classify(status, 0.0, lim.cpu_s))
+        return SandboxResult(text, status, duration, cut, classify(status, 0.0, lim.cpu_s))
 
     def _stop(self) -> None:
         if self._container is not None:

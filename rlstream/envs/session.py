@@ -25,8 +25,9 @@ import subprocess
 import threading
 import time
 
-# The sandbox's own preparation and teardown, reused as they are (sandbox.py is at its size limit).
-from rlstream.sandbox import _INIT, Sandbox, SandboxResult, _classify, _kill_group, _read_reports, _wait_gone
+# The sandbox's own preparation and teardown, reused as they are.
+from rlstream.sandbox import Sandbox, SandboxResult, classify
+from rlstream.sandbox.process import INIT, kill_group, read_reports, wait_gone
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ class SandboxSession(Session):
         os.mkfifo(fifo, 0o600)
         status_r, status_w = os.pipe()
         self._base, self._status = base, status_r
-        self._proc = subprocess.Popen([*prefix, sandbox._exe, "-I", "-c", _INIT, json.dumps(cfg), str(status_w)],
+        self._proc = subprocess.Popen([*prefix, sandbox._exe, "-I", "-c", INIT, json.dumps(cfg), str(status_w)],
                                       cwd=cfg["cwd"], env={"PATH": cfg["env"]["PATH"], "LANG": "C.UTF-8"},
                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       pass_fds=(status_w,), start_new_session=True)
@@ -203,7 +204,7 @@ class SandboxSession(Session):
             return SandboxResult(output, -9, duration, cut, "timeout")
         if kind == "shell":  # the shell's convention: a child killed by a signal is 128 + its number
             return SandboxResult(output, exit_code if exit_code >= 0 else 128 - exit_code, duration, cut)
-        return SandboxResult(output, exit_code, duration, cut, _classify(exit_code, reply["cpu_s"], lim.cpu_s))
+        return SandboxResult(output, exit_code, duration, cut, classify(exit_code, reply["cpu_s"], lim.cpu_s))
 
     def _read(self, deadline: float, wanted) -> dict | None:
         """The server's next answer that ``wanted`` accepts (other lines are logged); None past the deadline or
@@ -243,11 +244,11 @@ class SandboxSession(Session):
             except subprocess.TimeoutExpired:
                 pass
         if self._proc is not None:
-            _kill_group(self._proc.pid)
+            kill_group(self._proc.pid)
             self._proc.wait()
             self._proc.stdout.close()
-            reports = _read_reports(self._status)
-            _wait_gone(reports.get("pid"))
+            reports = read_reports(self._status)
+            wait_gone(reports.get("pid"))
         for fd in (self._calls, self._status):
             if fd >= 0:
                 os.close(fd)

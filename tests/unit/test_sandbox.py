@@ -242,7 +242,7 @@ def test_docker_backend_passes_limits_and_classifies(monkeypatch):
     import sys
     import types
 
-    from rlstream import sandbox as sandbox_module
+    from rlstream.sandbox import probes
 
     runs = []
 
@@ -284,7 +284,7 @@ def test_docker_backend_passes_limits_and_classifies(monkeypatch):
     client = types.SimpleNamespace(containers=types.SimpleNamespace(run=run), images=types.SimpleNamespace(get=get))
     fake = types.SimpleNamespace(from_env=lambda **kw: client, types=types.SimpleNamespace(Ulimit=dict))
     monkeypatch.setitem(sys.modules, "docker", fake)
-    monkeypatch.setitem(sandbox_module._probes, "docker", True)
+    monkeypatch.setitem(probes.PROBES, "docker", True)
     # auto takes docker only where the engine holds the image (a pull would fail every call offline).
     assert Sandbox(backend="auto", docker_image="absent:1").backend == "subprocess"
     with pytest.raises(ValueError, match="no image 'absent:1'"):

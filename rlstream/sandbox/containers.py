@@ -9,7 +9,7 @@ import os
 import signal
 import time
 
-from rlstream.sandbox import MEMORY_EXIT, SandboxLimits, SandboxResult, _classify
+from rlstream.sandbox.limits import MEMORY_EXIT, SandboxLimits, SandboxResult, classify
 
 #: Where the episode's workspace is mounted in a container (its cwd).
 WORKDIR = "/work"
@@ -69,5 +69,5 @@ def run_once(sandbox, code: str, started: float, workdir: str | None = None) -> 
     elif oom:
         failure = "memory"
     else:  # the shell's convention: 128 + signal number
-        failure = _classify(128 - exit_code if exit_code > 128 else exit_code, 0.0, lim.cpu_s)
+        failure = classify(128 - exit_code if exit_code > 128 else exit_code, 0.0, lim.cpu_s)
     return SandboxResult(text, exit_code, duration, truncated, failure)
