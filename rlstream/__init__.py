@@ -4,8 +4,8 @@ Folders by concept: kafka/ (every Kafka client), schemas/ (records and codec), r
 runtime), engine/ (inference engines: transformers, vLLM, server fleets; used by rollout, gateway and teacher),
 stages/ (rollout, env, reward, teacher, replay), envs/ (environments), gateway/ (the OpenAI-compatible agent
 gateway), policy/ (weights, versions, staleness), trainer/, models/, sources/ (prompts and tasks), rewards/
-(reward functions), archive/ (ClickHouse), monitoring/ (the faust monitor), sandbox.py (untrusted code; its
-docker backend in sandbox_docker.py), infra/ (broker and supervisor). cli.py is the command line; config.py the
+(reward functions), archive/ (ClickHouse), monitoring/ (the faust monitor), sandbox/ (untrusted code: the
+subprocess and docker backends), infra/ (broker and supervisor). cli.py is the command line; config.py the
 typed settings; errors.py the errors a user is told how to fix; metrics.py the Prometheus metrics every process
 serves.
 """

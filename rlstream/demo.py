@@ -27,8 +27,8 @@ from rlstream.kafka.topics import create_topics
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, ScoredTrajectory
 
-#: Recipes: a model and a dataset that an example's script builds under HOME/recipes/<name> (run from a clone of
-#: the repository, where examples/ is), with the demo settings that run them.
+#: Recipes: a model and a dataset that a recipe of rlstream.recipes builds under HOME/recipes/<name>, with the
+#: demo settings that run them.
 RECIPES = recipes.NAMES
 
 #: Stop order: the source first, then each stage after the one that feeds it; the archive last.
@@ -44,7 +44,11 @@ class DemoSettings:
     ROLE: ClassVar[str] = "DEMO"
 
     recipe: str = knob("", "A prepared model and dataset, built on first use: " + ", ".join(RECIPES) +
-                           " (its settings are defaults: flags given here win)", choices=("", *RECIPES))
+                           " (its settings are defaults: flags given here win); list: print them",
+                       choices=("", recipes.LIST, *RECIPES))
+    recipe_size: str = knob("full", "full, or smoke: the recipe's code paths at the smallest size (a tiny build, "
+                                    "a short run that ends at its first held-out evaluation of a trained version)",
+                            choices=recipes.SIZES)
     task: str = knob("reverse", "Built-in task to learn (without --dataset): reverse or arithmetic")
     model: str = knob("tiny", "The policy to train: a Hugging Face folder (version 0 as given) or tiny")
     dataset: str = knob("", "Training prompts from a dataset file or save_to_disk folder (instead of --task)")
@@ -267,11 +271,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
     if args.run is None and "RLSTREAM_RUN" not in os.environ:
         loop = dataclasses.replace(loop, run=time.strftime("demo-%Y%m%d-%H%M%S"))  # a fresh run: a fresh model
     s = load(DemoSettings, args)
+    if s.recipe == recipes.LIST:
+        print(recipes.listing())
+        return
     if s.recipe:
         # The recipe's values stand in for flags and variables not given.
         given = {f.name for f in dataclasses.fields(DemoSettings) if getattr(args, f.name, None) is not None
                  or env_name(DemoSettings, f.name) in os.environ}
-        demo, shared = recipes.prepare(s.recipe, loop.home_path)
+        demo, shared = recipes.prepare(s.recipe, loop.home_path, s.recipe_size)
         s = load(DemoSettings, args, **{k: v for k, v in demo.items() if k not in given})
         loop = dataclasses.replace(loop, **{k: v for k, v in shared.items() if getattr(args, k, None) is None})
     if s.eval_dataset:

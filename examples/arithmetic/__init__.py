@@ -1,1 +1,1 @@
-"""The arithmetic recipe: GSM8K-style word problems and a small chat model that RL improves (see build.py)."""
+"""The arithmetic recipe's walk-through scripts (its builder lives in rlstream.recipes.arithmetic)."""

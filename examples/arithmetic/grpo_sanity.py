@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from examples.arithmetic.data import Problem
-from examples.arithmetic.evaluate import generate, rewards
-from examples.arithmetic.model import IGNORE, collate
-from examples.arithmetic.tokenizer import chat_prompt
+from rlstream.recipes.arithmetic.data import Problem
+from rlstream.recipes.arithmetic.evaluate import generate, rewards
+from rlstream.recipes.arithmetic.model import IGNORE, collate
+from rlstream.recipes.arithmetic.tokenizer import chat_prompt
 from rlstream.trainer.advantages import ADVANTAGES, compute_advantages
 
 

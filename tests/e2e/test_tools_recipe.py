@@ -1,4 +1,4 @@
-"""The tools recipe at smoke size: ``examples.tools.build`` makes a tiny tool-calling model, and the recipe's
+"""The tools recipe at smoke size: ``rlstream.recipes.tools.build`` makes a tiny tool-calling model, and the recipe's
 multi-turn loop (rollout ⇄ the built-in ``calculator`` env ⇄ the ``calculator`` reward ⇄ trainer, every stage its
 own process over the real broker) trains it for two policy versions.
 
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from examples.tools import build, recipe
+from rlstream.recipes.tools import build, recipe
 from tests.helpers import ROOT
 from tests.helpers.kafka import read_all
 

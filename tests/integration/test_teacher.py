@@ -115,7 +115,7 @@ def test_a_teacher_with_another_tokenizer_scores_aligned_tokens(bootstrap, run_n
     characters that spell it; a sample that cannot be aligned goes on with its failure class."""
     import torch
 
-    from examples.arithmetic.tokenizer import train_tokenizer
+    from rlstream.recipes.arithmetic.tokenizer import train_tokenizer
     from rlstream.policy.weights import WeightStore, tokenizer_hash
     from rlstream.schemas.records import PolicyVersion, Reward, ScoredTrajectory
     from tests.helpers.kafka import make_trajectory

@@ -1,4 +1,4 @@
-"""The arithmetic recipe's cheap parts (examples/arithmetic): the problem generator, and a tiny build's tokenizer,
+"""The arithmetic recipe's cheap parts (rlstream/recipes/arithmetic): the problem generator, and a tiny build's tokenizer,
 chat template and model folder. The warm-up itself and its accuracy are measured by running build.py, not here."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import re
 import pytest
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from examples.arithmetic import build, data
-from examples.arithmetic.evaluate import math_reward
+from rlstream.recipes.arithmetic import build, data
+from rlstream.recipes.arithmetic.evaluate import math_reward
 
 
 def worked_value(answer: str) -> int:

@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
-from examples.arithmetic.tokenizer import train_tokenizer
+from rlstream.recipes.arithmetic.tokenizer import train_tokenizer
 from rlstream.models.tiny import build_tokenizer
 from rlstream.stages.teacher.tokenizers import Aligner, AlignmentFailed, TokenizerMismatch, make_aligner
 

@@ -1,6 +1,6 @@
 """Build the tools recipe's model: a small Qwen2 that can write a calculator call, and sometimes does.
 
-    python -m examples.tools.build --out DIR [--seed S] [--tool-rate R] [--sft-steps N]
+    python -m rlstream.recipes.tools.build --out DIR [--seed S] [--tool-rate R] [--sft-steps N]
 
 writes into DIR
 
@@ -26,17 +26,17 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from examples.arithmetic.build import non_negative, positive
-from examples.arithmetic.model import ModelShape, build_model, count_parameters
-from examples.arithmetic.tokenizer import train_tokenizer
-from examples.tools import transcripts
-from examples.tools.evaluate import evaluate
-from examples.tools.warmup import sft
+from rlstream.recipes.arithmetic.build import non_negative, positive
+from rlstream.recipes.arithmetic.model import ModelShape, build_model, count_parameters
+from rlstream.recipes.arithmetic.tokenizer import train_tokenizer
+from rlstream.recipes.tools import transcripts
+from rlstream.recipes.tools.evaluate import evaluate
+from rlstream.recipes.tools.warmup import sft
 from rlstream.sources.tool_tasks import get_task
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m examples.tools.build",
+    p = argparse.ArgumentParser(prog="python -m rlstream.recipes.tools.build",
                                 description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--out", type=Path, required=True, help="folder to write model/ into")
     p.add_argument("--seed", type=int, default=0, help="seed of the warm-up's data, weights and batches")

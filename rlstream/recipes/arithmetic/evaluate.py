@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from examples.arithmetic.data import Problem
-from examples.arithmetic.tokenizer import chat_prompt
+from rlstream.recipes.arithmetic.data import Problem
+from rlstream.recipes.arithmetic.tokenizer import chat_prompt
 from rlstream.rewards.verifiers import VERIFIERS
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import SamplingParams, Task, Trajectory, Turn
@@ -33,7 +33,7 @@ def math_reward(response: str, answer: str) -> float:
 
 @torch.inference_mode()
 def generate(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, questions: Sequence[str],
-             temperature: float, batch_size: int = 256) -> list[list[int]]:
+             temperature: float, batch_size: int = 256, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
     """The generated ids (``<|im_end|>`` and padding cut off) of each question; temperature 0 is greedy.
 
     Sampling is plain: no top-k or top-p, which is what the loop's default sampling parameters ask vLLM for.
@@ -44,7 +44,7 @@ def generate(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, questi
         batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
             dict(do_sample=False)
-        ids = model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=tokenizer.eos_token_id,
+        ids = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id, **sampling)
         for row in ids[:, batch["input_ids"].shape[1]:].tolist():
             end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
@@ -74,13 +74,18 @@ def rewards(tokenizer: PreTrainedTokenizerFast, problems: Sequence[Problem], res
 
 
 def accuracy(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, problems: Sequence[Problem],
-             samples: int = 8, seed: int = 0) -> Accuracy:
-    """Greedy and temperature-1 accuracy on ``problems``; sampling seeded by ``seed``."""
+             samples: int = 8, seed: int = 0, max_new_tokens: int = MAX_NEW_TOKENS, batch_size: int = 256
+             ) -> Accuracy:
+    """Greedy and temperature-1 accuracy on ``problems`` (``samples`` 0: greedy only); sampling seeded by
+    ``seed``."""
     questions = [p.question for p in problems]
-    greedy = rewards(tokenizer, problems, generate(model, tokenizer, questions, temperature=0.0))
+    greedy = rewards(tokenizer, problems, generate(model, tokenizer, questions, 0.0, batch_size, max_new_tokens))
+    if samples == 0:
+        return Accuracy(sum(greedy) / len(greedy), float("nan"), 0, float("nan"))
     torch.manual_seed(seed)
     repeated = [p for p in problems for _ in range(samples)]
-    sampled = rewards(tokenizer, repeated, generate(model, tokenizer, [p.question for p in repeated], 1.0))
+    sampled = rewards(tokenizer, repeated, generate(model, tokenizer, [p.question for p in repeated], 1.0,
+                                                    batch_size, max_new_tokens))
     groups = [sampled[i:i + samples] for i in range(0, len(sampled), samples)]
     mixed = sum(0 < sum(g) < samples for g in groups) / len(groups)
     return Accuracy(sum(greedy) / len(greedy), sum(sampled) / len(sampled), samples, mixed)

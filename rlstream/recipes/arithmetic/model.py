@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from examples.arithmetic.data import Problem
-from examples.arithmetic.tokenizer import chat_prompt
+from rlstream.recipes.arithmetic.data import Problem
+from rlstream.recipes.arithmetic.tokenizer import chat_prompt
 
 #: Loss is not taken on these label positions (the prompt and the padding).
 IGNORE = -100
@@ -112,7 +112,7 @@ def sft(model: Qwen2ForCausalLM, examples: Sequence, pad_id: int, steps: int, ba
     """``steps`` AdamW steps of next-token loss on the answers, batches drawn with ``seed``; the seconds it took.
 
     ``collate_fn(rows, pad_id)`` makes (ids, attention mask, labels) of the drawn examples: ``collate`` takes
-    (ids, answer start) pairs; another recipe passes its own (examples/tools/warmup.py: ids and a loss mask)."""
+    (ids, answer start) pairs; another recipe passes its own (rlstream/recipes/tools/warmup.py: ids and a loss mask)."""
     if steps <= 0:
         return 0.0
     started = time.perf_counter()

@@ -1,7 +1,7 @@
 """Build the arithmetic recipe's inputs: a dataset of GSM8K-style word problems and a small chat model that half
 knows how to solve them.
 
-    python -m examples.arithmetic.build --out DIR [--seed S]
+    python -m rlstream.recipes.arithmetic.build --out DIR [--seed S]
 
 writes into DIR
 
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from examples.arithmetic import data
-from examples.arithmetic.evaluate import accuracy
-from examples.arithmetic.model import ModelShape, build_model, count_parameters, encode_examples, sft
-from examples.arithmetic.tokenizer import check_round_trip, train_tokenizer
+from rlstream.recipes.arithmetic import data
+from rlstream.recipes.arithmetic.evaluate import accuracy
+from rlstream.recipes.arithmetic.model import ModelShape, build_model, count_parameters, encode_examples, sft
+from rlstream.recipes.arithmetic.tokenizer import check_round_trip, train_tokenizer
 
 
 def positive(kind: type) -> Callable[[str], int | float]:
@@ -54,7 +54,7 @@ def non_negative(raw: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m examples.arithmetic.build",
+    p = argparse.ArgumentParser(prog="python -m rlstream.recipes.arithmetic.build",
                                 description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--out", type=Path, required=True, help="folder to write the dataset and model/ into")
     p.add_argument("--seed", type=int, default=0, help="seed of the problems, the initial weights and the warm-up")

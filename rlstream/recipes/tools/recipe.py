@@ -1,5 +1,5 @@
-"""The tools recipe for ``rlstream demo --recipe tools`` (see rlstream/recipes.py): what ``build`` writes, and the
-loop settings that train it.
+"""The tools recipe for ``rlstream demo --recipe tools`` (see rlstream/recipes/__init__.py): what ``build``
+writes, and the loop settings that train it.
 
 The loop is multi-turn: rollout writes an action, the env stage's built-in ``calculator`` env runs its
 ``calc(...)`` in the sandbox and answers with an observation, rollout continues the same episode (same key, same
@@ -8,8 +8,15 @@ the prompts are the built-in ``calculator`` tool task's (``rlstream prompts --ta
 fixed.
 """
 
+SUMMARY = "a 0.9 M-parameter model built in code learns to call a calculator tool over two turns (multi-turn env)"
+MEASURED_ON = "2 CPU cores, no GPU"
+
 #: The module that writes the recipe's folder (``python -m BUILD --out DIR``).
-BUILD = "examples.tools.build"
+BUILD = "rlstream.recipes.tools.build"
+
+#: At smoke size: a short warm-up in which every episode calls the tool, so that a tiny model writes calls.
+SMOKE_BUILD = ("--sft-steps", "80", "--tool-rate", "1", "--hidden", "64", "--layers", "2", "--check-rows", "8",
+               "--samples", "1", "--lr", "3e-3")
 
 #: Demo settings; model is a path inside the built folder.
 DEMO = {
@@ -26,3 +33,7 @@ DEMO = {
 
 #: Loop settings: 8 prompts of 8 samples per update.
 LOOP = {"group_size": 8, "groups_per_step": 8}
+
+#: At smoke size the run ends at its first held-out evaluation of a trained version.
+SMOKE_DEMO = {"minutes": 6.0, "target": 0.0, "heldout_every": 1, "heldout_count": 8, "lr_warmup_steps": 0}
+SMOKE_LOOP = {"group_size": 2, "groups_per_step": 2}

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import torch
 from transformers import Qwen2ForCausalLM
 
-from examples.arithmetic.model import IGNORE
-from examples.arithmetic.model import sft as arithmetic_sft
+from rlstream.recipes.arithmetic.model import IGNORE
+from rlstream.recipes.arithmetic.model import sft as arithmetic_sft
 
 
 def collate(batch: Sequence[tuple[list[int], list[int]]], pad_id: int

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from examples.tools.transcripts import Problem, calc_observation
+from rlstream.recipes.tools.transcripts import Problem, calc_observation
 from rlstream.envs.builtin import Calculator
 from rlstream.rewards.builtin import calculator_reward
 from rlstream.schemas import headers as hdr
