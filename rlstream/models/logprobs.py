@@ -96,3 +96,22 @@ def check_packing(model, atol: float | None = None) -> None:
         raise UsageError(f"--packed-sequences: {type(model).__name__} does not keep packed rows apart (packed and "
                          f"padded logits differ by {worst:.3g}; its attention does not restart at each row's "
                          "position 0): train it without --packed-sequences")
+
+
+def pack_by_length(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
+    """Row indices sorted by length (longest first) and packed greedily into chunks whose padded size (rows x the
+    longest; their tokens alone where rows are ``packed`` into one sequence) stays within ``max_tokens``; a row
+    longer than that is a chunk alone: the trainer's micro-batches and the teacher's chunks alike."""
+    order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
+    chunks, current, size = [], [], 0
+    for row in order:
+        longest = lengths[current[0]] if current else lengths[row]
+        grown = size + lengths[row] if packed else (len(current) + 1) * longest
+        if current and grown > max_tokens:
+            chunks.append(current)
+            current, grown = [], lengths[row]
+        current.append(row)
+        size = grown
+    if current:
+        chunks.append(current)
+    return chunks

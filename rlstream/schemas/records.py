@@ -213,6 +213,11 @@ class ScoredTrajectory(Record):
     reward: Reward
 
 
+#: The most top-k entries a feedback record carries per token (NeMo-RL stores up to 64): the teacher stage refuses
+#: a larger --top-k, the trainer a record that claims more.
+MAX_TOP_K = 64
+
+
 @dataclass(slots=True)
 class TeacherFeedback(Record):
     scored: ScoredTrajectory

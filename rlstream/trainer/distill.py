@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from rlstream.models.logprobs import logprobs_at
-from rlstream.stages.teacher.settings import MAX_TOP_K
+from rlstream.schemas.records import MAX_TOP_K
 from rlstream.trainer.losses import KL_DIRECTIONS, masked_mean, ppo_clip_loss, sampled_token_kl, topk_kl
 
 #: ``--loss`` values.

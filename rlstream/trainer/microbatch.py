@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 
+from rlstream.models.logprobs import pack_by_length
 from rlstream.trainer.losses import reverse_kl_baseline
 from rlstream.trainer.update import Batch, UpdateConfig, batch_loss, policy_update
 
@@ -52,25 +53,6 @@ def plan(batch: Batch, max_tokens: int, world: int = 1, packed: bool = False) ->
             rows = micro.pop(biggest)
             micro[biggest:biggest] = [rows[: len(rows) // 2], rows[len(rows) // 2:]]
     return [micro[r::world] for r in range(world)]
-
-
-def pack_by_length(lengths: list[int], max_tokens: int, packed: bool = False) -> list[list[int]]:
-    """Row indices sorted by length (longest first) and packed greedily into chunks whose padded size (rows x the
-    longest; their tokens alone where rows are ``packed`` into one sequence) stays within ``max_tokens``; a row
-    longer than that is a chunk alone. (The teacher's chunks too.)"""
-    order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
-    chunks, current, size = [], [], 0
-    for row in order:
-        longest = lengths[current[0]] if current else lengths[row]
-        grown = size + lengths[row] if packed else (len(current) + 1) * longest
-        if current and grown > max_tokens:
-            chunks.append(current)
-            current, grown = [], lengths[row]
-        current.append(row)
-        size = grown
-    if current:
-        chunks.append(current)
-    return chunks
 
 
 def accumulated_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None, max_tokens: int = 0,

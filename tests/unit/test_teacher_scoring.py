@@ -10,7 +10,7 @@ import torch
 from rlstream.models.tiny import build_model, build_tokenizer
 from rlstream.stages.teacher.scoring import TorchScorer, response_feedback
 from rlstream.stages.teacher.server import from_prompt_logprobs
-from rlstream.trainer.microbatch import pack_by_length
+from rlstream.models.logprobs import pack_by_length
 
 
 def test_chunks_stay_within_the_token_budget_longest_first():

@@ -2,7 +2,7 @@
 response token, packed the way TeacherFeedback carries them. Pure torch (or vLLM), no Kafka.
 
 A batch is scored in chunks of at most ``batch_tokens`` padded tokens, packed by length as the trainer's
-micro-batches are (``trainer.microbatch.pack_by_length``). Before each chunk the deadline is checked, and rows not
+micro-batches are (``models.logprobs.pack_by_length``). Before each chunk the deadline is checked, and rows not
 scored by then come back as None: the stage sends them on without teacher feedback (status ``timeout``) rather
 than with a half-filled signal. A chunk that has started is not interrupted.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from rlstream.models.logprobs import token_logprobs, top_k
-from rlstream.trainer.microbatch import pack_by_length
+from rlstream.models.logprobs import pack_by_length
 
 
 @dataclass

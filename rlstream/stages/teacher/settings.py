@@ -1,13 +1,11 @@
-"""The teacher's knobs, and the limit of the top-k form; no torch here, so the command line stays quick to start."""
+"""The teacher's knobs; no torch here, so the command line stays quick to start."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
 from rlstream.config import knob
-
-#: The most top-k entries a feedback record carries per token (NeMo-RL stores up to 64); the trainer checks it too.
-MAX_TOP_K = 64
+from rlstream.schemas.records import MAX_TOP_K
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, Stage
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, ScoredTrajectory, TeacherFeedback
 from rlstream.stages.teacher.scoring import TorchScorer, VllmScorer, response_feedback
-from rlstream.stages.teacher.settings import MAX_TOP_K, TeacherSettings
+from rlstream.schemas.records import MAX_TOP_K
+from rlstream.stages.teacher.settings import TeacherSettings
 from rlstream.stages.teacher.tokenizers import Aligner, AlignmentFailed, check_tokenizers, make_aligner
 
 log = logging.getLogger(__name__)
