@@ -13,15 +13,19 @@ from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.config import load as settings
 from rlstream.errors import UsageError, UserError
 
-#: Stage name -> (module, stage class, settings class or None). Imported lazily: torch is slow to load.
-STAGES: dict[str, tuple[str, str, str | None]] = {
-    "reward": ("rlstream.stages.reward", "RewardStage", "RewardSettings"),
-    "env": ("rlstream.stages.env", "EnvStage", "EnvSettings"),
-    "rollout": ("rlstream.stages.rollout", "RolloutStage", "RolloutSettings"),
-    "teacher": ("rlstream.stages.teacher", "TeacherStage", "TeacherSettings"),
-    "trainer": ("rlstream.trainer.service", "TrainerService", "TrainerSettings"),
-    "archive": ("rlstream.archive.sink", "ArchiveSink", "ArchiveSettings"),
-    "monitor": ("rlstream.monitoring.monitor", "Monitor", "MonitorSettings"),
+#: The two kinds of process ``rlstream run`` starts: a stage (decode, handle, encode) that the StageRunner drives,
+#: and a service with a loop of its own (``serve(kafka, runtime)``): the trainer, the archive, the monitor.
+STAGE, SERVICE = "stage", "service"
+
+#: Process name -> (kind, module, class, settings class or None). Imported lazily: torch is slow to load.
+STAGES: dict[str, tuple[str, str, str, str | None]] = {
+    "reward": (STAGE, "rlstream.stages.reward", "RewardStage", "RewardSettings"),
+    "env": (STAGE, "rlstream.stages.env", "EnvStage", "EnvSettings"),
+    "rollout": (STAGE, "rlstream.stages.rollout", "RolloutStage", "RolloutSettings"),
+    "teacher": (STAGE, "rlstream.stages.teacher", "TeacherStage", "TeacherSettings"),
+    "trainer": (SERVICE, "rlstream.trainer.service", "TrainerService", "TrainerSettings"),
+    "archive": (SERVICE, "rlstream.archive.sink", "ArchiveSink", "ArchiveSettings"),
+    "monitor": (SERVICE, "rlstream.monitoring.monitor", "Monitor", "MonitorSettings"),
 }
 
 
@@ -55,7 +59,7 @@ def cmd_topics(args: argparse.Namespace) -> None:
 
 
 def _stage_parts(stage: str):
-    module_name, cls_name, settings_name = STAGES[stage]
+    _, module_name, cls_name, settings_name = STAGES[stage]
     module = importlib.import_module(module_name)
     settings_cls = getattr(module, settings_name) if settings_name else None
     return getattr(module, cls_name), settings_cls
@@ -78,8 +82,8 @@ def cmd_run(args: argparse.Namespace) -> None:
     metrics.serve(runtime.metrics_port, runtime.metrics_addr)
     from rlstream.runtime.profile import maybe_start
     maybe_start(args.stage)
-    if hasattr(stage, "serve"):
-        stage.serve(kafka, runtime)  # services with their own loop (trainer, archive, monitor)
+    if STAGES[args.stage][0] == SERVICE:
+        stage.serve(kafka, runtime)
     else:
         StageRunner(stage, kafka, runtime).run()
     # The transaction is closed; a user handler still hung in a thread must not keep the process alive.
@@ -125,13 +129,7 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
 
     for extra in ("rlstream.sources.prompts", "rlstream.archive.query", "rlstream.stages.replay",
                   "rlstream.archive.report", "rlstream.envs.server", "rlstream.gateway.server", "rlstream.demo"):
-        try:
-            module = importlib.import_module(extra)
-        except ModuleNotFoundError as exc:
-            if exc.name != extra:
-                raise
-            continue
-        module.add_command(sub)
+        importlib.import_module(extra).add_command(sub)
     return parser
 
 
@@ -156,13 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"rlstream {args.command}: {exc}", file=sys.stderr)
         return 2
-    except UserError as exc:
+    except UserError as exc:  # the broker's and the archive's errors too: their messages say what to do
         print(f"rlstream {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # the broker's and the archive's own errors carry what to do
-        if type(exc).__name__ in ("BrokerError", "ArchiveError", "KafkaException"):
+    except Exception as exc:
+        from rlstream.kafka.errors import KafkaException
+        if isinstance(exc, KafkaException):  # the broker's own answer, e.g. an unknown topic or a refused ACL
             print(f"rlstream {args.command}: {exc}", file=sys.stderr)
             return 1
         raise

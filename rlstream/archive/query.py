@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from rlstream.config import DEFAULT_ARCHIVE, LoopSettings, add_arguments, knob, load
+from rlstream.errors import UserError
 
 ENDPOINT_FILE = "archive-endpoint.json"
 TOKEN_HEADER = "X-Rlstream-Token"
@@ -35,7 +36,7 @@ _ROW_STATEMENTS = ("select", "with", "show", "desc", "describe", "explain", "exi
 _COMMENTS = re.compile(r"--[^\n]*|/\*.*?\*/", re.S)
 
 
-class ArchiveError(Exception):
+class ArchiveError(UserError):
     """A problem the user can act on (bad SQL, missing or busy archive); printed without a traceback."""
 
 

@@ -14,6 +14,8 @@ import os
 import uuid
 from pathlib import Path
 
+from rlstream.errors import UserError
+
 HOST = "127.0.0.1"
 # rlstream.kafka.topics.MAX_MESSAGE_BYTES again: the image that fetches the jars runs rlstream/infra alone, on a bare
 # Python without confluent_kafka, so nothing here imports rlstream.kafka at module level.
@@ -21,7 +23,7 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 DEFAULT_PORT = 9092
 
 
-class BrokerError(RuntimeError):
+class BrokerError(UserError, RuntimeError):
     """A broker could not be started or stopped; the message says what to do."""
 
 
