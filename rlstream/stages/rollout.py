@@ -17,7 +17,8 @@ version sampled which of its tokens), for the trainer's ``--stale-rule token``.
 
 Eval-lane prompts (``eval-prompts``, ``records.is_eval``) are served ahead of any
 backlog: while some wait on this worker's partitions, prompts and observations are
-paused (``before_poll``).
+paused (``before_poll``) in up to ``--eval-share`` of the polls, and both are served
+in the rest.
 
 How the runtime drives it (``batched``): on an in-process engine (transformers,
 vllm) one batch per transaction, generated as one engine batch (batching is the
@@ -101,6 +102,8 @@ class RolloutSettings:
     max_new_tokens: int = knob(0, "Most new tokens per turn: a task asking for more is cut to this "
                                   "(0: as the task asks)")
     wait_policy_s: float = knob(600.0, "How long to wait at start for the first announced policy")
+    eval_share: float = knob(0.5, "While eval-lane prompts wait, the most share of this worker's polls they go "
+                                  "first in (training prompts paused); the rest serve both (1: always first)")
     swap: str = knob("step", "When new weights go in: step (as soon as announced; between engine steps of a "
                              "generation in progress where the backend can, vLLM) or batch (only between batches)",
                      choices=("step", "batch"))
@@ -140,6 +143,8 @@ class RolloutStage(Stage):
         self.loop = loop
         if not 0 < settings.gpu_memory_utilization <= 1:
             raise ValueError("--gpu-memory-utilization must be in (0, 1]: a share of the GPU's memory")
+        if not 0 < settings.eval_share <= 1:
+            raise ValueError(f"--eval-share {settings.eval_share}: must be in (0, 1], a share of the polls")
         self.settings = settings
         self.backend = None
         self.version = -1
@@ -152,6 +157,7 @@ class RolloutStage(Stage):
         # Pipelined handlers run in many threads; HF tokenizers are not safe to call from several at once.
         self._tokenizer_lock = threading.Lock()
         self._failed: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last failed load
+        self._eval_polls = (0, 0)  # (polls the eval lane went first in, polls it waited through)
         self._stop = threading.Event()
         self._swapper: threading.Thread | None = None
         # Each version's local folder, checked against its hash: from the store, or rebuilt from the weights log
@@ -320,8 +326,13 @@ class RolloutStage(Stage):
             finally:
                 self._engine_lock.release()
         # The eval lane first: while eval prompts wait on this worker's partitions, training prompts and episodes in
-        # flight wait (pausing drops what was prefetched of them, so the next batch is the eval prompts).
-        evals_waiting = ctx.backlog("eval-prompts") > 0
+        # flight wait (pausing drops what was prefetched of them, so the next batch is the eval prompts), but only in
+        # --eval-share of those polls: a large held-out set on the only worker once held the trainer idle for minutes.
+        evals_waiting = False
+        if ctx.backlog("eval-prompts") > 0:
+            first, waited = self._eval_polls
+            evals_waiting = eval_goes_first(first, waited, self.settings.eval_share)
+            self._eval_polls = (first + evals_waiting, waited + 1)
         # AReaL's rule: do not start new episodes that will only be thrown away as stale (eval results are not
         # trained on, so the rule does not hold them back). A pinned endpoint never catches up; pausing for it would
         # stop the stage for good.
@@ -473,3 +484,9 @@ class RolloutStage(Stage):
             self.watcher.close()
         if self.backend is not None:
             self.backend.close()
+
+
+def eval_goes_first(first: int, waited: int, share: float) -> bool:
+    """Whether the eval lane goes first in the next poll it waits through, having gone first in ``first`` of the
+    ``waited`` before: while that keeps its share of them at most ``share`` (the first poll always)."""
+    return first < share * (waited + 1)
