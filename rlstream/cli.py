@@ -49,13 +49,28 @@ def cmd_down(args: argparse.Namespace) -> None:
     print("broker stopped (data kept under", home, ")")
 
 
+def _topic_partitions(pairs: list[str]) -> dict[str, int]:
+    """``--topic-partitions TOPIC=N`` flags as a dict."""
+    out = {}
+    for pair in pairs:
+        topic, _, count = pair.partition("=")
+        if not count.isdigit():
+            raise UsageError(f"--topic-partitions {pair!r}: expected TOPIC=N, e.g. rewards=16")
+        out[topic] = int(count)
+    return out
+
+
 def cmd_topics(args: argparse.Namespace) -> None:
-    from rlstream.kafka.topics import TOPICS, create_topics, topic_name
+    from rlstream.kafka.topics import TOPICS, create_topics, partition_counts, topic_name
+    overrides = _topic_partitions(args.topic_partitions)
+    counts = partition_counts(args.partitions, overrides)  # refused before the broker is asked anything
     kafka = kafka_settings(args)
-    created = create_topics(kafka.client_config(), kafka.run, replication=args.replication)
+    created = create_topics(kafka.client_config(), kafka.run, replication=args.replication,
+                            partitions=args.partitions, overrides=overrides)
     for logical in TOPICS:
         name = topic_name(kafka.run, logical)
-        print(("created " if name in created else "exists  ") + name)
+        print(("created " if name in created else "exists  ") + name +
+              (f" ({counts[logical]} partitions)" if name in created else ""))
 
 
 def _stage_parts(stage: str):
@@ -113,6 +128,12 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     config.add_arguments(p, LoopSettings, only=("run",))
     config.add_arguments(p, KafkaSettings)
     p.add_argument("--replication", type=int, default=1, help="replication factor (3 on a 3-broker cluster)")
+    p.add_argument("--partitions", type=int, default=None,
+                   help="partitions of every topic (default: each topic's own, 8 for the loop's): the most consumers "
+                        "of one stage's group that share its work; existing topics are kept as they are")
+    p.add_argument("--topic-partitions", action="append", default=[], metavar="TOPIC=N",
+                   help="one topic's partitions (repeat the flag); prompts, eval-prompts, actions and observations "
+                        "must stay equal")
     p.set_defaults(func=cmd_topics)
 
     p = sub.add_parser("run", help="run one stage process: " + ", ".join(STAGES))

@@ -76,6 +76,12 @@ class GroupSource:
         self._listeners = (on_assign, on_revoke)
 
     def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
+        if not parts:
+            # Kafka's assignor gives each partition to one member: a group with more members than its topics have
+            # partitions leaves the rest idle (they take over when a member leaves).
+            log.warning("%s: no partitions assigned to this member: its group %s has more members than its topics "
+                        "have partitions, so it stays idle until one leaves (`rlstream topics --partitions N` "
+                        "makes more, for a new run)", self.member.who, self.group_id)
         if self._listeners:
             self._listeners[0](consumer, parts)
 

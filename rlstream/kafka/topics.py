@@ -70,9 +70,42 @@ def logical_name(run: str, physical: str) -> str:
     return physical[len(prefix):]
 
 
+#: Topics rollout reads or writes per episode: co-partitioned (the same partition count, keyed alike by task id), so
+#: that the rollout group's assignor can give partition p of each to one worker, whose engine holds the episode's
+#: prefix cache (DESIGN: the loop).
+CO_PARTITIONED = ("prompts", "eval-prompts", "actions", "observations")
+
+
+def partition_counts(partitions: int | None = None, overrides: dict[str, int] | None = None) -> dict[str, int]:
+    """Each topic's partition count: its own, else ``partitions`` for all (policy-versions keeps 1: a compacted
+    log of versions read in order), then ``overrides`` per logical topic. A topic's partitions bound how many
+    consumers of one group share its work: Kafka's assignor gives each partition to one member, and members
+    beyond the count stay idle. UserError when the co-partitioned topics would differ."""
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(TOPICS))
+    if unknown:
+        raise UserError(f"--topic-partitions: no topic {', '.join(unknown)}; topics: {', '.join(TOPICS)}")
+    counts = {}
+    for spec in TOPICS.values():
+        count = spec.partitions if partitions is None or spec.name == "policy-versions" else partitions
+        counts[spec.name] = overrides.get(spec.name, count)
+    bad = {t: n for t, n in counts.items() if n < 1}
+    if bad:
+        raise UserError(f"partition counts must be at least 1: {bad}")
+    if counts["policy-versions"] != 1:
+        raise UserError("policy-versions has one partition: it is the ordered log of the run's versions")
+    co = {t: counts[t] for t in CO_PARTITIONED}
+    if len(set(co.values())) > 1:
+        raise UserError(f"{', '.join(CO_PARTITIONED)} must have the same partition count (each episode's turns "
+                        f"come back to the rollout worker that holds its prefix cache); got {co}")
+    return counts
+
+
 def create_topics(admin_config: dict, run: str, replication: int = 1, partitions: int | None = None,
-                  timeout: float = 30.0) -> list[str]:
-    """Create the run's missing topics; return the names created (existing ones are kept)."""
+                  timeout: float = 30.0, overrides: dict[str, int] | None = None) -> list[str]:
+    """Create the run's missing topics with ``partition_counts(partitions, overrides)``; return the names created
+    (existing ones are kept as they are)."""
+    counts = partition_counts(partitions, overrides)
     admin = AdminClient(admin_config)
     existing = set(admin.list_topics(timeout=timeout).topics)
     new = []
@@ -80,7 +113,7 @@ def create_topics(admin_config: dict, run: str, replication: int = 1, partitions
         name = topic_name(run, spec.name)
         if name in existing:
             continue
-        count = spec.partitions if partitions is None or spec.name == "policy-versions" else partitions
+        count = counts[spec.name]
         config = {"max.message.bytes": str(MAX_MESSAGE_BYTES), **spec.config}
         if replication > 1:
             config["min.insync.replicas"] = str(min(2, replication))

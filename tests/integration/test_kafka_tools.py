@@ -59,3 +59,17 @@ def test_an_unknown_tool_names_the_known_ones():
                           capture_output=True, text=True, timeout=50)
     assert done.returncode == 2
     assert "unknown Kafka tool 'console-consumr'" in done.stderr and "console-consumer" in done.stderr
+
+
+def test_rlstream_topics_creates_the_partitions_asked_for(bootstrap):
+    import uuid
+
+    from confluent_kafka.admin import AdminClient
+
+    from rlstream.cli import main
+    run = "p" + uuid.uuid4().hex[:10]
+    assert main(["topics", "--run", run, "--bootstrap", bootstrap, "--partitions", "3",
+                 "--topic-partitions", "rewards=5"]) == 0
+    topics = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=30).topics
+    assert len(topics[f"{run}.prompts"].partitions) == 3 and len(topics[f"{run}.observations"].partitions) == 3
+    assert len(topics[f"{run}.rewards"].partitions) == 5 and len(topics[f"{run}.policy-versions"].partitions) == 1
