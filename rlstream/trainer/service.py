@@ -291,9 +291,9 @@ class TrainerService:
         """The step's micro-batching on this device; the gradients and AdamW's moments are allocated only by the
         first step, so their bytes are kept out of the room now."""
         s = self.settings
-        budget = step_budget(s.micro_batch_tokens, self.device, shape, s.autocast == "bf16" or s.dtype in ("bf16", "fp16"),
-                             s.gradient_checkpointing, s.gpu_memory_fraction,
-                             pending=12 * shape.params // (self.ranks.world if sharded else 1))
+        half = s.autocast == "bf16" or s.dtype in ("bf16", "fp16")
+        budget = step_budget(s.micro_batch_tokens, self.device, shape, half, s.gradient_checkpointing,
+                             s.gpu_memory_fraction, pending=12 * shape.params // (self.ranks.world if sharded else 1))
         if budget.room is not None:
             log.info("micro-batches of %s tokens (%s left for activations, %.2f MiB a token)",
                      budget.tokens or "all the step's", gib(budget.room), budget.per_token / 2**20)
