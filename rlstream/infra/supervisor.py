@@ -25,6 +25,15 @@ def stage_env(bootstrap: str, run: str, **extra: str) -> dict[str, str]:
     return dict(os.environ, RLSTREAM_BOOTSTRAP=bootstrap, RLSTREAM_RUN=run, **extra)
 
 
+def seat_env(env: dict[str, str], seat) -> dict[str, str]:
+    """``env`` for a stage placed at ``seat`` (``infra/placement.py``): its threads for every thread pool, and on a
+    GPU that GPU as the only one its process sees (in-process vLLM takes the first visible one)."""
+    out = dict(env, OMP_NUM_THREADS=str(seat.threads), MKL_NUM_THREADS=str(seat.threads))
+    if seat.gpu is not None:
+        out["CUDA_VISIBLE_DEVICES"] = str(seat.gpu)
+    return out
+
+
 class StageProc:
     """One ``python -m <module> <argv>`` process (a stage, or any ``rlstream`` subcommand), started alike each time.
 

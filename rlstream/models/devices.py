@@ -21,6 +21,7 @@ import subprocess
 import torch
 
 from rlstream.errors import UsageError
+from rlstream.models.resources import cpu_cores
 
 #: ``--device`` values besides ``cuda:N``.
 DEVICES = ("auto", "cpu", "cuda")
@@ -77,14 +78,6 @@ def nvidia_smi_gpus() -> int:
     except (OSError, subprocess.SubprocessError):
         return 0
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")) if out.returncode == 0 else 0
-
-
-def cpu_cores() -> int:
-    """The cores this process may run on (its affinity, which a container or taskset narrows), not the host's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def resolve_threads(threads: int, share: int = 1, omp: str | None = None, cores: int | None = None) -> int:

@@ -26,7 +26,8 @@ import time
 import torch
 
 from rlstream.errors import UsageError, UserError
-from rlstream.models.devices import cpu_cores, resolve_device
+from rlstream.models.devices import resolve_device
+from rlstream.models.resources import cpu_cores
 
 log = logging.getLogger(__name__)
 

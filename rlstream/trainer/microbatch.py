@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from rlstream.errors import UserError
-from rlstream.models.memory import ModelShape, activation_bytes_per_token, gib
+from rlstream.models.resources import ModelShape, activation_bytes_per_token, gib
 from rlstream.trainer.losses import reverse_kl_baseline
 from rlstream.trainer.update import Batch, UpdateConfig, batch_loss, policy_update
 

@@ -40,7 +40,7 @@ from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.devices import enable_gradient_checkpointing, resolve_device, resolve_threads
 from rlstream.models.loading import (TINY, check_folder, flash_attn_installed, load_model, load_tokenizer,
                                      read_chat_template, resolve_attention, set_attention, torch_dtype)
-from rlstream.models.memory import ModelShape, gib
+from rlstream.models.resources import ModelShape, gib
 from rlstream.models.logprobs import check_packing
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weight_log import WeightLogWriter

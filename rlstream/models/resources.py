@@ -1,6 +1,7 @@
-"""What a model costs in GPU memory, estimated from its shape: the trainer's state and activations per token, an
-in-process engine's weights and cache. The trainer's default micro-batch budget (``trainer/microbatch.py``) and the
-demo's GPU placement (``infra/placement.py``) are sized from these, so both read one set of figures.
+"""What a model costs in GPU memory, estimated from its shape (the trainer's state and activations per token, an
+in-process engine's weights and cache), and the cores this process has. The trainer's default micro-batch budget
+(``trainer/microbatch.py``) and the demo's placement (``infra/placement.py``) are sized from these, so both read
+one set of figures. Torch-free: the demo places its stages before any of them loads a model.
 
 Estimates, not measurements: the layer term is Korthikanti et al.'s 34·h bytes per token per layer of 16-bit
 activations (attention through SDPA or flash-attention, so no sequence² term), the head term what the loss keeps
@@ -11,6 +12,7 @@ large, and the callers keep a margin on top.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,3 +89,11 @@ def engine_bytes(shape: ModelShape, dtype_bytes: int = 2) -> int:
 def gib(n: float) -> str:
     """Bytes as GiB for a message."""
     return f"{n / GIB:.1f} GiB"
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity, which a container or taskset narrows), not the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
