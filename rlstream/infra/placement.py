@@ -120,12 +120,12 @@ def split_gpu(needs: list[Need], gpu: Gpu) -> dict[str, float]:
                              "or one of them on the CPU (--placement cpu), or lower the shares asked")
     open_ = [n for n in needs if n.share <= 0]
     spare = (usable - sum(asked.values())) // max(1, len(open_))
-    return {n.stage: _hundredths((asked[n.stage] + (spare if n.share <= 0 else 0)) / gpu.total) for n in needs}
+    return {n.stage: n.share if n.share > 0 else _hundredths((asked[n.stage] + spare) / gpu.total) for n in needs}
 
 
 def _hundredths(x: float) -> float:
     """Rounded down to a hundredth (shares stay within what was added up), at least 0.01."""
-    return max(0.01, int(x * 100) / 100)
+    return max(0.01, int(x * 100 + 1e-9) / 100)
 
 
 def split_threads(cores: int, stages: dict[str, bool], light: int = 0) -> dict[str, int]:
