@@ -99,3 +99,86 @@ def resolve_enforce_eager(knob: str, cuda: bool) -> bool:
     if knob not in ENFORCE_EAGER:
         raise UserError(f"--enforce-eager {knob!r}: expected one of {', '.join(ENFORCE_EAGER)}")
     return knob == "on" or (knob == "auto" and not cuda)
+
+
+def auto_kind(folder: Path, device: str = "auto") -> str:
+    """What ``--backend auto`` runs: vLLM when importable, except for a small model on a machine without CUDA (see
+    ``SMALL_MODEL_PARAMETERS``); transformers when vLLM is absent or broken. Says which, and why, in the log."""
+    import torch
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    size = parameter_count(folder)
+    if on_cpu and size is not None and size < SMALL_MODEL_PARAMETERS:
+        log.info("backend auto: transformers (a %.2f M-parameter model on the CPU runs faster without vLLM's engine; "
+                 "--backend vllm to use it anyway)", size / 1e6)
+        return "transformers"
+    try:
+        import vllm  # noqa: F401
+        return "vllm"
+    except Exception as exc:  # absent, or a broken install: fall back, and say so
+        log.info("vLLM unavailable (%s); using the transformers backend", exc)
+        return "transformers"
+
+
+def parameter_count(folder: Path) -> int | None:
+    """Parameters in a checkpoint folder's safetensors files, from their headers (nothing loaded); None if it has
+    none (a hub name, .bin weights)."""
+    from safetensors import safe_open
+    files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                n = 1
+                for dim in f.get_slice(name).get_shape():
+                    n *= dim
+                total += n
+    return total
+
+
+def start_fleet(kind: str, folder: Path, urls: list[str], model: str, version: int, options: FleetOptions,
+                tokenizer=None, api_key: str = "", push_timeout_s: float = 600.0) -> ServerFleet:
+    """Check every server, push the first version to those that take weights, and start health checks."""
+    if not urls:
+        raise UserError(f"--backend {kind} needs at least one --engine-url (or --engine-urls-file)")
+    apis = [APIS[kind](url, model, timeout_s=options.request_timeout_s,
+                       push_timeout_s=push_timeout_s, api_key=api_key) for url in urls]
+    for api in apis:
+        _check_server(api, folder, tokenizer)
+    fleet = ServerFleet(apis, options, pinned_version=version)
+    if fleet.follows_policy:
+        try:
+            fleet.load_weights(folder, version)
+        except OSError as exc:
+            fleet.close()
+            raise UserError(f"no inference server loaded the first policy version v{version}: {exc}") from None
+    fleet.start_health_checks()
+    return fleet
+
+
+def _check_server(api, folder: Path, tokenizer) -> None:
+    """An unreachable server, or one whose tokenizer is not the policy's, is refused by name."""
+    try:
+        served = api.served_model()
+    except ServerError as exc:
+        raise UserError(f"inference server {api.url} is unreachable or failing ({exc}); check --engine-url "
+                        "and that the server is up") from None
+    if not api.model:  # --engine-model not given: the name the server serves its model under
+        api.model = api.model_id()
+    if tokenizer is None:
+        return
+    policy_name = getattr(tokenizer, "name_or_path", "") or str(folder)
+    try:
+        theirs = api.tokenize(TOKENIZER_PROBE)
+    except ServerError as exc:
+        raise UserError(f"inference server {api.url} failed to tokenize a probe text: {exc}") from None
+    if theirs is None:
+        log.warning("%s has no /tokenize route: cannot check that %s uses the policy's tokenizer (%s)",
+                    api.url, served, policy_name)
+        return
+    ours = list(tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"])
+    if theirs != ours:
+        raise UserError(f"inference server {api.url} serves {served}, whose tokenizer does not match the policy's "
+                        f"tokenizer {policy_name} (the probe text tokenizes to {theirs[:8]}... there, "
+                        f"{ours[:8]}... here); serve the policy's model, or point --engine-url elsewhere")
