@@ -169,3 +169,27 @@ def test_device_auto_stops_when_nvidia_smi_sees_gpus_that_torch_cannot_use():
         auto_device(False, 8, "2.13.0+cpu", None)
     with pytest.raises(UsageError, match="built for CUDA 13.0.*--device cpu"):
         auto_device(False, lambda: 1, "2.13.0+cu130", "13.0")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_zero_with_the_bf16_block_keeps_fp32_masters_that_small_updates_move(monkeypatch):
+    """DeepSpeed's bf16 block, run for real (on the CPU accelerator): the module in bf16, the masters in fp32 in
+    ZeRO's partition, and an update far below bf16's resolution still moves them."""
+    import socket
+
+    from rlstream.trainer.engine import make_engine
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
+    engine = make_engine(build_model(build_tokenizer(), seed=0), lr=1e-6, sharding="zero2", autocast_mode="bf16")
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    [master] = engine.engine.optimizer.single_partition_of_fp32_groups
+    assert master.dtype == torch.float32
+    before_master = master.detach().clone()
+    before_module = [p.detach().clone() for p in engine.model.parameters()]
+    train_step(engine, mixed_batch(), UpdateConfig())
+    assert not torch.equal(master, before_master)
+    # At lr 1e-6 most bf16 weights round back to where they were: the update lives in the masters.
+    same = sum(int((a == b).sum()) for a, b in zip(before_module, engine.model.parameters()))
+    assert same > 0.9 * sum(a.numel() for a in before_module)
