@@ -125,6 +125,7 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
     """Run the loop until held-out reward reaches the target or time is up; 0 when it was reached."""
     from rlstream.infra import broker
     started = time.monotonic()
+    seats = demo_placement(s)  # before anything starts: a placement that does not fit loads nothing
     home = loop.home_path
     bootstrap = broker.up(home)
     run = loop.run
@@ -138,7 +139,6 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
                     RLSTREAM_GROUPS_PER_STEP=str(loop.groups_per_step), RLSTREAM_ARCHIVE=loop.archive)
     weights = str(run_dir / "weights")
     user_model = s.model != "tiny"
-    seats = demo_placement(s)
     print("placement: " + ", ".join(f"{n} " + (f"GPU {x.gpu} ({x.share:.2f} of its memory)" if x.gpu is not None
                                               else "CPU") + f", {x.threads} threads" for n, x in seats.items()))
     plan = {

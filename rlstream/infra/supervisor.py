@@ -21,8 +21,14 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALL
 
 
 def stage_env(bootstrap: str, run: str, **extra: str) -> dict[str, str]:
-    """This process's environment, pointed at a broker and a run (``RLSTREAM_BOOTSTRAP``, ``RLSTREAM_RUN``)."""
-    return dict(os.environ, RLSTREAM_BOOTSTRAP=bootstrap, RLSTREAM_RUN=run, **extra)
+    """This process's environment, pointed at a broker and a run (``RLSTREAM_BOOTSTRAP``, ``RLSTREAM_RUN``).
+
+    Without an ``OMP_NUM_THREADS`` of its own a stage runs one compute thread (``--threads 0`` reads it): a
+    supervisor starts several stages at once on one machine, and torch's threads spin on cores another stage
+    holds. A placed stage gets its share of the cores instead (``seat_env``)."""
+    env = dict(os.environ, RLSTREAM_BOOTSTRAP=bootstrap, RLSTREAM_RUN=run, **extra)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 def seat_env(env: dict[str, str], seat) -> dict[str, str]:

@@ -102,3 +102,14 @@ def test_the_demo_places_on_the_cpu_when_asked_or_without_gpus():
     seats = demo_placement(DemoSettings(placement="cpu"))
     assert {n: s.gpu for n, s in seats.items()} == {"trainer": None, "rollout": None}
     assert all(s.threads >= 1 for s in seats.values())
+
+
+def test_a_stage_started_without_a_placement_runs_one_thread_unless_told(monkeypatch):
+    from rlstream.infra.supervisor import stage_env
+    from rlstream.models.devices import resolve_threads
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env = stage_env("b:9092", "r")
+    assert env["OMP_NUM_THREADS"] == "1" and resolve_threads(0, omp=env["OMP_NUM_THREADS"], cores=16) == 1
+    assert stage_env("b:9092", "r", OMP_NUM_THREADS="4")["OMP_NUM_THREADS"] == "4"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert stage_env("b:9092", "r")["OMP_NUM_THREADS"] == "3"
