@@ -200,16 +200,20 @@ class StepBudget:
     tokens: int = 0
     per_token: int = 0
     room: int | None = None
+    world: int = 1  # ranks sharing a whole batch (each forwards about 1/world of its rows)
 
 
-def step_budget(requested: int, device, shape: ModelShape, half: bool, checkpointing: bool, fraction: float,
-                pending: int) -> StepBudget:
+def step_budget(requested: int, device, shape: ModelShape | None, half: bool, checkpointing: bool, fraction: float,
+                world: int = 1, pending: int = 0) -> StepBudget:
     """A trainer's ``StepBudget`` on ``device`` for ``--micro-batch-tokens`` ``requested``: activations in 16 bits
-    where ``half`` (bf16 autocast or a half dtype), room from the driver less the ``pending`` state."""
+    where ``half`` (bf16 autocast or a half dtype), room from the driver less the ``pending`` state. Off CUDA the
+    shape is not needed (None): the budget is as given, the whole batch for -1."""
+    if device.type != "cuda" or shape is None:
+        return StepBudget(max(0, resolve_budget(requested, "cpu", None, shape)), world=world)
     dtype_bytes = 2 if half else 4
     room = cuda_room(device, fraction, pending)
     return StepBudget(resolve_budget(requested, device.type, room, shape, dtype_bytes, checkpointing),
-                      activation_bytes_per_token(shape, dtype_bytes, checkpointing), room)
+                      activation_bytes_per_token(shape, dtype_bytes, checkpointing), room, world)
 
 
 def train_step(engine, batch: Batch, cfg: UpdateConfig, ref_model=None, max_tokens: int | StepBudget = 0,
@@ -219,7 +223,8 @@ def train_step(engine, batch: Batch, cfg: UpdateConfig, ref_model=None, max_toke
     Running out of GPU memory is a UserError that names the budget to set."""
     budget = max_tokens if isinstance(max_tokens, StepBudget) else StepBudget(max_tokens)
     if budget.tokens <= 0:
-        check_whole_batch(step_tokens(batch, cfg.packed), budget.per_token, budget.room, batch.input_ids.shape[0])
+        check_whole_batch(step_tokens(batch, cfg.packed) // budget.world, budget.per_token, budget.room,
+                          batch.input_ids.shape[0])
     try:
         if budget.tokens <= 0 and world == 1:
             return policy_update(engine, batch, cfg, ref_model)

@@ -78,6 +78,7 @@ class TrainerService:
         self.settings = settings
         self.ranks = Ranks()  # this process's rank; set by the launcher on several ranks
         self.device: torch.device | None = None  # with the knobs that follow it: _place
+        self.attention: str | None = None  # --attn-implementation resolved (None: transformers' choice)
         self.ref_model = None  # the KL reference (_load_ref)
         self.store = WeightStore(settings.weights)
         self.evicted = 0
@@ -279,7 +280,8 @@ class TrainerService:
         if s.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         set_attention(self.model, self.attention)
-        shape = ModelShape.of_model(self.model)  # before the engine: ZeRO-3 leaves each rank a shard
+        # Sized on CUDA only, before the engine (ZeRO-3 leaves each rank a shard of the parameters).
+        shape = ModelShape.of_model(self.model) if self.device.type == "cuda" else None
         engine = make_engine(self.model, s.lr, self.update_cfg.max_grad_norm, s.sharding,
                              device=self.device, autocast_mode=s.autocast,
                              world_size=self.ranks.world, lr_warmup_steps=s.lr_warmup_steps)
@@ -287,13 +289,14 @@ class TrainerService:
         self.budget = self._budget(shape, engine.sharded)
         return engine
 
-    def _budget(self, shape: ModelShape, sharded: bool) -> StepBudget:
+    def _budget(self, shape: ModelShape | None, sharded: bool) -> StepBudget:
         """The step's micro-batching on this device; the gradients and AdamW's moments are allocated only by the
         first step, so their bytes are kept out of the room now."""
         s = self.settings
         half = s.autocast == "bf16" or s.dtype in ("bf16", "fp16")
         budget = step_budget(s.micro_batch_tokens, self.device, shape, half, s.gradient_checkpointing,
-                             s.gpu_memory_fraction, pending=12 * shape.params // (self.ranks.world if sharded else 1))
+                             s.gpu_memory_fraction, self.ranks.world,
+                             pending=12 * shape.params // (self.ranks.world if sharded else 1) if shape else 0)
         if budget.room is not None:
             log.info("micro-batches of %s tokens (%s left for activations, %.2f MiB a token)",
                      budget.tokens or "all the step's", gib(budget.room), budget.per_token / 2**20)

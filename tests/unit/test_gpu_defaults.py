@@ -17,7 +17,8 @@ from rlstream.models.resources import GIB, ModelShape, activation_bytes_per_toke
 from rlstream.models.tiny import build_model, build_tokenizer
 from rlstream.trainer.engine import TorchEngine
 from rlstream.trainer.microbatch import (MAX_BUDGET, MIN_BUDGET, StepBudget, activation_room, check_whole_batch,
-                                         default_budget, resolve_budget, step_tokens, train_step)
+                                         default_budget, resolve_budget, step_budget, step_tokens,
+                                         train_step)
 from rlstream.trainer.precision import Precision, resolve_precision
 from rlstream.trainer.settings import TrainerSettings
 from rlstream.trainer.sharded import deepspeed_config
@@ -111,6 +112,8 @@ def test_the_trainer_resolves_its_device_knobs_once_on_the_cpu_as_before(monkeyp
     s = service.settings
     assert (str(service.device), s.dtype, s.autocast, s.publish_dtype) == ("cpu", "auto", "off", "auto")
     assert service.attention is None
+    assert service._budget(None, sharded=False) == StepBudget(0)  # the whole batch, nothing to check
+    assert step_budget(64, torch.device("cpu"), None, False, False, 1.0) == StepBudget(64)
 
 
 # -- engines, attention, threads, devices ---------------------------------------------------------------------------
