@@ -113,3 +113,18 @@ def test_a_stage_started_without_a_placement_runs_one_thread_unless_told(monkeyp
     assert stage_env("b:9092", "r", OMP_NUM_THREADS="4")["OMP_NUM_THREADS"] == "4"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert stage_env("b:9092", "r")["OMP_NUM_THREADS"] == "3"
+
+
+def test_the_flags_a_placement_gives_parse_for_their_stages():
+    from rlstream import cli
+    from rlstream.config import load
+    from rlstream.stages.rollout import RolloutSettings
+    from rlstream.trainer.settings import TrainerSettings
+    trainer = cli.build_parser("trainer").parse_args(
+        ["run", "trainer", *seat_flags(Seat("trainer", 0, 0.45, 2), "--gpu-memory-fraction")])
+    t = load(TrainerSettings, trainer)
+    assert (t.threads, t.device, t.gpu_memory_fraction) == (2, "cuda", 0.45)
+    rollout = cli.build_parser("rollout").parse_args(
+        ["run", "rollout", *seat_flags(Seat("rollout", 0, 0.4, 2), "--gpu-memory-utilization")])
+    r = load(RolloutSettings, rollout)
+    assert (r.threads, r.device, r.gpu_memory_utilization, r.enforce_eager) == (2, "cuda", 0.4, "auto")
