@@ -105,6 +105,10 @@ def assign(stages: int, gpus: int) -> list[int]:
 def split_gpu(needs: list[Need], gpu: Gpu) -> dict[str, float]:
     """Shares of one GPU for the stages on it: those that asked a share get it, the others their need plus an equal
     part of what is left, the first reserved first; PlacementError when the asks pass what is free."""
+    for n in needs:
+        if not 0 <= n.share < 1:
+            raise PlacementError(f"{n.stage}: a GPU share of {n.share} is not a fraction in [0, 1) (0: the "
+                                 "placement's choice)")
     usable = gpu.free - HEADROOM * len(needs)
     asked = {n.stage: int(n.share * gpu.total) if n.share > 0 else n.memory for n in needs}
     short = [n for n in needs if n.share > 0 and asked[n.stage] < n.memory]

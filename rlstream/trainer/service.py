@@ -72,6 +72,8 @@ class TrainerService:
             raise ValueError("--groups-per-step cannot exceed --window-groups: a batch comes from inside the window")
         if not 0 < settings.weights_chunk_mb <= 15:
             raise ValueError("--weights-chunk-mb must be in (0, 15]: a weights record must fit the 16 MiB message limit")
+        if not 0 < settings.gpu_memory_fraction <= 1:
+            raise ValueError("--gpu-memory-fraction must be in (0, 1]: a share of the GPU's memory")
         if settings.checkpoint_every < 1:
             raise ValueError("--checkpoint-every must be at least 1 (1: the optimizer state with every version)")
         check_nproc(settings.nproc, settings.device, settings.threads)

@@ -128,3 +128,12 @@ def test_the_flags_a_placement_gives_parse_for_their_stages():
         ["run", "rollout", *seat_flags(Seat("rollout", 0, 0.4, 2), "--gpu-memory-utilization")])
     r = load(RolloutSettings, rollout)
     assert (r.threads, r.device, r.gpu_memory_utilization, r.enforce_eager) == (2, "cuda", 0.4, "auto")
+
+
+def test_a_share_that_is_not_a_fraction_is_refused_by_stage():
+    with pytest.raises(PlacementError, match="rollout: a GPU share of 1.5"):
+        place(needs(rollout_share=1.5), [Gpu(0, 24 * GIB, 23 * GIB)], cores=8)
+    from rlstream.trainer.service import TrainerService
+    from rlstream.trainer.settings import TrainerSettings
+    with pytest.raises(ValueError, match="--gpu-memory-fraction"):
+        TrainerService(TrainerSettings(gpu_memory_fraction=0.0))
