@@ -21,9 +21,13 @@ from typing import ClassVar
 
 from rlstream import recipes
 from rlstream.config import LoopSettings, add_arguments, env_name, knob, load
-from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
+from rlstream.errors import UserError
+from rlstream.infra import placement
+from rlstream.infra.placement import Need, Seat
+from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, seat_env, stage_env
 from rlstream.kafka.tail import Seen, TopicTail
 from rlstream.kafka.topics import create_topics
+from rlstream.models.resources import ModelShape, cpu_cores, engine_bytes, trainer_bytes
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion, ScoredTrajectory
 
@@ -70,6 +74,14 @@ class DemoSettings:
                                   "given)")
     heldout_every: int = knob(2, "Evaluate the held-out set every N policy versions")
     heldout_count: int = knob(128, "Held-out tasks per evaluation (with --eval-dataset: its rows)")
+    placement: str = knob("auto", "Where trainer and rollout run: auto (on the GPUs nvidia-smi lists: a GPU each "
+                                  "where there are two, else sharing one, the trainer reserved first; the CPU "
+                                  "without one) or cpu; threads follow the machine's cores either way",
+                          choices=("auto", "cpu"))
+    trainer_gpu_share: float = knob(0.0, "Share of its GPU's memory the trainer asks (0: its estimated need and an "
+                                         "equal part of what is left)")
+    rollout_gpu_share: float = knob(0.0, "Share of its GPU's memory the rollout engine asks (0: its estimated need "
+                                         "and an equal part of what is left)")
 
 
 @dataclass
@@ -85,11 +97,18 @@ class Progress:
     version: int = -1
     stale_ratio: float = 0.0
 
-    def samples_per_s(self) -> float:
+    def samples_per_s(self) -> float | None:
+        """Scored samples a second over the kept arrivals; None until they span ``RATE_SPAN_S`` (records come in
+        bursts, a batch at a time: over the first burst's milliseconds a rate is a huge number that means
+        nothing, as v0's ``281162.1 samples/s`` did)."""
         if len(self.train_times) < 2:
-            return 0.0
+            return None
         span = self.train_times[-1] - self.train_times[0]
-        return (len(self.train_times) - 1) / span if span > 0 else 0.0
+        return (len(self.train_times) - 1) / span if span >= RATE_SPAN_S else None
+
+
+#: The shortest span of arrivals the live line shows a rate over.
+RATE_SPAN_S = 10.0
 
 
 def live_line(progress: Progress, best: tuple[int, float] | None, seconds: float, warming: bool = False) -> str:
@@ -100,14 +119,17 @@ def live_line(progress: Progress, best: tuple[int, float] | None, seconds: float
     if not progress.train_rewards:
         return f"v{progress.version:<4d} rollout engine starting: no samples scored yet  {seconds:5.0f}s"
     heldout = f"{best[1]:.2f}" if best else "  - "
+    rate = progress.samples_per_s()
     return (f"v{progress.version:<4d} held-out {heldout}  train {_mean(progress.train_rewards):.2f}  "
-            f"{progress.samples_per_s():6.1f} samples/s  stale {progress.stale_ratio:.1%}  {seconds:5.0f}s")
+            f"{'     -' if rate is None else f'{rate:6.1f}'} samples/s  stale {progress.stale_ratio:.1%}  "
+            f"{seconds:5.0f}s")
 
 
 def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
     """Run the loop until held-out reward reaches the target or time is up; 0 when it was reached."""
     from rlstream.infra import broker
     started = time.monotonic()
+    seats = demo_placement(s)  # before anything starts: a placement that does not fit loads nothing
     home = loop.home_path
     bootstrap = broker.up(home)
     run = loop.run
@@ -121,11 +143,15 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
                     RLSTREAM_GROUPS_PER_STEP=str(loop.groups_per_step), RLSTREAM_ARCHIVE=loop.archive)
     weights = str(run_dir / "weights")
     user_model = s.model != "tiny"
+    print("placement: " + ", ".join(f"{n} " + (f"GPU {x.gpu} ({x.share:.2f} of its memory)" if x.gpu is not None
+                                              else "CPU") + f", {x.threads} threads" for n, x in seats.items()))
     plan = {
         "trainer": ["run", "trainer", "--weights", weights, "--model", s.model, "--task", s.task, "--lr", str(s.lr),
-                    "--lr-warmup-steps", str(s.lr_warmup_steps), "--warmup-steps", str(0 if user_model else s.warmup_steps), "--threads", "1", "--instance", "0"],
-        "rollout": ["run", "rollout", "--backend", s.backend, "--threads", "1", "--instance", "0",
-                    "--batch-size", "64"],
+                    "--lr-warmup-steps", str(s.lr_warmup_steps),
+                    "--warmup-steps", str(0 if user_model else s.warmup_steps), "--instance", "0",
+                    *seat_flags(seats["trainer"], "--gpu-memory-fraction")],
+        "rollout": ["run", "rollout", "--backend", s.backend, "--instance", "0", "--batch-size", "64",
+                    *seat_flags(seats["rollout"], "--gpu-memory-utilization")],
         "env": ["run", "env", "--instance", "0"],
         "reward": ["run", "reward", "--instance", "0", *(["--reward", s.reward] if s.reward else [])],
         "archive": ["run", "archive"],
@@ -134,7 +160,8 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
     }
     sup = Supervisor()
     for name, argv in plan.items():
-        sup.add(StageProc(name, argv, env, run_dir / "logs" / f"{name}.log"))
+        sup.add(StageProc(name, argv, seat_env(env, seats[name]) if name in seats else env,
+                          run_dir / "logs" / f"{name}.log"))
     sup.start_all()
     print(f"rlstream demo: run {run} on {bootstrap}; logs in {run_dir / 'logs'}", flush=True)
     progress = Progress()
@@ -186,6 +213,38 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
     end_r = best[1] if best else float("nan")
     print(f"reward {start_r:.2f} -> {end_r:.2f} over {max(progress.version, 0)} policy versions in {elapsed:.0f} s")
     return 0 if best is not None and best[1] >= s.target else 1
+
+
+def demo_placement(s: DemoSettings) -> dict[str, Seat]:
+    """Seats of the trainer and the rollout engine on this machine's GPUs (none: the CPU), before anything loads:
+    a placement that does not fit is a PlacementError naming both and their memory (``infra/placement.py``)."""
+    found = [] if s.placement == "cpu" else placement.gpus()
+    trainer, rollout = 0, 0  # memory matters only on a GPU
+    if found:
+        import torch  # only on a machine with GPUs: say so when torch cannot use them, before any stage starts
+
+        from rlstream.models.devices import auto_device
+        auto_device(torch.cuda.is_available(), len(found), torch.__version__, torch.version.cuda)
+        try:
+            shape = TINY_SHAPE if s.model == "tiny" else ModelShape.of_folder(Path(s.model))
+        except (OSError, ValueError) as exc:
+            raise UserError(f"--model {s.model}: cannot size it for the GPUs from its config.json ({exc})") from None
+        trainer, rollout = trainer_bytes(shape, placement.TRAINER_TOKENS), engine_bytes(shape)
+    needs = [Need("trainer", trainer, s.trainer_gpu_share), Need("rollout", rollout, s.rollout_gpu_share)]
+    light = len(STOP_ORDER) - len(needs)  # env, reward, archive, the prompt source
+    return placement.place(needs, found, cpu_cores(), light)
+
+
+#: The built-in model's shape for the placement (models/tiny.py: a few hundred thousand parameters).
+TINY_SHAPE = ModelShape(params=1_000_000, hidden=64, layers=2, vocab=2048)
+
+
+def seat_flags(seat: Seat, share_flag: str) -> list[str]:
+    """A placed stage's flags: its threads, and on a GPU its device and its share (``share_flag``)."""
+    flags = ["--threads", str(seat.threads)]
+    if seat.gpu is not None:
+        flags += ["--device", seat.device, share_flag, f"{seat.share:.2f}"]
+    return flags
 
 
 def _prompt_source(s: DemoSettings) -> list[str]:

@@ -40,11 +40,15 @@ def server_urls(urls: tuple[str, ...] | list[str] = (), urls_file: str = "") -> 
 def make_backend(kind: str, folder: Path, threads: int = 1, urls: tuple[str, ...] | list[str] = (), model: str = "",
                  version: int = -1, dtype: str = "auto", max_context: int = 0, fleet: FleetOptions | None = None,
                  tokenizer=None, api_key: str = "", push_timeout_s: float = 600.0, device: str = "auto",
-                 gpu_memory_utilization: float = 0.9) -> InferenceBackend:
+                 gpu_memory_utilization: float = 0.9, enforce_eager: str = "auto",
+                 attn_implementation: str = "auto") -> InferenceBackend:
     """Build a backend by name, holding policy ``version`` (the weights in ``folder``) in ``dtype`` with a context of
     ``max_context`` tokens (0: the model's own); ``auto`` is vLLM when importable, else transformers. ``device``
-    places the transformers engine (auto: CUDA when present); ``gpu_memory_utilization`` is the share of a GPU's
-    memory in-process vLLM may take (weights and KV cache; its CPU build sizes the cache by VLLM_CPU_KVCACHE_SPACE).
+    places an in-process engine (auto: CUDA when present; vLLM takes the first GPU it sees, ``check_vllm_device``);
+    ``gpu_memory_utilization`` is the share of a GPU's memory in-process vLLM may take (weights and KV cache; its CPU
+    build sizes the cache by VLLM_CPU_KVCACHE_SPACE); ``enforce_eager`` its CUDA graphs (``resolve_enforce_eager``);
+    ``attn_implementation`` the transformers engine's attention (``models.loading.resolve_attention``). ``threads``
+    0 follows the machine (``models.devices.resolve_threads``).
 
     A server kind (``vllm-server``, ``sglang``, ``openai``) gets a fleet of ``urls``: each must answer, and its
     tokenizer must be the policy's (``tokenizer``, checked on a probe text where the server can tokenize); servers
@@ -53,23 +57,48 @@ def make_backend(kind: str, folder: Path, threads: int = 1, urls: tuple[str, ...
     if kind in SERVERS:
         return start_fleet(kind, folder, list(urls), model, version, fleet or FleetOptions(), tokenizer, api_key,
                            push_timeout_s)
-    backend = _make_local(kind, folder, threads, dtype, max_context, device, gpu_memory_utilization)
+    from rlstream.models.devices import resolve_threads
+    backend = _make_local(kind, folder, resolve_threads(threads), dtype, max_context, device, gpu_memory_utilization,
+                          enforce_eager, attn_implementation)
     backend.version = version
     return backend
 
 
 def _make_local(kind: str, folder: Path, threads: int, dtype: str, max_context: int, device: str = "auto",
-                gpu_memory_utilization: float = 0.9) -> InferenceBackend:
+                gpu_memory_utilization: float = 0.9, enforce_eager: str = "auto",
+                attn_implementation: str = "auto") -> InferenceBackend:
     from rlstream.engine.local import TransformersBackend, VLLMBackend
+    from rlstream.models.devices import resolve_device
     if kind == "auto":
         kind = auto_kind(folder, device)
     if kind == "transformers":
-        from rlstream.models.devices import resolve_device
-        return TransformersBackend(folder, threads=threads, dtype=dtype, device=str(resolve_device(device)))
+        from rlstream.models.loading import flash_attn_installed, resolve_attention
+        place = resolve_device(device)
+        attention = resolve_attention(attn_implementation, place.type, place.type == "cuda" and flash_attn_installed())
+        return TransformersBackend(folder, threads=threads, dtype=dtype, device=str(place),
+                                   attn_implementation=attention)
     if kind == "vllm":
+        from rlstream.models.devices import check_vllm_device
+        check_vllm_device(device)
+        import torch
+        cuda = device != "cpu" and torch.cuda.is_available()
         return VLLMBackend(folder, threads=threads, max_model_len=max_context, dtype=dtype,
-                           gpu_memory_utilization=gpu_memory_utilization)
+                           gpu_memory_utilization=gpu_memory_utilization,
+                           enforce_eager=resolve_enforce_eager(enforce_eager, cuda))
     raise ValueError(f"unknown backend {kind!r}; use one of {', '.join(KINDS)}")
+
+
+#: ``--enforce-eager`` values.
+ENFORCE_EAGER = ("auto", "on", "off")
+
+
+def resolve_enforce_eager(knob: str, cuda: bool) -> bool:
+    """Whether in-process vLLM runs eager: ``auto`` is off on CUDA (CUDA graphs capture the decode steps: the
+    speed vLLM is there for) and on for the CPU (its CPU build has no graphs to capture, and the eager path is
+    the one every test here runs). Not run on a GPU in this project: CUDA graphs have not been exercised."""
+    if knob not in ENFORCE_EAGER:
+        raise UserError(f"--enforce-eager {knob!r}: expected one of {', '.join(ENFORCE_EAGER)}")
+    return knob == "on" or (knob == "auto" and not cuda)
 
 
 def auto_kind(folder: Path, device: str = "auto") -> str:

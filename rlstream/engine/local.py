@@ -24,13 +24,15 @@ class TransformersBackend(InferenceBackend):
     streams = True
     loads_tensors = True
 
-    def __init__(self, folder: Path, threads: int = 1, device: str = "cpu", dtype: str = "auto"):
+    def __init__(self, folder: Path, threads: int = 1, device: str = "cpu", dtype: str = "auto",
+                 attn_implementation: str | None = None):
         import torch
         torch.set_num_threads(max(1, threads))
         self.torch = torch
         self.device = device
         self.tokenizer = load_tokenizer(folder, flag="policy folder")
-        self.model = load_model(folder, dtype, flag="policy folder").to(device).eval()
+        self.model = load_model(folder, dtype, flag="policy folder",
+                                attn_implementation=attn_implementation).to(device).eval()
         self.eos = _stop_ids(self.model, self.tokenizer)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
 
@@ -137,7 +139,7 @@ class VLLMBackend(InferenceBackend):
     streams = True
 
     def __init__(self, folder: Path, threads: int = 1, max_model_len: int = 0, dtype: str = "auto",
-                 gpu_memory_utilization: float = 0.9):
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = True):
         import os
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # The engine core in this process: weight reloads are a direct call, and no spawn re-imports.
@@ -148,7 +150,7 @@ class VLLMBackend(InferenceBackend):
         # No async scheduling: a step's tokens must come from the weights loaded when that step ran, so that
         # the version stamped on each token (and its log-prob) is the one that sampled it.
         self.llm = LLM(model=str(folder), dtype=dtype_name(torch_dtype(dtype, folder)),
-                       max_model_len=max_model_len or context_limit(folder), enforce_eager=True,
+                       max_model_len=max_model_len or context_limit(folder), enforce_eager=enforce_eager,
                        load_format="safetensors", seed=0, async_scheduling=False,
                        gpu_memory_utilization=gpu_memory_utilization)
         self.tokenizer = self.llm.get_tokenizer()

@@ -75,7 +75,8 @@ class PolicyEngine:
                                     version=pv.version, dtype=s.dtype, max_context=self.max_context,
                                     fleet=FleetOptions(request_timeout_s=s.request_timeout_s),
                                     tokenizer=self.tokenizer if remote else None, device=s.device,
-                                    api_key=os.environ.get("RLSTREAM_GATEWAY_API_KEY", ""))
+                                    api_key=os.environ.get("RLSTREAM_GATEWAY_API_KEY", ""),
+                                    enforce_eager=s.enforce_eager, attn_implementation=s.attn_implementation)
         self.tokenizer = getattr(self.backend, "tokenizer", None) or self.tokenizer
         self.version = self.backend.version
         metrics.POLICY_VERSION.labels(self.name).set(self.version)

@@ -31,6 +31,7 @@ from rlstream.errors import UsageError
 from rlstream.gateway.sessions import SessionBook, SessionError
 from rlstream.gateway.streaming import stream
 from rlstream.engine import KINDS
+from rlstream.models.loading import ATTENTION
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,15 @@ class GatewaySettings:
     engine_urls_file: str = knob("", "Server backends: a file listing server URLs, one per line")
     engine_model: str = knob("", "Server backends: the model name to send (default: the one each server lists)")
     request_timeout_s: float = knob(300.0, "Server backends: most seconds one generation may take")
-    threads: int = knob(1, "Torch / engine threads of an in-process engine")
+    threads: int = knob(0, "Torch / engine threads of an in-process engine (0: OMP_NUM_THREADS when set, else "
+                           "this process's cores)")
     dtype: str = knob("auto", "In-process engine dtype", choices=("auto", "bf16", "fp16", "fp32"))
-    device: str = knob("auto", "Transformers engine: auto, cpu, cuda or cuda:N")
+    device: str = knob("auto", "In-process engine: auto, cpu, cuda or cuda:N (in-process vLLM takes the first "
+                               "visible GPU: place it with CUDA_VISIBLE_DEVICES)")
+    enforce_eager: str = knob("auto", "In-process vLLM: on (no CUDA graphs), off, or auto (off on CUDA, on for the "
+                                      "CPU)", choices=("auto", "on", "off"))
+    attn_implementation: str = knob("auto", "Transformers engine's attention: auto (transformers' choice, sdpa), "
+                                            "sdpa, flash_attention_2, eager", choices=ATTENTION)
     max_context: int = knob(0, "Longest episode (prompt and every call's tokens) in tokens (0: the model's own)")
     max_tokens: int = knob(256, "New tokens of a call that names no max_tokens")
     session_timeout_s: float = knob(600.0, "A session without a call or a close for this long is written as failed "

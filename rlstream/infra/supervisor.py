@@ -21,8 +21,23 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALL
 
 
 def stage_env(bootstrap: str, run: str, **extra: str) -> dict[str, str]:
-    """This process's environment, pointed at a broker and a run (``RLSTREAM_BOOTSTRAP``, ``RLSTREAM_RUN``)."""
-    return dict(os.environ, RLSTREAM_BOOTSTRAP=bootstrap, RLSTREAM_RUN=run, **extra)
+    """This process's environment, pointed at a broker and a run (``RLSTREAM_BOOTSTRAP``, ``RLSTREAM_RUN``).
+
+    Without an ``OMP_NUM_THREADS`` of its own a stage runs one compute thread (``--threads 0`` reads it): a
+    supervisor starts several stages at once on one machine, and torch's threads spin on cores another stage
+    holds. A placed stage gets its share of the cores instead (``seat_env``)."""
+    env = dict(os.environ, RLSTREAM_BOOTSTRAP=bootstrap, RLSTREAM_RUN=run, **extra)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def seat_env(env: dict[str, str], seat) -> dict[str, str]:
+    """``env`` for a stage placed at ``seat`` (``infra/placement.py``): its threads for every thread pool, and on a
+    GPU that GPU as the only one its process sees (in-process vLLM takes the first visible one)."""
+    out = dict(env, OMP_NUM_THREADS=str(seat.threads), MKL_NUM_THREADS=str(seat.threads))
+    if seat.gpu is not None:
+        out["CUDA_VISIBLE_DEVICES"] = str(seat.gpu)
+    return out
 
 
 class StageProc:

@@ -13,7 +13,7 @@ import json
 import logging
 from pathlib import Path
 
-from rlstream.errors import UserError
+from rlstream.errors import UsageError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +99,55 @@ def read_chat_template(path: str) -> str:
     return Path(path).read_text()
 
 
-def load_model(spec: Path | str, dtype: str = "auto", flag: str = "--model"):
-    """A causal LM from a folder or hub id, in ``dtype``."""
+def load_model(spec: Path | str, dtype: str = "auto", flag: str = "--model", attn_implementation: str | None = None):
+    """A causal LM from a folder or hub id, in ``dtype``, with ``attn_implementation`` (None: transformers' own
+    choice, SDPA for the models rlstream trains; see ``resolve_attention``)."""
     from transformers import AutoModelForCausalLM
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         return AutoModelForCausalLM.from_pretrained(str(spec), dtype=torch_dtype(dtype, spec if is_local(str(spec))
-                                                                                 else None))
+                                                                                 else None), **extra)
     except (OSError, ValueError) as exc:
         raise ModelError(f"{flag} {spec}: cannot load it as a causal LM: {exc}") from None
+
+
+#: ``--attn-implementation`` values; auto is ``resolve_attention``'s choice.
+ATTENTION = ("auto", "sdpa", "flash_attention_2", "eager")
+
+
+def flash_attn_installed() -> bool:
+    """Whether the flash-attn package can be imported here (looked up, not imported: its import loads CUDA)."""
+    import importlib.util
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def resolve_attention(requested: str, device_type: str, flash_installed: bool, packed: bool = False) -> str | None:
+    """The attention implementation to load a model with; None leaves transformers' own choice (SDPA).
+
+    ``auto`` is flash-attention 2 for packed sequences on CUDA when flash-attn is installed: transformers then runs
+    flash-attention's variable-length kernel over the packed rows (``cu_seqlens`` from the restarting position ids),
+    where without it SDPA gets a block-diagonal mask over the whole packed sequence (correct, checked by
+    ``check_packing``, but quadratic in the packed length). Anything else keeps transformers' choice. Asking
+    flash_attention_2 where it cannot run (no flash-attn, no CUDA) is a UsageError saying what to do. Not run on a
+    GPU in this project: flash-attn is not installed here, so every packed run so far was SDPA's masked path.
+    """
+    if requested not in ATTENTION:
+        raise UsageError(f"--attn-implementation {requested!r}: expected one of {', '.join(ATTENTION)}")
+    if requested == "auto":
+        return "flash_attention_2" if packed and device_type == "cuda" and flash_installed else None
+    if requested == "flash_attention_2":
+        if device_type != "cuda":
+            raise UsageError("--attn-implementation flash_attention_2 runs on CUDA only: use sdpa (or auto) here")
+        if not flash_installed:
+            raise UsageError("--attn-implementation flash_attention_2: the flash-attn package is not installed "
+                             "(pip install flash-attn --no-build-isolation, or the GPU profile's extra); or use sdpa")
+    return requested
+
+
+def set_attention(model, implementation: str | None) -> None:
+    """Switch a loaded model (a built-in one, a resumed one) to ``implementation``; None leaves it as it is."""
+    if implementation and getattr(model.config, "_attn_implementation", None) != implementation:
+        model.set_attn_implementation(implementation)
 
 
 #: Context of a model whose config names none (what older GPT-style configs default to).

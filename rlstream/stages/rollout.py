@@ -44,7 +44,7 @@ from typing import ClassVar
 from rlstream import metrics
 from rlstream.config import LoopSettings, knob
 from rlstream.errors import UserError
-from rlstream.models.loading import ModelError, chat_prompt_ids, chat_turn_ids, context_limit, load_tokenizer
+from rlstream.models.loading import ATTENTION, ModelError, chat_prompt_ids, chat_turn_ids, context_limit, load_tokenizer
 from rlstream.policy.staleness import rollout_should_pause
 from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import PolicyWeights
@@ -90,7 +90,8 @@ class RolloutSettings:
     hedge: bool = knob(False, "Backends vllm-server and sglang: a server left idle before its batch ends also takes "
                               "the batch's unfinished requests from the others; the first reply is kept, the other "
                               "cancelled, both sampled with one seed")
-    threads: int = knob(1, "Torch / engine threads for this process (small machines: give each stage a budget)")
+    threads: int = knob(0, "Torch / engine threads for this process (0: OMP_NUM_THREADS when set, as the demo's "
+                           "placement sets it, else this process's cores; small machines: give each stage a budget)")
     dtype: str = knob("auto", "Engine dtype: auto (the checkpoint's own), bf16, fp16, fp32",
                       choices=("auto", "bf16", "fp16", "fp32"))
     max_context: int = knob(0, "Longest prompt + response the engine takes (0: the model's max_position_embeddings); "
@@ -98,7 +99,12 @@ class RolloutSettings:
                                "context_exhausted")
     gpu_memory_utilization: float = knob(0.9, "In-process vLLM on a GPU: the share of the GPU's memory it may take for "
                                                "weights and KV cache (lower it to share the GPU with a trainer)")
-    device: str = knob("auto", "Transformers backend: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N")
+    device: str = knob("auto", "In-process engine: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N "
+                               "(in-process vLLM takes the first visible GPU: place it with CUDA_VISIBLE_DEVICES)")
+    enforce_eager: str = knob("auto", "In-process vLLM: on (no CUDA graphs), off, or auto (off on CUDA: graphs "
+                                      "capture the decode steps; on for the CPU)", choices=("auto", "on", "off"))
+    attn_implementation: str = knob("auto", "Transformers backend's attention: auto (transformers' choice, sdpa), "
+                                            "sdpa, flash_attention_2, eager", choices=ATTENTION)
     max_new_tokens: int = knob(0, "Most new tokens per turn: a task asking for more is cut to this "
                                   "(0: as the task asks)")
     wait_policy_s: float = knob(600.0, "How long to wait at start for the first announced policy")
@@ -233,7 +239,8 @@ class RolloutStage(Stage):
                             model=s.engine_model, version=version, dtype=s.dtype, max_context=self.max_context,
                             fleet=options, tokenizer=tokenizer, push_timeout_s=s.push_timeout_s,
                             api_key=os.environ.get("RLSTREAM_ROLLOUT_API_KEY", ""), device=s.device,
-                            gpu_memory_utilization=s.gpu_memory_utilization)
+                            gpu_memory_utilization=s.gpu_memory_utilization, enforce_eager=s.enforce_eager,
+                            attn_implementation=s.attn_implementation)
 
     def _first_version(self):
         """The newest announced version that loads, and its folder; a refused or unreadable one is skipped for the

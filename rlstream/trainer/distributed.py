@@ -27,19 +27,12 @@ import torch
 
 from rlstream.errors import UsageError, UserError
 from rlstream.models.devices import resolve_device
+from rlstream.models.resources import cpu_cores
 
 log = logging.getLogger(__name__)
 
 #: How long a collective may wait: the launcher, not a timeout, notices a dead rank.
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=30)
-
-
-def cpu_cores() -> int:
-    """The cores this process may run on (its affinity, which a container or taskset narrows), not the host's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def check_nproc(nproc: int, device: str, threads: int) -> None:

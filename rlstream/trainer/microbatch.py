@@ -8,14 +8,24 @@ gradients, so each rank's share is multiplied by the world size to make that ave
 
 Every rank holds the whole batch (rank 0 broadcasts it, ``trainer/distributed.py``) and plans the same split, so
 the ranks need no exchange to agree on who trains what; each trains its own micro-batches.
+
+The budget's default (``--micro-batch-tokens -1``) is 0 on the CPU (the whole batch at once, as before the knob had
+a default) and on CUDA sized from the memory this rank has left once its model is placed (``default_budget``): the
+first step of a real model otherwise runs its whole batch (16 groups x 8 samples, full-vocabulary logits) in one
+forward and runs out of memory. A whole-batch step (``0``) whose estimate does not fit is refused before its forward,
+and an out-of-memory error in any step becomes one line naming the flag (``train_step``). The sizing is a pure
+function of the numbers it is given, unit-tested on the CPU; it has not run on a GPU in this project.
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
+from rlstream.errors import UserError
 from rlstream.models.logprobs import pack_by_length
+from rlstream.models.resources import ModelShape, activation_bytes_per_token, gib
 from rlstream.trainer.losses import reverse_kl_baseline
 from rlstream.trainer.update import Batch, UpdateConfig, batch_loss, policy_update
 
@@ -97,10 +107,112 @@ def accumulated_update(engine, batch: Batch, cfg: UpdateConfig, ref_model=None, 
     return sums
 
 
-def train_step(engine, batch: Batch, cfg: UpdateConfig, ref_model=None, max_tokens: int = 0, rank: int = 0,
-               world: int = 1) -> dict[str, float]:
-    """The step a trainer takes: one rank and no budget is the whole-batch ``policy_update`` (the default, and the
-    same to the bit as before micro-batches existed); otherwise micro-batches accumulated over the ranks."""
-    if max_tokens <= 0 and world == 1:
-        return policy_update(engine, batch, cfg, ref_model)
-    return accumulated_update(engine, batch, cfg, ref_model, max_tokens, rank, world)
+#: ``--micro-batch-tokens``: -1 is the device's default (``default_budget``), 0 the whole batch at once.
+AUTO = -1
+#: Bounds of the sized default. Below 1024 tokens a step is launch-bound; above 64k a bigger micro-batch buys little
+#: once the GPU is busy, and the bound keeps an estimate's error from becoming one huge forward.
+MIN_BUDGET, MAX_BUDGET = 1024, 65536
+#: Share of the estimated room the default fills: the estimate leaves out the allocator's fragmentation and the
+#: backward's transient buffers.
+MARGIN = 0.6
+
+
+def default_budget(device_type: str, room: int | None, shape: ModelShape, dtype_bytes: int = 2,
+                   checkpointing: bool = False) -> int:
+    """The default budget: 0 (whole batch) off CUDA; on CUDA as many tokens as ``MARGIN`` of ``room`` (bytes left
+    for activations) holds at ``activation_bytes_per_token``, in multiples of 1024 within the bounds.
+
+    Sized rather than fixed: a fixed 16k would be 29 GB of logits alone for a 152k-vocabulary model (16k x 152k x
+    12 bytes), past a 24 GB card, and a tenth of what a 135 M model can take on an H200.
+    """
+    if device_type != "cuda":
+        return 0
+    per_token = activation_bytes_per_token(shape, dtype_bytes, checkpointing)
+    tokens = int(max(0, room or 0) * MARGIN) // per_token
+    return max(MIN_BUDGET, min(MAX_BUDGET, tokens // 1024 * 1024))
+
+
+def resolve_budget(requested: int, device_type: str, room: int | None, shape: ModelShape, dtype_bytes: int = 2,
+                   checkpointing: bool = False) -> int:
+    """``--micro-batch-tokens`` as given (0 or a budget), or for -1 the device's default."""
+    if requested < AUTO:
+        raise UserError(f"--micro-batch-tokens {requested}: expected -1 (the device's default), 0 (the whole batch) "
+                        "or a token budget")
+    return default_budget(device_type, room, shape, dtype_bytes, checkpointing) if requested == AUTO else requested
+
+
+def activation_room(total: int, free: int, held: int, fraction: float, pending: int) -> int:
+    """Bytes a rank has for activations: its share of the GPU (``fraction`` of ``total``; 1: all of it) less what
+    it holds (``held``), within what is ``free`` on the device, less the state its first step allocates still
+    (``pending``: gradients and AdamW's moments)."""
+    cap = int(total * fraction) if 0 < fraction < 1 else total
+    return min(cap - held, free) - pending
+
+
+def cuda_room(device, fraction: float, pending: int) -> int | None:
+    """``activation_room`` of a CUDA device as its driver reports it now; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return activation_room(total, free, torch.cuda.memory_reserved(device), fraction, pending)
+
+
+def step_tokens(batch: Batch, packed: bool = False) -> int:
+    """Tokens a whole-batch forward computes: rows x the longest row, or the real tokens where rows are packed."""
+    lengths = batch.attention_mask.sum(-1)
+    return int(lengths.sum()) if packed else int(batch.attention_mask.shape[0] * lengths.max())
+
+
+def check_whole_batch(tokens: int, per_token: int, room: int | None, rows: int) -> None:
+    """UserError naming ``--micro-batch-tokens`` when a whole-batch step's activations (``tokens`` x ``per_token``)
+    are estimated past the ``room`` it has (None: not on a GPU, nothing to check)."""
+    if room is None or tokens * per_token <= room:
+        return
+    fits = max(0, room) * MARGIN // per_token // 1024 * 1024
+    raise UserError(f"this step's whole batch ({rows} rows, {tokens} padded tokens, about {gib(tokens * per_token)} "
+                    f"of activations) does not fit the {gib(max(0, room))} left on the GPU: set "
+                    f"--micro-batch-tokens {max(MIN_BUDGET, fits)} (or -1, the default sized from memory)")
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """A trainer's micro-batching: its ``tokens`` budget (0: whole batch), and on a GPU the bytes per token and
+    the room that a whole-batch step is checked against."""
+
+    tokens: int = 0
+    per_token: int = 0
+    room: int | None = None
+    world: int = 1  # ranks sharing a whole batch (each forwards about 1/world of its rows)
+
+
+def step_budget(requested: int, device, shape: ModelShape | None, half: bool, checkpointing: bool, fraction: float,
+                world: int = 1, pending: int = 0) -> StepBudget:
+    """A trainer's ``StepBudget`` on ``device`` for ``--micro-batch-tokens`` ``requested``: activations in 16 bits
+    where ``half`` (bf16 autocast or a half dtype), room from the driver less the ``pending`` state. Off CUDA the
+    shape is not needed (None): the budget is as given, the whole batch for -1."""
+    if device.type != "cuda" or shape is None:
+        return StepBudget(max(0, resolve_budget(requested, "cpu", None, shape)), world=world)
+    dtype_bytes = 2 if half else 4
+    room = cuda_room(device, fraction, pending)
+    return StepBudget(resolve_budget(requested, device.type, room, shape, dtype_bytes, checkpointing),
+                      activation_bytes_per_token(shape, dtype_bytes, checkpointing), room, world)
+
+
+def train_step(engine, batch: Batch, cfg: UpdateConfig, ref_model=None, max_tokens: int | StepBudget = 0,
+               rank: int = 0, world: int = 1) -> dict[str, float]:
+    """The step a trainer takes: one rank and no budget is the whole-batch ``policy_update`` (the CPU's default,
+    and the same to the bit as before micro-batches existed); otherwise micro-batches accumulated over the ranks.
+    Running out of GPU memory is a UserError that names the budget to set."""
+    budget = max_tokens if isinstance(max_tokens, StepBudget) else StepBudget(max_tokens)
+    if budget.tokens <= 0:
+        check_whole_batch(step_tokens(batch, cfg.packed) // budget.world, budget.per_token, budget.room,
+                          batch.input_ids.shape[0])
+    try:
+        if budget.tokens <= 0 and world == 1:
+            return policy_update(engine, batch, cfg, ref_model)
+        return accumulated_update(engine, batch, cfg, ref_model, budget.tokens, rank, world)
+    except torch.OutOfMemoryError as exc:
+        now = f"--micro-batch-tokens {budget.tokens}" if budget.tokens > 0 else "the whole batch at once"
+        smaller = max(MIN_BUDGET // 4, budget.tokens // 2) if budget.tokens > 0 else MIN_BUDGET * 4
+        raise UserError(f"out of GPU memory in a training step with {now} ({str(exc).splitlines()[0][:160]}): "
+                        f"set --micro-batch-tokens {smaller} or lower, or --gradient-checkpointing") from None

@@ -18,6 +18,7 @@ worker checks its load against.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -36,8 +37,10 @@ from rlstream.kafka.inflight import committed_done_ahead, done_ahead_offsets
 from rlstream.kafka.records import Rejected
 from rlstream.kafka.topics import delete_before, topic_name
 from rlstream.kafka.transactions import TransactionalProducer
-from rlstream.models.devices import enable_gradient_checkpointing, resolve_device
-from rlstream.models.loading import TINY, check_folder, load_model, load_tokenizer, read_chat_template, torch_dtype
+from rlstream.models.devices import enable_gradient_checkpointing, resolve_device, resolve_threads
+from rlstream.models.loading import (TINY, check_folder, flash_attn_installed, load_model, load_tokenizer,
+                                     read_chat_template, resolve_attention, set_attention, torch_dtype)
+from rlstream.models.resources import ModelShape, gib
 from rlstream.models.logprobs import check_packing
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weight_log import WeightLogWriter
@@ -52,7 +55,8 @@ from rlstream.trainer.distill import DistillConfig, coef_at
 from rlstream.trainer.distributed import Ranks, check_nproc, launch
 from rlstream.trainer.engine import make_engine
 from rlstream.trainer.gate import OutcomeBooks, SampleGate, trajectory_of
-from rlstream.trainer.microbatch import train_step
+from rlstream.trainer.microbatch import StepBudget, step_budget, train_step
+from rlstream.trainer.precision import resolve_precision
 from rlstream.trainer.settings import TrainerSettings
 from rlstream.trainer.update import UpdateConfig, build_batch
 from rlstream.trainer.window import WindowedFIFO, WindowItem
@@ -68,11 +72,15 @@ class TrainerService:
             raise ValueError("--groups-per-step cannot exceed --window-groups: a batch comes from inside the window")
         if not 0 < settings.weights_chunk_mb <= 15:
             raise ValueError("--weights-chunk-mb must be in (0, 15]: a weights record must fit the 16 MiB message limit")
+        if not 0 < settings.gpu_memory_fraction <= 1:
+            raise ValueError("--gpu-memory-fraction must be in (0, 1]: a share of the GPU's memory")
         if settings.checkpoint_every < 1:
             raise ValueError("--checkpoint-every must be at least 1 (1: the optimizer state with every version)")
         check_nproc(settings.nproc, settings.device, settings.threads)
         self.settings = settings
         self.ranks = Ranks()  # this process's rank; set by the launcher on several ranks
+        self.device: torch.device | None = None  # with the knobs that follow it: _place
+        self.attention: str | None = None  # --attn-implementation resolved (None: transformers' choice)
         self.ref_model = None  # the KL reference (_load_ref)
         self.store = WeightStore(settings.weights)
         self.evicted = 0
@@ -110,7 +118,7 @@ class TrainerService:
         if self.settings.nproc > 1 and self.ranks.world == 1:  # the launcher: the ranks run serve_rank
             launch(self.settings.nproc, serve_rank, (self.settings, self.loop, kafka, runtime), self.settings.device)
             return
-        torch.set_num_threads(max(1, self.settings.threads))
+        torch.set_num_threads(resolve_threads(self.settings.threads))
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stopping", True))
             signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stopping", True))
@@ -162,7 +170,28 @@ class TrainerService:
         self._books = OutcomeBooks()  # what was decided and not committed is read and decided again
         self._done_ahead = committed_done_ahead(consumer, parts)
 
+    def _place(self) -> None:
+        """This rank's device, and the knobs whose defaults follow it (``--dtype``, ``--autocast``,
+        ``--publish-dtype``: ``trainer/precision.py``; ``--attn-implementation``), resolved once, before any load."""
+        if self.device is not None:
+            return
+        s = self.settings
+        self.device = resolve_device(s.device, self.ranks.rank)
+        cuda = self.device.type == "cuda"
+        precision = resolve_precision(self.device.type, s.dtype, s.autocast, s.publish_dtype,
+                                      bf16_supported=cuda and torch.cuda.is_bf16_supported())
+        self.attention = resolve_attention(s.attn_implementation, self.device.type,
+                                           cuda and flash_attn_installed(), s.packed_sequences)
+        self.settings = dataclasses.replace(s, dtype=precision.dtype, autocast=precision.autocast,
+                                            publish_dtype=precision.publish_dtype)
+        if cuda and 0 < s.gpu_memory_fraction < 1:
+            # The trainer's share of a GPU it shares (infra/placement.py): torch's allocator stays within it.
+            torch.cuda.set_per_process_memory_fraction(s.gpu_memory_fraction, self.device)
+        log.info("trainer on %s: dtype %s, autocast %s, publish %s, attention %s", self.device, precision.dtype,
+                 precision.autocast, precision.publish_dtype, self.attention or "transformers' default")
+
     def _load_or_create(self) -> None:
+        self._place()
         announced = last_policy_version(self.kafka.client_config(), self.kafka.run, self.loop.policy)
         if announced is not None:
             self._resuming = announced.version  # _build takes the newest optimizer state at or before it
@@ -185,6 +214,7 @@ class TrainerService:
         """This rank's model, tokenizer and engine: the checkpoint in ``folder`` with its optimizer state, or
         version 0. Every rank runs it (rank 0 names the folder); the engine starts every rank from rank 0's weights,
         so the warm-up runs on rank 0 alone."""
+        self._place()
         if folder is not None:
             self.tokenizer = load_tokenizer(folder, flag="resume from")
             self.model = load_resumed(folder, self.settings.dtype)
@@ -240,7 +270,7 @@ class TrainerService:
             return build_model(tokenizer, seed=s.seed).to(torch_dtype(s.dtype)), tokenizer
         folder = check_folder(s.model)
         tokenizer = load_tokenizer(folder, s.chat_template)
-        model = load_model(folder, s.dtype)
+        model = load_model(folder, s.dtype, attn_implementation=self.attention)
         log.info("version 0 is %s as given (%.1f M parameters, %s)", s.model,
                  sum(p.numel() for p in model.parameters()) / 1e6, next(model.parameters()).dtype)
         return model, tokenizer
@@ -251,11 +281,28 @@ class TrainerService:
             check_packing(self.model)
         if s.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
+        set_attention(self.model, self.attention)
+        # Sized on CUDA only, before the engine (ZeRO-3 leaves each rank a shard of the parameters).
+        shape = ModelShape.of_model(self.model) if self.device.type == "cuda" else None
         engine = make_engine(self.model, s.lr, self.update_cfg.max_grad_norm, s.sharding,
-                             device=resolve_device(s.device, self.ranks.rank), autocast_mode=s.autocast,
+                             device=self.device, autocast_mode=s.autocast,
                              world_size=self.ranks.world, lr_warmup_steps=s.lr_warmup_steps)
         self.model = engine.model
+        self.budget = self._budget(shape, engine.sharded)
         return engine
+
+    def _budget(self, shape: ModelShape | None, sharded: bool) -> StepBudget:
+        """The step's micro-batching on this device; the gradients and AdamW's moments are allocated only by the
+        first step, so their bytes are kept out of the room now."""
+        s = self.settings
+        half = s.autocast == "bf16" or s.dtype in ("bf16", "fp16")
+        budget = step_budget(s.micro_batch_tokens, self.device, shape, half, s.gradient_checkpointing,
+                             s.gpu_memory_fraction, self.ranks.world,
+                             pending=12 * shape.params // (self.ranks.world if sharded else 1) if shape else 0)
+        if budget.room is not None:
+            log.info("micro-batches of %s tokens (%s left for activations, %.2f MiB a token)",
+                     budget.tokens or "all the step's", gib(budget.room), budget.per_token / 2**20)
+        return budget
 
     # -- consuming -------------------------------------------------------------------
 
@@ -325,8 +372,8 @@ class TrainerService:
 
     def _train(self, batch) -> dict[str, float]:
         """This rank's part of one step on ``batch`` (every rank holds all of it)."""
-        return train_step(self.engine, batch, self.update_cfg, self.ref_model, self.settings.micro_batch_tokens,
-                          self.ranks.rank, self.ranks.world)
+        return train_step(self.engine, batch, self.update_cfg, self.ref_model, self.budget, self.ranks.rank,
+                          self.ranks.world)
 
     def _checkpoint_parts(self):
         """(the whole model's parameters where the engine shards them, else None; the optimizer state: every rank's
@@ -433,7 +480,7 @@ class TrainerService:
 def serve_rank(ranks: Ranks, settings: TrainerSettings, loop: LoopSettings, kafka: KafkaSettings,
                runtime: RuntimeSettings) -> None:
     """One rank of ``--nproc N``: rank 0 is the trainer, the others follow its commands (trainer/distributed.py)."""
-    torch.set_num_threads(max(1, settings.threads))
+    torch.set_num_threads(resolve_threads(settings.threads, share=settings.nproc))
     service = TrainerService(settings, loop)
     service.ranks = ranks
     if not ranks.lead:

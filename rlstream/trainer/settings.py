@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rlstream.config import knob
+from rlstream.models.loading import ATTENTION
 from rlstream.trainer.distill import LOSSES
 from rlstream.trainer.engine import SHARDING
 
@@ -36,9 +37,11 @@ class TrainerSettings:
     reward_version: str = knob("", "Train only on this reward version ('' = any)")
     model: str = knob("tiny", "The policy's version 0, as given: a Hugging Face folder (config, safetensors, "
                               "tokenizer) or a hub id where a hub is reachable; tiny: the demo's built-in model")
-    dtype: str = knob("auto", "Parameter dtype of the trained model: auto (the checkpoint's own), bf16, fp16, fp32",
-                      choices=("auto", "bf16", "fp16", "fp32"))
-    publish_dtype: str = knob("auto", "Dtype of the published weights workers load: auto (as trained), bf16, fp16, "
+    dtype: str = knob("auto", "Parameter dtype of the trained model: auto (on CUDA fp32 master weights, whatever the "
+                              "checkpoint's dtype: a bf16 weight loses AdamW's small updates; on the CPU the "
+                              "checkpoint's own), bf16, fp16, fp32", choices=("auto", "bf16", "fp16", "fp32"))
+    publish_dtype: str = knob("auto", "Dtype of the published weights workers load: auto (bf16 on CUDA under bf16 "
+                                      "autocast, else as trained), bf16, fp16, "
                                       "fp32; another than the trained one keeps the master weights, as trained, "
                                       "private in the trainer's store for its resume (train fp32, publish bf16: "
                                       "the weights log's deltas stay small)", choices=("auto", "bf16", "fp16", "fp32"))
@@ -79,7 +82,8 @@ class TrainerSettings:
                                  "busy machine gets the same starting policy")
     warmup_fraction: float = knob(0.005, "Fraction of training pairs used by the warm-up")
     max_steps: int = knob(0, "Stop after this many updates (0 = run until stopped)")
-    threads: int = knob(1, "Torch threads for this process")
+    threads: int = knob(0, "Torch threads for this process (0: OMP_NUM_THREADS when set, as the demo's placement "
+                           "sets it, else this process's cores divided among --nproc ranks)")
     sharding: str = knob("none", "How the --nproc ranks share the training state: none (DDP: everything on every "
                                  "rank), zero1, zero2, zero3 (DeepSpeed ZeRO at that stage) or fsdp2 (torch "
                                  "fully_shard); CPU ranks run each over gloo", choices=SHARDING)
@@ -87,11 +91,22 @@ class TrainerSettings:
                          "and publishes, every rank trains its share of each step")
     device: str = knob("auto", "Where each rank trains: auto (its CUDA device when CUDA is present, else the CPU), "
                                "cpu, cuda, or cuda:N (one rank)")
-    autocast: str = knob("off", "Forward under torch.autocast: bf16 or off (parameters keep --dtype)",
-                         choices=("off", "bf16"))
+    autocast: str = knob("auto", "Forward under torch.autocast: auto (bf16 on a CUDA device that has it, off on "
+                                 "the CPU), bf16 or off; parameters keep --dtype, and ZeRO's DeepSpeed config gets a "
+                                 "bf16 block", choices=("auto", "off", "bf16"))
+    gpu_memory_fraction: float = knob(1.0, "On CUDA: the share of its GPU's memory this trainer may take (torch's "
+                                           "per-process memory fraction; the demo's placement sets it when rollout "
+                                           "shares the GPU); the default micro-batch budget is sized within it")
+    attn_implementation: str = knob("auto", "Attention kernel: auto (flash_attention_2 for --packed-sequences on "
+                                            "CUDA when flash-attn is installed, its variable-length path; else "
+                                            "transformers' choice, sdpa), sdpa, flash_attention_2, eager",
+                                    choices=ATTENTION)
     gradient_checkpointing: bool = knob(False, "Recompute activations in the backward instead of keeping them")
-    micro_batch_tokens: int = knob(0, "Split each step into micro-batches of at most this many padded tokens, "
-                                      "gradients accumulated into one optimizer step (0: the whole batch at once)")
+    micro_batch_tokens: int = knob(-1, "Split each step into micro-batches of at most this many padded tokens, "
+                                       "gradients accumulated into one optimizer step (0: the whole batch at once, "
+                                       "refused on a GPU when it cannot fit; -1: the whole batch on the CPU, on CUDA "
+                                       "a budget sized from the GPU memory left and the model's hidden size, layers "
+                                       "and vocabulary)")
     packed_sequences: bool = knob(False, "Padding-free: each (micro-)batch's rows packed into one sequence, attention "
                                          "kept within each row (models whose masks follow position_ids, checked at "
                                          "start); --micro-batch-tokens then counts real tokens")

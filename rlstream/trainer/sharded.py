@@ -21,6 +21,22 @@ from rlstream.models.devices import autocast
 from rlstream.trainer.engine import TorchEngine, adam_steps, set_lr, warmup_lr
 
 
+def deepspeed_config(stage: int, lr: float, max_grad_norm: float, autocast_mode: str = "off") -> dict:
+    """The DeepSpeed config of ZeRO at ``stage``. Under bf16 autocast it has a ``bf16`` block: DeepSpeed then runs
+    the module in bf16 and keeps the fp32 master weights in ZeRO's optimizer partitions (what it saves and resumes
+    from, ``load_from_fp32_weights``), the trainer's fp32-master default on CUDA (``trainer/precision.py``)."""
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": max_grad_norm,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
+    }
+    if autocast_mode == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
 class DeepSpeedEngine:
     """DeepSpeed ZeRO: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) sharded across ranks.
 
@@ -44,13 +60,7 @@ class DeepSpeedEngine:
         self.device = device
         self.stage = stage
         self.autocast_mode = autocast_mode
-        config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": max_grad_norm,
-            "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
-        }
+        config = deepspeed_config(stage, lr, max_grad_norm, autocast_mode)
         deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl")
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         self.model = self.engine.module

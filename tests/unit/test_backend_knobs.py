@@ -40,6 +40,19 @@ def test_gpu_memory_utilization_and_max_context_from_the_environment_reach_vllm(
     assert fake_vllm["max_model_len"] == 48
 
 
+def test_enforce_eager_follows_the_device_unless_given(fake_vllm, monkeypatch, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    import torch
+    stage = RolloutStage(load(RolloutSettings, backend="vllm"))
+    stage._make_backend(tmp_path, 0)
+    assert fake_vllm["enforce_eager"] is (not torch.cuda.is_available())  # auto: eager on the CPU only
+    monkeypatch.setenv("RLSTREAM_ROLLOUT_ENFORCE_EAGER", "off")
+    RolloutStage(load(RolloutSettings, backend="vllm"))._make_backend(tmp_path, 0)
+    assert fake_vllm["enforce_eager"] is False
+    with pytest.raises(Exception, match="--device cuda:2"):
+        RolloutStage(load(RolloutSettings, backend="vllm", device="cuda:2"))._make_backend(tmp_path, 0)
+
+
 def test_gpu_memory_utilization_outside_0_1_is_refused_by_name():
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
         RolloutStage(RolloutSettings(gpu_memory_utilization=1.5))
@@ -51,9 +64,12 @@ def test_transformers_backend_goes_to_the_device_asked(monkeypatch, tmp_path):
     placed = {}
     import rlstream.engine.local as local
     monkeypatch.setattr(local.TransformersBackend, "__init__",
-                        lambda self, folder, threads=1, device="cpu", dtype="auto": placed.update(device=device))
+                        lambda self, folder, threads=1, device="cpu", dtype="auto", attn_implementation=None:
+                        placed.update(device=device, threads=threads, attn=attn_implementation))
+    make_backend("transformers", tmp_path, device="cpu", threads=3, attn_implementation="eager")
+    assert placed == {"device": "cpu", "threads": 3, "attn": "eager"}
     make_backend("transformers", tmp_path, device="cpu")
-    assert placed["device"] == "cpu"
+    assert placed["attn"] is None  # auto off CUDA: transformers' own choice
     import torch
     if not torch.cuda.is_available():
         with pytest.raises(UsageError, match="0 CUDA device"):

@@ -10,6 +10,7 @@ from rlstream.archive.query import SqlSettings
 from rlstream.archive.report import ReportSettings
 from rlstream.archive.sink import ArchiveSettings
 from rlstream.config import KafkaSettings, LoopSettings, env_name, load
+from rlstream.demo import DemoSettings
 from rlstream.errors import UsageError
 from rlstream.gateway.server import GatewaySettings
 from rlstream.monitoring.monitor import MonitorSettings
@@ -24,7 +25,7 @@ from rlstream.trainer.service import TrainerSettings
 
 ALL = [LoopSettings, KafkaSettings, RuntimeSettings, RewardSettings, EnvSettings, RolloutSettings, TeacherSettings,
        TrainerSettings, ArchiveSettings, MonitorSettings, ReplaySettings, PromptSettings, SqlSettings,
-       ReportSettings, GatewaySettings]
+       ReportSettings, GatewaySettings, DemoSettings]
 
 
 def test_no_two_fields_share_an_environment_variable():

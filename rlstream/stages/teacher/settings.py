@@ -35,9 +35,14 @@ class TeacherSettings:
                                          "tokens that spell its text (character offsets; sampled-token feedback "
                                          "only); a sample that cannot be aligned goes on without feedback, status "
                                          "alignment_failed and its failure class")
-    device: str = knob("auto", "Where the teacher runs: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N")
+    device: str = knob("auto", "Where the teacher runs: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N "
+                               "(--backend vllm takes the first visible GPU: place it with CUDA_VISIBLE_DEVICES)")
+    attn_implementation: str = knob("auto", "--backend transformers: the attention kernel, auto (transformers' "
+                                            "choice, sdpa), sdpa, flash_attention_2, eager",
+                                    choices=("auto", "sdpa", "flash_attention_2", "eager"))
     timeout_s: float = knob(20.0, "A batch's time budget: samples not scored within it go on without teacher "
                                   "feedback (status timeout); keep it under --handler-timeout-s")
     batch_tokens: int = knob(8192, "Most padded tokens in one teacher forward (a batch is scored in such chunks)")
-    threads: int = knob(1, "Torch threads for this process")
+    threads: int = knob(0, "Torch threads for this process (0: OMP_NUM_THREADS when set, else this process's "
+                           "cores)")
     wait_policy_s: float = knob(600.0, "How long to wait at start for the student's first policy version")

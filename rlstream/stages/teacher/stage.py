@@ -17,8 +17,8 @@ from pathlib import Path
 from rlstream import metrics
 from rlstream.config import LoopSettings
 from rlstream.errors import UserError
-from rlstream.models.devices import resolve_device
-from rlstream.models.loading import check_folder, load_model
+from rlstream.models.devices import check_vllm_device, resolve_device, resolve_threads
+from rlstream.models.loading import check_folder, flash_attn_installed, load_model, resolve_attention
 from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import PolicyWeights, tokenizer_hash
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
@@ -66,7 +66,7 @@ class TeacherStage(Stage):
 
     def _start(self, ctx: StageContext) -> None:
         import torch
-        torch.set_num_threads(max(1, self.settings.threads))
+        torch.set_num_threads(resolve_threads(self.settings.threads))
         self.device = resolve_device(self.settings.device)
         self.watcher = PolicyWatcher(ctx.kafka.client_config(), ctx.kafka.run, self.loop.policy)
         if not self.watcher.wait_for(0, self.settings.wait_policy_s):
@@ -128,12 +128,15 @@ class TeacherStage(Stage):
         if s.backend == "vllm":
             self.vocab = vocab_size(folder)
             if self.scorer is None:
-                self.scorer = VllmScorer(folder, s.dtype, s.threads, s.batch_tokens, s.gpu_memory_utilization)
+                check_vllm_device(s.device)
+                self.scorer = VllmScorer(folder, s.dtype, resolve_threads(s.threads), s.batch_tokens,
+                                         s.gpu_memory_utilization)
                 self.device = "vllm"
             else:
                 self.scorer.reload(folder)  # the engine stays; its weights change
         else:
-            model = load_model(folder, s.dtype, flag="--teacher")
+            model = load_model(folder, s.dtype, flag="--teacher", attn_implementation=resolve_attention(
+                s.attn_implementation, self.device.type, self.device.type == "cuda" and flash_attn_installed()))
             self.vocab = int(model.config.vocab_size)
             self.scorer = TorchScorer(model, self.device, s.batch_tokens)
         if s.top_k > self.vocab:
