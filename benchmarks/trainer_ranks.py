@@ -26,7 +26,7 @@ import torch
 from benchmarks.harness.result import commit, result
 from benchmarks.trainer_tokens import make_model, make_steps
 from rlstream.trainer.distributed import launch
-from rlstream.trainer.engine import make_engine
+from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.microbatch import train_step
 from rlstream.trainer.update import UpdateConfig, build_batch
 

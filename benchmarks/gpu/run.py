@@ -75,7 +75,7 @@ def devices(wanted: str) -> list[torch.device]:
 
 def trainer_section(args) -> None:
     from benchmarks.trainer_tokens import make_steps
-    from rlstream.trainer.engine import make_engine
+    from rlstream.trainer.sharding import make_engine
     from rlstream.trainer.microbatch import train_step
     from rlstream.trainer.update import UpdateConfig, build_batch
     vocab = SIZES[args.size]["vocab_size"]

@@ -1,5 +1,6 @@
 """Where the optimizer step runs: plain torch on one rank, DDP across ranks, or an engine that shards state across
-ranks (``--sharding zero1|zero2|zero3|fsdp2``: ``trainer/sharded.py``).
+ranks (``--sharding zero1|zero2|zero3|fsdp2``: ``trainer/sharded.py``); ``trainer/sharding.py`` makes the one
+``--sharding`` names.
 
 Every engine takes a step either whole (``step(loss)``) or accumulated over micro-batches (``accumulating(last)``
 around each micro-batch's forward and backward, ``backward``, then one ``optimizer_step``). Across ranks the
@@ -120,25 +121,3 @@ class DDPEngine(TorchEngine):
     def accumulating(self, last: bool):
         # All-reduce once per step, in the last micro-batch's backward, not after each one.
         return contextlib.nullcontext() if last else self.ddp.no_sync()
-
-
-#: ``--sharding``: none is plain torch (DDP across ranks); zero1/2/3 DeepSpeed ZeRO at that stage; fsdp2 torch's
-#: fully_shard (parameters, gradients and optimizer state sharded, like ZeRO-3).
-SHARDING = ("none", "zero1", "zero2", "zero3", "fsdp2")
-
-
-def make_engine(model, lr: float, max_grad_norm: float = 1.0, sharding: str = "none",
-                device: torch.device = torch.device("cpu"), autocast_mode: str = "off", world_size: int = 1,
-                lr_warmup_steps: int = 0):
-    """The engine ``sharding`` names (``SHARDING``); none is DDP across several ranks, plain torch on one."""
-    if sharding not in SHARDING:
-        raise ValueError(f"--sharding {sharding!r}: expected one of {', '.join(SHARDING)}")
-    if sharding.startswith("zero"):
-        from rlstream.trainer.sharded import DeepSpeedEngine
-        return DeepSpeedEngine(model, lr, max_grad_norm, int(sharding[-1]), device, autocast_mode, lr_warmup_steps)
-    if sharding == "fsdp2":
-        from rlstream.trainer.sharded import FSDP2Engine
-        return FSDP2Engine(model, lr, max_grad_norm, device, autocast_mode, lr_warmup_steps)
-    if world_size > 1:
-        return DDPEngine(model, lr, max_grad_norm, device, autocast_mode, lr_warmup_steps)
-    return TorchEngine(model, lr, max_grad_norm, device, autocast_mode, lr_warmup_steps)

@@ -53,7 +53,7 @@ from rlstream.trainer.checkpoint import (PendingVersion, VersionWriter, load_res
                                          write_optimizer_states)
 from rlstream.trainer.distill import DistillConfig, coef_at
 from rlstream.trainer.distributed import Ranks, check_nproc, launch
-from rlstream.trainer.engine import make_engine
+from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.gate import OutcomeBooks, SampleGate, trajectory_of
 from rlstream.trainer.microbatch import StepBudget, step_budget, train_step
 from rlstream.trainer.precision import resolve_precision

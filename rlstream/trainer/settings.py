@@ -7,7 +7,7 @@ from typing import ClassVar
 from rlstream.config import knob
 from rlstream.models.loading import ATTENTION
 from rlstream.trainer.distill import LOSSES
-from rlstream.trainer.engine import SHARDING
+from rlstream.trainer.sharding import SHARDING
 
 
 @dataclass(frozen=True)

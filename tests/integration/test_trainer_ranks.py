@@ -14,7 +14,7 @@ import torch
 from rlstream.errors import UsageError
 from rlstream.schemas import headers as hdr
 from rlstream.trainer.distributed import Ranks, cpu_cores, launch
-from rlstream.trainer.engine import make_engine
+from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.microbatch import train_step
 from rlstream.trainer.update import UpdateConfig
 from tests.helpers.kafka import produce, read_all, wait_for

@@ -11,7 +11,7 @@ from rlstream.models.logprobs import logprobs_at, top_k
 from rlstream.models.tiny import build_model, build_tokenizer
 from rlstream.schemas.records import TeacherFeedback
 from rlstream.trainer.distill import DistillConfig, coef_at, distill_loss, teacher_terms
-from rlstream.trainer.engine import make_engine
+from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.losses import OUTSIDE_TOPK_LOG_FLOOR, masked_mean, sampled_token_kl, topk_kl
 from rlstream.trainer.update import UpdateConfig, build_batch, policy_update
 from tests.unit.test_update import scored

@@ -181,7 +181,7 @@ def test_zero_with_the_bf16_block_keeps_fp32_masters_that_small_updates_move(mon
     ZeRO's partition, and an update far below bf16's resolution still moves them."""
     import socket
 
-    from rlstream.trainer.engine import make_engine
+    from rlstream.trainer.sharding import make_engine
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))

@@ -8,7 +8,7 @@ import torch
 
 from rlstream.models.tiny import build_model, build_tokenizer
 from rlstream.schemas.records import Reward, SamplingParams, ScoredTrajectory, Task, TeacherFeedback, Trajectory
-from rlstream.trainer.engine import make_engine
+from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.update import UpdateConfig, build_batch, policy_update
 
 
