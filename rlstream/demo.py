@@ -74,6 +74,8 @@ class DemoSettings:
                                   "given)")
     heldout_every: int = knob(2, "Evaluate the held-out set every N policy versions")
     heldout_count: int = knob(128, "Held-out tasks per evaluation (with --eval-dataset: its rows)")
+    seed: int = knob(0, "Seed of the run: the trainer's (the tiny model's weights and warm-up) and the order a "
+                        "dataset's prompts are served in")
     placement: str = knob("auto", "Where trainer and rollout run: auto (on the GPUs nvidia-smi lists: a GPU each "
                                   "where there are two, else sharing one, the trainer reserved first; the CPU "
                                   "without one) or cpu; threads follow the machine's cores either way",
@@ -148,7 +150,7 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
     plan = {
         "trainer": ["run", "trainer", "--weights", weights, "--model", s.model, "--task", s.task, "--lr", str(s.lr),
                     "--lr-warmup-steps", str(s.lr_warmup_steps),
-                    "--warmup-steps", str(0 if user_model else s.warmup_steps), "--instance", "0",
+                    "--warmup-steps", str(0 if user_model else s.warmup_steps), "--seed", str(s.seed), "--instance", "0",
                     *seat_flags(seats["trainer"], "--gpu-memory-fraction")],
         "rollout": ["run", "rollout", "--backend", s.backend, "--instance", "0", "--batch-size", "64",
                     *seat_flags(seats["rollout"], "--gpu-memory-utilization")],
@@ -252,7 +254,7 @@ def _prompt_source(s: DemoSettings) -> list[str]:
     built-in task's."""
     if not s.dataset:
         return ["--task", s.task, "--count", "0", "--heldout-count", str(s.heldout_count)]
-    return ["--dataset", s.dataset, "--epochs", "1000", "--shuffle-seed", "0", "--prompt-column", s.prompt_column,
+    return ["--dataset", s.dataset, "--epochs", "1000", "--shuffle-seed", str(s.seed), "--prompt-column", s.prompt_column,
             "--answer-column", s.answer_column, *(["--eval-dataset", s.eval_dataset] if s.eval_dataset else []),
             *(["--chat"] if s.chat else [])]
 
