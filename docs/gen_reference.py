@@ -135,7 +135,10 @@ def commands() -> list[Command]:
         out.append(_command(f"rlstream {name}", parser, helps[name], settings_classes()))
     for stage in sorted(cli.STAGES):
         parsers, helps = _subcommands(cli.build_parser(stage))
-        out.append(_command(f"rlstream run {stage}", parsers["run"], f"run one {stage} process",
+        module = sys.modules[cli.STAGES[stage][0]]  # imported by build_parser(stage)
+        first = " ".join((module.__doc__ or "").strip().split("\n\n")[0].split())
+        what = first.split(". ")[0].rstrip(".").replace("``", "`")
+        out.append(_command(f"rlstream run {stage}", parsers["run"], f"run one {stage} process: {what}".rstrip(": "),
                             settings_classes(), skip=("stage",)))
     global_flags = _command("rlstream", top, "options before the command", settings_classes())
     return [global_flags, *out]
@@ -150,6 +153,11 @@ def _table(head: tuple[str, ...], rows: Iterator[tuple[str, ...]]) -> str:
     lines = ["<table>", "<thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead>", "<tbody>"]
     lines += ["<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows]
     return "\n".join(lines + ["</tbody>", "</table>", ""])
+
+
+def _md_cell(text: str) -> str:
+    """A cell of a Markdown table: escaped, and no ``|`` that would end the cell."""
+    return _cell(text).replace("|", "\\|")
 
 
 def _code(text: str) -> str:
@@ -168,7 +176,7 @@ def cli_page() -> str:
              "takes a comma-separated list; a true/false flag's takes 1/0, true/false, yes/no or on/off. "
              "`rlstream COMMAND --help` prints the same.\n",
              "| command | what it does |", "|---|---|"]
-    parts += [f"| [`{c.name}`](#{_anchor(c.name)}) | {_cell(c.help)} |" for c in cmds]
+    parts += [f"| [`{c.name}`](#{_anchor(c.name)}) | {_md_cell(c.help)} |" for c in cmds]
     parts.append("")
     for c in cmds:
         parts.append(f'## `{c.name}` {{ #{_anchor(c.name)} }}\n')
@@ -279,7 +287,7 @@ def views_page() -> str:
              f"Every view lives in the database `{DATABASE}` and spans every run: filter on `run`. "
              f"Query them with `rlstream sql \"SELECT ... FROM {DATABASE}.VIEW\"`.\n",
              "| view | what it answers |", "|---|---|"]
-    parts += [f"| [`{DATABASE}.{n}`](#{n.replace('_', '-')}) | {_cell(notes.get(n, ''))} |" for n in VIEWS]
+    parts += [f"| [`{DATABASE}.{n}`](#{n.replace('_', '-')}) | {_md_cell(notes.get(n, ''))} |" for n in VIEWS]
     parts.append("")
     for name, body in VIEWS.items():
         parts.append(f"## `{name}` {{ #{name.replace('_', '-')} }}\n")
