@@ -5,11 +5,11 @@ CONSTRAINTS := $(CURDIR)/constraints.txt
 PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 RLSTREAM := $(PY) -m rlstream.cli
 
-.PHONY: setup setup-vllm check-pins broker test test-fast demo bench down
+.PHONY: setup setup-vllm check-pins broker test test-fast demo bench down docs
 
 setup:            ## Python packages (pinned in constraints.txt) and the Kafka broker jars
 	@# PIP_CONSTRAINT also pins the build backend pip fetches into the editable install's isolated build env.
-	PIP_CONSTRAINT=$(CONSTRAINTS) $(PIP) -e ".[dev]"
+	PIP_CONSTRAINT=$(CONSTRAINTS) $(PIP) -e ".[dev,docs]"
 	@# faust-streaming pins click<8.4, which transformers' hub client cannot use: its other requirements go in
 	@# through the resolver, faust-streaming alone without deps.
 	$(PIP) aiohttp aiohttp-cors aiokafka mode-streaming terminaltables yarl croniter mypy_extensions venusian \
@@ -49,3 +49,7 @@ bench: setup-vllm broker
 
 down:
 	$(RLSTREAM) down
+
+docs: setup       ## the docs site into site/: the reference generated from the code, then mkdocs build --strict
+	$(PY) docs/gen_reference.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
