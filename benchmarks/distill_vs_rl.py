@@ -126,6 +126,7 @@ def main(argv=None) -> dict:
             print(f"          {stage:8s} {p['batches']:.0f} transactions, {p['records_per_batch']:.1f} records each, "
                   f"{p['batch_s'] * 1000:.0f} ms a transaction")
     figures = {f"{_key(m)}_s": r["seconds_to_target"] for m, r in results.items()}
+    figures.update({f"{_key(m)}_versions": r["versions_to_target"] for m, r in results.items()})
     rl = results.get("rl", {}).get("seconds_to_target")
     for m in MODES:
         secs = results.get(m, {}).get("seconds_to_target")

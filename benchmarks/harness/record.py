@@ -106,10 +106,11 @@ def _plain(value):
 
 def record(name: str, figures: dict, goals: list[Goal] | tuple = (), seed=None,
            units: dict[str, str] | None = None) -> dict:
-    """Print the RESULT line and append the run's raw line (module docstring); returns the line as a dict."""
-    for g in goals:
-        if g.figure not in figures:
-            raise ValueError(f"{name}: goal on {g.figure!r}, which is not among its figures {sorted(figures)}")
+    """Print the RESULT line and append the run's raw line (module docstring); returns the line as a dict.
+
+    A goal on a figure the run did not report is kept, not refused: the run's figures are never lost at its end,
+    the table shows that goal as not measured, and the smoke test (tests/e2e/test_benchmarks.py) fails on it.
+    """
     result(name, **figures)
     status = _git("status", "--porcelain", "--untracked-files=no")
     line = {

@@ -86,8 +86,7 @@ def _values(values: list) -> tuple[str, str]:
     words = ", ".join(f"{w} ×{k}" for w, k in others.items())
     if not numeric:
         return words, "—"
-    spread = fmt(min(numeric)) + ("" if len(numeric) == 1 else "–" + fmt(max(numeric)))
-    return fmt(statistics.median(numeric)), spread + (f" (and {words})" if words else "")
+    return fmt(statistics.median(numeric)), _span(numeric) + (f" (and {words})" if words else "")
 
 
 def _span(xs: list[float]) -> str:
@@ -99,13 +98,16 @@ def render_configuration(name: str, runs: list[Run]) -> str:
     command = shlex.join(lines[0].get("command") or ["python", "-m", f"benchmarks.{name}", *lines[0]["args"]])
     commits = list(dict.fromkeys(ln["commit"][:7] + ("+dirty" if ln.get("dirty") else "") for ln in lines))
     days = sorted(ln["date"][:10] for ln in lines)
+    seeds = list(dict.fromkeys(ln["seed"] for ln in lines if ln.get("seed") is not None))
     machines = list(dict.fromkeys(
         f"{m.get('cores')} cores, {m.get('memory_gib')} GiB, {m.get('cpu')}" + (f", {'; '.join(m['gpus'])}"
                                                                               if m.get("gpus") else "")
         for m in (ln.get("machine", {}) for ln in lines)))
     head = (f"`{command}`: {len(lines)} run{'s' * (len(lines) != 1)}, {days[0]}"
             + (f" to {days[-1]}" if days[-1] != days[0] else "")
-            + f", commit {', '.join(commits)}; 1-minute load {_span([ln['load_before'][0] for ln in lines])} "
+            + f", commit {', '.join(commits)}"
+            + (f", seed {', '.join(map(str, seeds))}" if seeds else "")
+            + f"; 1-minute load {_span([ln['load_before'][0] for ln in lines])} "
             f"before, {_span([ln['load_after'][0] for ln in lines])} after; {' / '.join(machines)}")
     goals: dict[str, Goal] = {}
     for ln in lines:  # the latest run's goal for a figure, if the goal moved
@@ -119,7 +121,8 @@ def render_configuration(name: str, runs: list[Run]) -> str:
         unit = next((ln.get("units", {}).get(f, "") for _, ln in reversed(holding)), "")
         median, spread = _values(values) if values else ("—", "—")
         goal = goals.get(f)
-        rows.append(f"| `{f}` | {unit} | {len(values)} | {median} | {spread} | {goal or '—'} | "
+        shown = f"{goal.op} {fmt(goal.target)}" if goal else "—"
+        rows.append(f"| `{f}` | {unit} | {len(values)} | {median} | {spread} | {shown} | "
                     f"{verdict(goal, values) if goal else '—'} | {_links(name, [n for n, _ in holding]) or '—'} |")
     return "\n".join(rows)
 
@@ -166,7 +169,7 @@ def problems(readme: str, results: dict[str, list[Run]]) -> list[str]:
             if not m:
                 continue
             links = list(_LINK.finditer(row))
-            if not links:
+            if not links and row.split("|")[3].strip() != "0":  # 0 runs: a goal not measured shows no value
                 out.append(f"section {name}: figure {m['figure']} links no raw line")
             for link in links:
                 a = int(link["a"])

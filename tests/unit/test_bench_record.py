@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.harness import record as rec
 from benchmarks.harness.record import Goal, record, results_dir, unit_of
+from benchmarks.harness.tables import load, render
 
 
 def test_one_line_per_run_with_everything_it_says(tmp_path, monkeypatch, capsys):
@@ -40,10 +41,12 @@ def test_off_and_never_into_the_repository_from_a_test(tmp_path, monkeypatch):
     assert results_dir() is None  # PYTEST_CURRENT_TEST is set: benchmarks/results/ is not touched
 
 
-def test_a_goal_on_a_figure_it_does_not_report_is_refused(tmp_path, monkeypatch):
+def test_a_goal_on_a_figure_it_does_not_report_keeps_the_run(tmp_path, monkeypatch):
     monkeypatch.setenv(rec.DIR_ENV, str(tmp_path))
-    with pytest.raises(ValueError, match="goal on 'ratio'"):
-        record("probe", {"raw_per_s": 1.0}, [Goal("ratio", ">=", 1)])
+    record("probe", {"raw_per_s": 1.0}, [Goal("ratio", ">=", 1)])
+    [line] = load(tmp_path)["probe"]
+    assert line[1]["figures"] == {"raw_per_s": 1.0}
+    assert "| `ratio` |  | 0 | — | — | >= 1 | not measured | — |" in render("probe", [line])
 
 
 @pytest.mark.parametrize("name, unit", [("native_rows_per_s", "1/s"), ("async_per_hour", "1/h"),
