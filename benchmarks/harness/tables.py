@@ -6,8 +6,8 @@
 
 A generated section sits between ``<!-- results:begin NAME -->`` and ``<!-- results:end NAME -->`` and is
 rewritten whole from ``results/NAME.jsonl``; ``--write`` puts the section of a results file that has none just
-before ``<!-- results:insert -->``. In a section, runs are grouped by configuration (the script's arguments: a
-smoke-sized run and a full one are never pooled); per figure a row gives the unit, the number of runs, the median,
+before ``<!-- results:insert -->``. In a section, runs are grouped by configuration (the script's arguments less
+``PLACES``, where it writes: a smoke-sized run and a full one are never pooled, two `make bench` runs are); per figure a row gives the unit, the number of runs, the median,
 the min–max spread, the goal, the verdict (``verdict.py``'s rule) and links to the raw lines it was made from.
 ``problems`` is what tests/unit/test_bench_tables.py holds the real README to: every row of a generated section
 links raw lines that hold its figure, and every section equals what the results files regenerate.
@@ -52,11 +52,29 @@ def load(results: Path = RESULTS) -> dict[str, list[Run]]:
     return out
 
 
+#: Arguments that say where a run writes or which broker it uses, not what it measures: left out of the
+#: configuration, so that `make bench`'s runs (each with its own --json path) are pooled.
+PLACES = ("--json", "--workdir", "--run", "--bootstrap", "--path")
+
+
+def configuration(args: list[str]) -> tuple:
+    """A run's arguments less PLACES (``--json X`` and ``--json=X`` alike)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in PLACES:
+            skip = True
+        elif not a.startswith(tuple(p + "=" for p in PLACES)):
+            out.append(a)
+    return tuple(out)
+
+
 def configurations(runs: list[Run]) -> dict[tuple, list[Run]]:
-    """Runs grouped by their script arguments, in the order each configuration first appears."""
+    """Runs grouped by their configuration, in the order each first appears."""
     groups: dict[tuple, list[Run]] = {}
     for run in runs:
-        groups.setdefault(tuple(run[1].get("args", [])), []).append(run)
+        groups.setdefault(configuration(run[1].get("args", [])), []).append(run)
     return groups
 
 
@@ -95,7 +113,8 @@ def _span(xs: list[float]) -> str:
 
 def render_configuration(name: str, runs: list[Run]) -> str:
     lines = [ln for _, ln in runs]
-    command = shlex.join(lines[0].get("command") or ["python", "-m", f"benchmarks.{name}", *lines[0]["args"]])
+    first = lines[0].get("command") or ["python", "-m", f"benchmarks.{name}", *lines[0]["args"]]
+    command = shlex.join(first[:len(first) - len(lines[0]["args"])] + list(configuration(lines[0]["args"])))
     commits = list(dict.fromkeys(ln["commit"][:7] + ("+dirty" if ln.get("dirty") else "") for ln in lines))
     days = sorted(ln["date"][:10] for ln in lines)
     seeds = list(dict.fromkeys(ln["seed"] for ln in lines if ln.get("seed") is not None))

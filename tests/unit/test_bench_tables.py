@@ -37,6 +37,13 @@ def test_configurations_apart_and_the_verdict_per_figure(tmp_path):
     assert "load 1.5 before, 2.5 after" in full
 
 
+def test_where_a_run_writes_is_not_its_configuration(tmp_path):
+    results = _results(tmp_path, {"hop": [_line(["--n", "10", "--json", "/tmp/a.json"], 0.8),
+                                           _line(["--json=/tmp/b.json", "--n", "10"], 0.9)]})
+    text = render("hop", results["hop"])
+    assert "`python -m benchmarks.hop --n 10`: 2 runs" in text and "| met |" in text
+
+
 def test_update_rewrites_sections_and_inserts_new_ones_once(tmp_path):
     results = _results(tmp_path, {"hop": [_line([], 0.8), _line([], 0.9)], "other": [_line([], 0.1)]})
     readme = "# B\n\n<!-- results:begin hop -->\nstale text\n<!-- results:end hop -->\n\nprose\n" + INSERT + "\n"
