@@ -112,8 +112,9 @@ def trainer_section(args, figures: dict) -> None:
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
                 results[(device.type, mode, packed)] = rate
                 key = f"trainer_{device.type}_{mode}_{'packed' if packed else 'padded'}"
-                figures.update({f"{key}_tokens_per_s": rate, f"{key}_step_p50_s": percentile(times[1:], 50),
-                                f"{key}_peak_gib": peak})
+                figures.update({f"{key}_tokens_per_s": rate, f"{key}_step_p50_s": percentile(times[1:], 50)})
+                if device.type == "cuda":
+                    figures[f"{key}_peak_gib"] = peak
                 print(f"{device.type:>8} {mode:>8} {'packed' if packed else 'padded':>7} {n - 1:>5} {rate:>10.0f} "
                       f"{percentile(times[1:], 50):>10.3f} {peak:>8.1f}")
                 del engine, model
