@@ -8,7 +8,8 @@ A benchmark calls ``record`` once, at its end::
 It prints the ``RESULT <name> …`` line (``result.py``: what ``make bench`` and its smoke test look for) and
 appends one line holding: ``benchmark``; ``command`` (the interpreter's whole argv) and ``args`` (the script's
 arguments, which tell one configuration from another in the tables); ``commit`` (the full hash of HEAD) and
-``dirty`` (tracked files differ from it); ``started`` and ``date`` (UTC, ISO 8601: when this module was imported,
+``dirty`` (tracked files differ from it), both read when this module is imported, so a commit made during a long
+run is not taken for the code it ran; ``started`` and ``date`` (UTC, ISO 8601: when this module was imported,
 which each benchmark does at its top, and when ``record`` ran); ``load_before`` and ``load_after`` (1/5/15-minute
 load averages at those two moments); ``machine`` (cores, memory, CPU model, GPUs as ``nvidia-smi`` lists them);
 ``seed``; ``figures`` (name → value; NaN and infinities written as null); ``units`` (name → unit, see
@@ -43,8 +44,8 @@ _STARTED = datetime.datetime.now(datetime.timezone.utc)
 _LOAD_BEFORE = os.getloadavg()
 
 #: Figure-name endings and the unit each means, tried in order; a name with none of them is a count or a flag.
-_SUFFIX_UNITS = (("_per_s", "1/s"), ("_per_hour", "1/h"), ("_ms", "ms"), ("_s", "s"), ("_mib", "MiB"), ("_gib", "GiB"),
-                 ("_mb", "MB"), ("_ratio", "×"), ("ratio", "×"), ("_vs_rl", "×"), ("_vs_goal", "×"))
+_SUFFIX_UNITS = (("_per_s", "1/s"), ("_per_hour", "1/h"), ("_ms", "ms"), ("_s", "s"), ("_mib", "MiB"),
+                 ("_gib", "GiB"), ("_mb", "MB"), ("_ratio", "×"), ("ratio", "×"), ("_vs_rl", "×"), ("_vs_goal", "×"))
 
 
 def unit_of(name: str) -> str:
@@ -70,6 +71,15 @@ def _git(*args: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _commit() -> tuple[str, bool | None]:
+    """(HEAD's full hash or 'unknown', whether tracked files differ from it; None when git cannot say)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return _git("rev-parse", "HEAD") or "unknown", (bool(status) if status is not None else None)
+
+
+_COMMIT = _commit()  # at import: the code a run loaded, not a commit made while it ran
 
 
 def _machine() -> dict:
@@ -112,13 +122,12 @@ def record(name: str, figures: dict, goals: list[Goal] | tuple = (), seed=None,
     the table shows that goal as not measured, and the smoke test (tests/e2e/test_benchmarks.py) fails on it.
     """
     result(name, **figures)
-    status = _git("status", "--porcelain", "--untracked-files=no")
     line = {
         "benchmark": name,
         "command": [Path(sys.executable).name, *sys.orig_argv[1:]],
         "args": sys.argv[1:],
-        "commit": _git("rev-parse", "HEAD") or "unknown",
-        "dirty": bool(status) if status is not None else None,
+        "commit": _COMMIT[0],
+        "dirty": _COMMIT[1],
         "started": _STARTED.isoformat(timespec="seconds"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "load_before": [round(x, 2) for x in _LOAD_BEFORE],
