@@ -50,7 +50,8 @@ def test_a_goal_on_a_figure_it_does_not_report_keeps_the_run(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("name, unit", [("native_rows_per_s", "1/s"), ("async_per_hour", "1/h"),
-                                        ("checkpoint_ms", "ms"), ("fast_chain_p50_s", "s"), ("rollout_rss_mib", "MiB"), ("x_peak_gib", "GiB"),
+                                        ("checkpoint_ms", "ms"), ("fast_chain_p50_s", "s"), ("rollout_rss_mib", "MiB"),
+                                        ("x_peak_gib", "GiB"),
                                         ("anchor_mb", "MB"), ("ratio", "×"), ("ratio_at_0_to_0.5", "×"),
                                         ("stage_over_direct", "×"), ("opd_vs_rl", "×"), ("lost", "")])
 def test_units_from_names(name, unit):
