@@ -9,8 +9,9 @@ rewritten whole from ``results/NAME.jsonl``; ``--write`` puts the section of a r
 before ``<!-- results:insert -->``. In a section, runs are grouped by configuration (the script's arguments less
 ``PLACES``, where it writes: a smoke-sized run and a full one are never pooled, two `make bench` runs are); per
 figure a row gives the unit, the number of runs, the median, the min–max spread, the goal, the verdict
-(``verdict.py``'s rule) and links to the raw lines it was made from. ``problems`` is what tests/unit/test_bench_tables.py holds the real README to: every row of a generated section
-links raw lines that hold its figure, and every section equals what the results files regenerate.
+(``verdict.py``'s rule) and links to the raw lines it was made from. ``problems`` is what
+tests/unit/test_bench_tables.py holds the real README to: every row of a generated section links raw lines that
+hold its figure, and every section equals what the results files regenerate.
 """
 from __future__ import annotations
 
