@@ -15,7 +15,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.harness.result import result
+from benchmarks.harness.record import Goal, record
 from rlstream.archive.sink import ArchiveSettings, ArchiveSink
 from rlstream.archive.tables import TABLES
 from rlstream.archive.views import install_views, standard_queries, trajectory_timeline_sql
@@ -160,8 +160,9 @@ def main() -> None:
                                    "(SELECT count() FROM rlstream.rewards)").result_rows[0]
         print(f"\narchive: {counts[0]:,} trajectories, {counts[1]:,} reward rows; "
               f"{len(queries) - slow}/{len(queries)} queries within {GOAL_S:.0f} s")
-        result("analytics_queries", trajectories=counts[0], queries=len(queries), within_goal=len(queries) - slow,
-               slowest_median_s=max(medians))
+        record("analytics_queries", dict(trajectories=counts[0], queries=len(queries),
+                                         within_goal=len(queries) - slow, slowest_median_s=max(medians)),
+               [Goal("slowest_median_s", "<=", GOAL_S)])
     finally:
         sink.close()
         if args.path is None:

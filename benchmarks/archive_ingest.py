@@ -19,7 +19,7 @@ import uuid
 
 from confluent_kafka import Producer
 
-from benchmarks.harness.result import result
+from benchmarks.harness.record import Goal, record
 from rlstream.archive.decode import NativeTable, meta_row
 from rlstream.archive.sink import ArchiveSettings, ArchiveSink
 from rlstream.archive.tables import TABLES
@@ -149,8 +149,9 @@ def main() -> None:
                      ("  Python row build", build), ("  column-oriented client.insert", insert)):
         line(label, n / c.wall, n / c.cpu)
     print(f"load average {os.getloadavg()[0]:.1f} at end; {len(rows[0])} columns per row")
-    result("archive_ingest", rows=n, tokens=args.tokens, native_rows_per_s=native[0], python_rows_per_s=python[0],
-           native_vs_goal=native[0] / GOAL)
+    record("archive_ingest", dict(rows=n, tokens=args.tokens, native_rows_per_s=native[0],
+                                  python_rows_per_s=python[0], native_vs_goal=native[0] / GOAL),
+           [Goal("native_rows_per_s", ">=", GOAL)])
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import uuid
 
 from confluent_kafka import Consumer, Producer
 
-from benchmarks.harness.result import result
+from benchmarks.harness.record import Goal, record
 from benchmarks.harness.workloads import make_trajectory
 from rlstream.config import KafkaSettings
 from rlstream.infra import broker
@@ -132,8 +132,10 @@ def main() -> None:
     for mode, hop in hops.items():
         print(f"exactly-once hop, {mode:9s} {hop:10.0f} records/s   ratio hop/raw {hop / raw:5.2f} (goal >= 0.7), "
               f"{hop / 10000:4.2f}x the 10,000/s goal")
-    result("bus_hop", records=args.records, rounds=args.rounds, raw_per_s=raw,
-           **{f"{m}_per_s": h for m, h in hops.items()}, **{f"{m}_ratio": h / raw for m, h in hops.items()})
+    record("bus_hop", dict(records=args.records, rounds=args.rounds, raw_per_s=raw,
+                           **{f"{m}_per_s": h for m, h in hops.items()},
+                           **{f"{m}_ratio": h / raw for m, h in hops.items()}),
+           [Goal(f"{m}_ratio", ">=", 0.7) for m in hops] + [Goal(f"{m}_per_s", ">=", 10_000) for m in hops])
 
 if __name__ == "__main__":
     main()

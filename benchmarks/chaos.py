@@ -46,7 +46,7 @@ from confluent_kafka.admin import AdminClient
 
 from benchmarks.harness.groups import advanced, committed_with_metadata, group_offsets
 from benchmarks.harness.loop import ROOT, wait_until
-from benchmarks.harness.result import result
+from benchmarks.harness.record import Goal, record
 from benchmarks.harness.stats import percentile
 from rlstream.config import KafkaSettings
 from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
@@ -464,10 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tasks={len(source.sent)} trajectories={n_traj} lost={lost} duplicated={duplicated} "
           f"recovery_p99={percentile(measured, 99):.1f}s kills={len(kills)} timeouts={len(kills) - len(measured)} "
           f"policy_versions={n_versions} versions_increasing={'yes' if not versions_bad else 'no'}", flush=True)
-    result("chaos", ok=ok, kills=len(kills), lost=lost, duplicated=duplicated,
-           recovery_p99_s=percentile(measured, 99), failed=failed, dead_letters=sum(letters.values()),
-           trained=tb["trained"], refused=tb["refused"], evicted=tb["evicted"], consumed=tb["consumed"],
-           books_equal=books_ok)
+    record("chaos", dict(ok=ok, kills=len(kills), lost=lost, duplicated=duplicated,
+                         recovery_p99_s=percentile(measured, 99), failed=failed, dead_letters=sum(letters.values()),
+                         trained=tb["trained"], refused=tb["refused"], evicted=tb["evicted"], consumed=tb["consumed"],
+                         books_equal=books_ok),
+           [Goal("ok", ">=", 1), Goal("lost", "<=", 0), Goal("duplicated", "<=", 0),
+            Goal("recovery_p99_s", "<=", 10)], seed=args.seed)
     return 0 if ok else 1
 
 

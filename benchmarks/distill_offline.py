@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness.loop import log
-from benchmarks.harness.result import result
+from benchmarks.harness.record import record
 from benchmarks.harness.workloads import reverse_score
 from rlstream.models.logprobs import token_logprobs, top_k
 from rlstream.models.tiny import build_model, build_tokenizer
@@ -152,8 +152,8 @@ def main(argv=None) -> dict:
               + (f"{r['updates_to_target']} updates to {args.target}" if r["updates_to_target"] is not None
                  else f"not reached in {args.max_updates} (best {r['best']:.2f})")
               + f"  ({r['seconds']:.0f} s)  curve " + " ".join(f"{u}:{a:.2f}" for u, a in r["curve"]), flush=True)
-    result("distill_offline", **{s.replace(":", "_"): (r["updates_to_target"] if r["updates_to_target"] is not None
-                                                        else "none") for s, r in out.items()})
+    record("distill_offline", {s.replace(":", "_"): (r["updates_to_target"] if r["updates_to_target"] is not None
+                                                      else "none") for s, r in out.items()}, seed=args.seed)
     return out
 
 

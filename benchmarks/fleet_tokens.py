@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.harness.result import result
+from benchmarks.harness.record import Goal, record
 from rlstream.config import KafkaSettings
 from rlstream.infra import broker
 from rlstream.kafka.topics import create_topics
@@ -190,12 +190,14 @@ def main(argv=None) -> dict:
           f"{'one batch per transaction' if args.no_pipeline else 'pipelined'}, "
           f"hedging {'on' if args.hedge else 'off'}: stage/direct "
           f"{statistics.median(ratios):.2f}x (median of {len(ratios)} rounds; goal >= 0.9x)")
-    result("fleet_tokens", tasks=args.tasks, group_size=args.group_size, max_tokens=args.max_tokens,
-           stage_tokens_per_s=statistics.median(stage_rates), direct_tokens_per_s=statistics.median(direct_rates),
-           in_flight=args.in_flight, batch_tasks=args.batch_tasks, hedge=args.hedge,
-           pipelined=not args.no_pipeline, ratio=statistics.median(ratios),
-           stage_in_flight=statistics.median(b[0] for b in busy),
-           direct_in_flight=statistics.median(b[1] for b in busy))
+    record("fleet_tokens", dict(
+        tasks=args.tasks, group_size=args.group_size, max_tokens=args.max_tokens,
+        stage_tokens_per_s=statistics.median(stage_rates), direct_tokens_per_s=statistics.median(direct_rates),
+        in_flight=args.in_flight, batch_tasks=args.batch_tasks, hedge=args.hedge,
+        pipelined=not args.no_pipeline, ratio=statistics.median(ratios),
+        ratio_min=min(ratios), ratio_max=max(ratios),
+        stage_in_flight=statistics.median(b[0] for b in busy),
+        direct_in_flight=statistics.median(b[1] for b in busy)), [Goal("ratio", ">=", 0.9)])
     return {"stage": stage_rates, "direct": direct_rates, "ratios": ratios, "in_flight": busy}
 
 

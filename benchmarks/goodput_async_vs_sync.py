@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness.loop import Loop, PacedSource, Versions, log
-from benchmarks.harness.result import result
+from benchmarks.harness.record import Goal, record
 from benchmarks.harness.workloads import max_tokens_for
 from rlstream.trainer.chain import describe, summarize
 
@@ -122,9 +122,10 @@ def main(argv=None) -> dict:
         print(f"goodput ratio async/sync {ratio:.2f}x   (goal >= 2.5x)")
         results["ratio"] = ratio
     results["load_average"] = os.getloadavg()[0]
-    result("goodput_async_vs_sync", seconds=args.seconds, **{f"{m}_per_hour": results[m]["samples_per_hour"]
-                                               for m in ("sync", "async") if m in results},
-           ratio=results.get("ratio", float("nan")))
+    record("goodput_async_vs_sync", {"seconds": args.seconds,
+                                     **{f"{m}_per_hour": results[m]["samples_per_hour"]
+                                        for m in ("sync", "async") if m in results},
+                                     "ratio": results.get("ratio", float("nan"))}, [Goal("ratio", ">=", 2.5)])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return results

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from benchmarks.harness.result import result as report
+from benchmarks.harness.record import record
 from rlstream.models.tiny import build_model, build_tokenizer
 from rlstream.sources.tasks import get_task, verify
 from rlstream.trainer.warmup import encode_prompts, greedy_exact_match, supervised_warmup
@@ -210,8 +210,9 @@ def main(argv=None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    report("learning_probe", steps=steps_done, heldout=curve[-1]["heldout_greedy"], reached=result["reached"],
-           gen_s_per_step=result["gen_s_per_step"], train_s_per_step=result["train_s_per_step"])
+    record("learning_probe", dict(steps=steps_done, heldout=curve[-1]["heldout_greedy"], reached=result["reached"],
+                                  gen_s_per_step=result["gen_s_per_step"],
+                                  train_s_per_step=result["train_s_per_step"]), seed=args.seed)
     return result
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.harness.loop import ROOT
-from benchmarks.harness.result import result as report
+from benchmarks.harness.record import record
 from rlstream.infra.supervisor import StageProc
 
 STAGES = ("trainer", "rollout", "env", "reward", "archive", "prompts")
@@ -127,7 +127,8 @@ def main(argv=None) -> dict:
     if tail:
         print("demo: " + tail[0])
     result = {s: {"rss_mib": peak[s] / 2**20, "pss_mib": peak_pss.get(s, 0) / 2**20} for s in order}
-    report("memory", minutes=args.minutes, **{f"{s.split()[0]}_rss_mib": round(peak[s] / 2**20) for s in order})
+    record("memory", {"minutes": args.minutes, **{f"{s.split()[0]}_rss_mib": round(peak[s] / 2**20) for s in order},
+                      **{f"{s.split()[0]}_pss_mib": round(peak_pss.get(s, 0) / 2**20) for s in order}})
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

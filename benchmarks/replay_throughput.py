@@ -21,7 +21,7 @@ import uuid
 
 from confluent_kafka import Producer
 
-from benchmarks.harness.result import result as report
+from benchmarks.harness.record import record
 from rlstream.archive.query import open_archive, read_endpoint
 from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.kafka.topics import create_topics, topic_name
@@ -115,7 +115,7 @@ def main() -> None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
             shutil.rmtree(path, ignore_errors=True)
-    report("replay_throughput", **figures)
+    record("replay_throughput", figures)
 
 
 if __name__ == "__main__":

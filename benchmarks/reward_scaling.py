@@ -22,7 +22,7 @@ from confluent_kafka.admin import AdminClient
 
 from benchmarks.harness.groups import group_offsets
 from benchmarks.harness.loop import Loop, log
-from benchmarks.harness.result import result
+from benchmarks.harness.record import Goal, record
 from benchmarks.harness.workloads import make_trajectory
 from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
@@ -110,8 +110,9 @@ def main(argv=None) -> dict:
               f"(goal >= {0.9 * p['consumers']:.1f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps({"points": points, "load_average": os.getloadavg()[0]}, indent=1))
-    result("reward_scaling", judge_ms=args.judge_s * 1000, concurrency=args.concurrency,
-           **{f"ratio_{p['consumers']}": p["ratio"] for p in points})
+    record("reward_scaling", {"judge_ms": args.judge_s * 1000, "concurrency": args.concurrency,
+                              **{f"ratio_{p['consumers']}": p["ratio"] for p in points}},
+           [Goal(f"ratio_{p['consumers']}", ">=", 0.9 * p["consumers"]) for p in points if p["consumers"] > 1])
     return {"points": points}
 
 

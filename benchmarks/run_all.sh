@@ -4,12 +4,18 @@
 # the figures are then meaningless, only that each script reaches its RESULT line is checked.
 # Each script has a hard time limit, so one that hangs cannot take the rest down; logs land in $OUT.
 # Scripts run as modules from the repository root (python -m benchmarks.X): that is how they import the harness.
+# Each run appends its raw line to benchmarks/results/<name>.jsonl (benchmarks/harness/record.py), from which
+# `python -m benchmarks.harness.tables --write` regenerates benchmarks/README.md's tables; smoke runs append to
+# $OUT/results instead (RLSTREAM_BENCH_RESULTS), so figures that mean nothing never reach the repository.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-.rlstream/bench/$(date +%Y%m%d-%H%M%S)}
 SMOKE=${SMOKE:-0}
 PY=${PY:-python}
 mkdir -p "$OUT"
+if [[ $SMOKE == 1 ]]; then
+  export RLSTREAM_BENCH_RESULTS=${RLSTREAM_BENCH_RESULTS:-$OUT/results}
+fi
 export PYTHONWARNINGS=ignore TOKENIZERS_PARALLELISM=false
 started=$(date +%s)
 failed=()
@@ -57,7 +63,7 @@ bench distill_vs_rl 1800 "--target 0.5 --max-seconds 300 --modes opd,rl --top-k 
 bench distill_offline 900 "--runs opd:1e-4,opd:3e-4 --top-k 47 --kl forward --lag 2 --max-updates 200" \
   "--teacher untrained --runs opd:1e-4 --top-k 8 --max-updates 2 --eval-every 1 --warmup-steps 2"
 bench learning_probe 300 "--max-seconds 120" "--steps 2 --max-seconds 20 --warmup-steps 5 --eval-every 1"
-echo "== done in $(( $(date +%s) - started )) s; logs and JSON in $OUT"
+echo "== done in $(( $(date +%s) - started )) s; logs and JSON in $OUT; raw lines in ${RLSTREAM_BENCH_RESULTS:-benchmarks/results}"
 if (( ${#failed[@]} )); then
   echo "FAILED: ${failed[*]}"
   exit 1

@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from benchmarks.harness.result import result  # noqa: E402
+from benchmarks.harness.record import record  # noqa: E402
 from rlstream.config import KafkaSettings  # noqa: E402
 from rlstream.infra.supervisor import StageProc, stage_env  # noqa: E402
 from rlstream.kafka.records import TypedProducer  # noqa: E402
@@ -181,8 +181,8 @@ def main() -> None:
     print("  stage / " + ", stage / ".join(f"{n}: {r:.2f}x" for n, r in ratios.items()))
     print(json.dumps({"samples": a.samples, "tokens": tokens, "top_k": a.top_k, "load": load,
                       "seconds": figures, "stage_over": ratios}))
-    result("teacher_tokens", samples=a.samples, tokens=tokens, top_k=a.top_k, stage_tokens_per_s=stage,
-           **{f"stage_over_{n}": r for n, r in ratios.items()})
+    record("teacher_tokens", {"samples": a.samples, "tokens": tokens, "top_k": a.top_k, "stage_tokens_per_s": stage,
+                              **{f"stage_over_{n}": r for n, r in ratios.items()}}, seed=a.seed)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness.result import commit, result
+from benchmarks.harness.record import record
+from benchmarks.harness.result import commit
 from benchmarks.trainer_tokens import make_model, make_steps
 from rlstream.trainer.distributed import launch
 from rlstream.trainer.sharding import make_engine
@@ -70,8 +71,11 @@ def main() -> None:
         print(f"{n} rank(s): {rate[n]:.1f} samples/s over {args.steps - args.warmup} steps "
               f"({sum(results[n]['times'][counted]):.1f} s)")
     print(f"2 ranks / 1 rank: {rate[2] / rate[1]:.2f}x samples/s")
-    result("trainer_ranks", steps=args.steps, ratio=rate[2] / rate[1],
-           max_loss_difference=max(abs(a - b) for a, b in zip(results[1]["losses"], results[2]["losses"])))
+    record("trainer_ranks", dict(steps=args.steps, ratio=rate[2] / rate[1], one_rank_samples_per_s=rate[1],
+                                 two_ranks_samples_per_s=rate[2],
+                                 max_loss_difference=max(abs(a - b) for a, b in zip(results[1]["losses"],
+                                                                                     results[2]["losses"]))),
+           seed=args.seed)
     print("step  loss (1 rank)   loss (2 ranks)  |difference|")
     for step, (a, b) in enumerate(zip(results[1]["losses"], results[2]["losses"])):
         print(f"{step:4d}  {a:+.8f}  {b:+.8f}  {abs(a - b):.1e}")

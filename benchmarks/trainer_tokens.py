@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from benchmarks.harness.result import commit, result
+from benchmarks.harness.record import Goal, record
+from benchmarks.harness.result import commit
 from rlstream.policy.weights import WeightStore
 from rlstream.schemas.records import Reward, SamplingParams, ScoredTrajectory, Task, Trajectory
 from rlstream.trainer.engine import TorchEngine
@@ -287,8 +288,9 @@ def main() -> None:
           f"min-max {min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} pairs; goal >= 0.95); "
           f"CPU-time ratio {cpu_ratio:.3f} (IQR {cq1:.3f}-{cq3:.3f}); "
           f"per-version checkpoint cost {1e3 * ckpt_s:.1f} ms", flush=True)
-    result("trainer_tokens", steps=args.steps, rlstream_tokens_per_s=rl_tps, plain_tokens_per_s=plain_tps,
-           ratio=rl_tps / plain_tps, checkpoint_ms=1e3 * ckpt_s)
+    record("trainer_tokens", dict(steps=args.steps, rlstream_tokens_per_s=rl_tps, plain_tokens_per_s=plain_tps,
+                                  ratio=rl_tps / plain_tps, ratio_median=med, cpu_ratio=cpu_ratio,
+                                  checkpoint_ms=1e3 * ckpt_s), [Goal("ratio", ">=", 0.95)], seed=args.seed)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "date": today, "commit": rev, "load_start": load_start, "load_end": load_end,

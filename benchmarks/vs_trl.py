@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness.result import result
+from benchmarks.harness.record import Goal, record
 from rlstream.trainer.chain import describe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -297,9 +297,17 @@ def main(argv=None) -> dict:
         report(latency, row, args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    result("vs_trl", target=args.target, lr=args.lr, threads=args.threads,
-           **{f"ratio_at_{lat}_to_{t}": row.get("ratios", {}).get(t, float("nan"))
-              for lat, row in results.items() for t in (f"{x:g}" for x in args.targets)})
+    ratios = {(lat, f"ratio_at_{lat}_to_{t}"): row.get("ratios", {}).get(t, float("nan"))
+              for lat, row in results.items() for t in (f"{x:g}" for x in args.targets)}
+    # Each side's seconds and updates to each target too (null: not reached within --max-seconds).
+    times = {f"{system}_at_{lat}_to_{t:g}_{what}": reached(row[system], t)[i]
+             for lat, row in results.items() for system in ("trl", "rlstream") if system in row
+             for t in args.targets for i, what in ((0, "s"), (1, "updates"))}
+    record("vs_trl", {"target": args.target, "lr": args.lr, "threads": args.threads,
+                      **{name: v for (_, name), v in ratios.items()}, **times},
+           # A ratio is judged only when both sides ran; one a side did not reach is null, a run short of the goal.
+           [Goal(name, "<=", GOALS[judge_kind(lat)]) for lat, name in ratios
+            if {"trl", "rlstream"} <= set(args.systems.split(","))], seed=args.seed)
     return results
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from confluent_kafka.admin import AdminClient
 
 from benchmarks.harness.loop import Loop, PacedSource, Versions, log
-from benchmarks.harness.result import result as report
+from benchmarks.harness.record import Goal, record
 from benchmarks.harness.stats import percentile
 from rlstream.kafka.tail import TopicTail
 
@@ -213,8 +213,9 @@ def main(argv=None) -> dict:
                                       for m, r in results.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    report("weight_publish", **{f"{m}_p50_s": r["every_p50"] for m, r in results.items()},
-           **{f"{m}_p99_s": r["every_p99"] for m, r in results.items()})
+    record("weight_publish", {**{f"{m}_p50_s": r["every_p50"] for m, r in results.items()},
+                              **{f"{m}_p99_s": r["every_p99"] for m, r in results.items()}},
+           [Goal(f"{m}_p99_s", "<=", 1.0) for m in results])
     return results
 
 

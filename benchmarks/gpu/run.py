@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.record import record
 from benchmarks.harness.stats import percentile
 
 #: Qwen2 shapes built in code: ``large`` is ~0.51 B parameters (Qwen2-0.5B's depth, a 32 k vocabulary), untied.
@@ -73,7 +74,7 @@ def devices(wanted: str) -> list[torch.device]:
 
 # -- trainer tokens/s -------------------------------------------------------------------------------------------
 
-def trainer_section(args) -> None:
+def trainer_section(args, figures: dict) -> None:
     from benchmarks.trainer_tokens import make_steps
     from rlstream.trainer.sharding import make_engine
     from rlstream.trainer.microbatch import train_step
@@ -110,6 +111,10 @@ def trainer_section(args) -> None:
                 rate = sum(tokens[1:n]) / sum(times[1:])
                 peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
                 results[(device.type, mode, packed)] = rate
+                key = f"trainer_{device.type}_{mode}_{'packed' if packed else 'padded'}"
+                figures.update({f"{key}_tokens_per_s": rate, f"{key}_step_p50_s": percentile(times[1:], 50)})
+                if device.type == "cuda":
+                    figures[f"{key}_peak_gib"] = peak
                 print(f"{device.type:>8} {mode:>8} {'packed' if packed else 'padded':>7} {n - 1:>5} {rate:>10.0f} "
                       f"{percentile(times[1:], 50):>10.3f} {peak:>8.1f}")
                 del engine, model
@@ -123,7 +128,7 @@ def trainer_section(args) -> None:
 
 # -- publish ------------------------------------------------------------------------------------------------------
 
-def publish_section(args, work: Path) -> Path:
+def publish_section(args, work: Path, figures: dict) -> Path:
     """Versions 0..N of a model trained a step at a time; returns the last version's folder."""
     from safetensors.torch import save_file
 
@@ -170,6 +175,10 @@ def publish_section(args, work: Path) -> Path:
         sel = [r for r in rows if r[0] == kind]
         if sel:
             size = sum(r[1] for r in sel) / len(sel)
+            figures.update({f"publish_{kind}_mb": size / 1e6,
+                            f"publish_{kind}_p50_s": percentile([r[3] for r in sel], 50),
+                            f"publish_{kind}_p99_s": percentile([r[3] for r in sel], 99),
+                            f"publish_{kind}_save_file_p50_s": percentile([r[4] for r in sel], 50)})
             print(f"publish {kind}: n={len(sel)} {size / 1e6:.1f} MB ({size / anchor_bytes:.1%} of an anchor) in "
                   f"{sum(r[2] for r in sel) / len(sel):.0f} chunk(s); checkpoint+hash+payload p50 "
                   f"{percentile([r[3] for r in sel], 50):.2f} s p99 {percentile([r[3] for r in sel], 99):.2f} s; "
@@ -179,7 +188,7 @@ def publish_section(args, work: Path) -> Path:
 
 # -- vLLM ---------------------------------------------------------------------------------------------------------
 
-def vllm_section(args, folder: Path, work: Path) -> None:
+def vllm_section(args, folder: Path, work: Path, figures: dict) -> None:
     try:
         import vllm  # noqa: F401
     except Exception as exc:
@@ -198,6 +207,7 @@ def vllm_section(args, folder: Path, work: Path) -> None:
     gens = backend.generate(prompts, params)
     took = time.perf_counter() - started
     made = sum(len(x.token_ids) for x in gens)
+    figures["vllm_tokens_per_s"] = made / took
     print(f"vllm: {len(prompts)} prompts x up to {args.vllm_tokens} new tokens: {made / took:.0f} tokens/s "
           f"(gpu_memory_utilization {args.gpu_memory_utilization}, bf16)")
     reloads = []
@@ -206,6 +216,7 @@ def vllm_section(args, folder: Path, work: Path) -> None:
         backend.load_weights(folder, version)
         backend.generate(prompts[:1], SamplingParams(temperature=1.0, max_tokens=1, seed=args.seed))
         reloads.append(time.perf_counter() - started)
+    figures.update(vllm_reload_p50_s=percentile(reloads, 50), vllm_reload_max_s=max(reloads))
     print(f"vllm: reload_weights + first token of the new version p50 {percentile(reloads, 50):.2f} s "
           f"max {max(reloads):.2f} s")
     backend.close()
@@ -242,14 +253,17 @@ def main() -> None:
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}  cores {os.cpu_count()}  threads {args.threads}  "
           f"gpu {gpu}  torch {torch.__version__}  size {args.size}")
     work = Path(tempfile.mkdtemp(prefix="rlstream-gpu-bench-"))
+    figures = {"size": args.size, "cuda": torch.cuda.is_available()}
     try:
         if "trainer" not in skip:
-            trainer_section(args)
-        folder = publish_section(args, work / "publish") if "publish" not in skip or "vllm" not in skip else None
+            trainer_section(args, figures)
+        folder = (publish_section(args, work / "publish", figures) if "publish" not in skip or "vllm" not in skip
+                  else None)
         if "vllm" not in skip:
-            vllm_section(args, folder, work)
+            vllm_section(args, folder, work, figures)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    record("gpu_run", figures, seed=args.seed)
 
 
 if __name__ == "__main__":

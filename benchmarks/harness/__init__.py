@@ -7,5 +7,15 @@
   and the trajectories the bus benchmarks produce;
 - ``race``: a loop racing to a held-out target, versions scored off the clock (vs_trl, distill_vs_rl);
 - ``stats``: percentiles;
-- ``result``: every script's last line, ``RESULT <name> date=… commit=… load=… figures…``.
+- ``result``: every script's last line, ``RESULT <name> date=… commit=… load=… figures…``;
+- ``record``: every run's raw result, the one call each benchmark makes at its end,
+  ``record(name, figures: dict, goals: list[Goal] = (), seed=None, units=None)``: it prints the RESULT line and
+  appends one JSON line (command, commit and dirtiness, UTC date, load before and after, machine, seed, figures with
+  units, goals) to ``benchmarks/results/<name>.jsonl``; ``RLSTREAM_BENCH_RESULTS=DIR`` writes under DIR instead,
+  ``RLSTREAM_BENCH_RECORD=0`` writes nothing, and a benchmark a test starts never writes into the repository;
+- ``verdict``: ``Goal(figure, ">=" or "<=", target)`` and the one rule judging a figure's runs against it
+  (met / missed / within noise / one run, no spread);
+- ``tables``: ``python -m benchmarks.harness.tables [--write | --check]``: benchmarks/README.md's generated tables
+  from the results files (per benchmark and configuration, per figure: runs, median, min–max, goal, verdict, raw
+  lines).
 """

@@ -21,6 +21,9 @@ def commit() -> str:
         return "unknown"
 
 
+_AT_IMPORT = commit()  # the code a run loaded: the raw line (record.py) says the same
+
+
 def _value(v) -> str:
     if isinstance(v, float):
         return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
@@ -30,7 +33,7 @@ def _value(v) -> str:
 def result(name: str, **figures) -> str:
     """Print and return the benchmark's result line (figures in the order given)."""
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
-    fields = {"date": datetime.date.today().isoformat(), "commit": commit(), "load": load, **figures}
+    fields = {"date": datetime.date.today().isoformat(), "commit": _AT_IMPORT, "load": load, **figures}
     line = f"RESULT {name} " + " ".join(f"{k}={_value(v)}" for k, v in fields.items())
     print(line, flush=True)
     return line

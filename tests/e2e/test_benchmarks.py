@@ -1,7 +1,9 @@
-"""`make bench` at smoke size: every benchmark runs through to its RESULT line (the figures are not judged here:
-at smoke size they mean nothing, and no test asserts a time)."""
+"""`make bench` at smoke size: every benchmark runs through to its RESULT line and its raw line (the figures are not
+judged here: at smoke size they mean nothing, and no test asserts a time). The raw lines go to the test's tmp dir,
+never into benchmarks/results/."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -27,7 +29,10 @@ def test_every_benchmark_script_is_in_make_bench():
 
 @pytest.mark.timeout(1700)
 def test_every_benchmark_prints_its_result_line_at_smoke_size(tmp_path, bootstrap):
-    env = dict(os.environ, SMOKE="1", OUT=str(tmp_path), PY=sys.executable, PYTHONPATH=str(ROOT))
+    raw_dir = tmp_path / "results"
+    committed = {p.name: p.read_bytes() for p in (ROOT / "benchmarks" / "results").glob("*.jsonl")}
+    env = dict(os.environ, SMOKE="1", OUT=str(tmp_path), PY=sys.executable, PYTHONPATH=str(ROOT),
+               RLSTREAM_BENCH_RESULTS=str(raw_dir))
     done = subprocess.run(["bash", "benchmarks/run_all.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=1650)
     results = {}
@@ -38,4 +43,11 @@ def test_every_benchmark_prints_its_result_line_at_smoke_size(tmp_path, bootstra
         assert line is not None, f"{name} printed no RESULT line:\n{log[-3000:]}"
         # Every figure carries its date, commit and load.
         assert re.search(r" date=\d{4}-\d\d-\d\d commit=\S+ load=[\d.]+/[\d.]+/[\d.]+", line), line
+        # And one raw line (benchmarks/harness/record.py), well-formed, its goals on figures it reports.
+        raw = [json.loads(t) for t in (raw_dir / f"{name}.jsonl").read_text().splitlines()]
+        assert len(raw) == 1 and raw[0]["benchmark"] == name, raw
+        assert raw[0]["figures"] and set(raw[0]["units"]) == set(raw[0]["figures"]), raw[0]
+        assert {g["figure"] for g in raw[0]["goals"]} <= set(raw[0]["figures"]), raw[0]
+        assert raw[0]["commit"] and raw[0]["date"] and len(raw[0]["load_before"]) == 3, raw[0]
+    assert {p.name: p.read_bytes() for p in (ROOT / "benchmarks" / "results").glob("*.jsonl")} == committed
     assert done.returncode == 0, done.stdout[-4000:]
