@@ -63,6 +63,8 @@ bench distill_vs_rl 1800 "--target 0.5 --max-seconds 300 --modes opd,rl --top-k 
 bench distill_offline 900 "--runs opd:1e-4,opd:3e-4 --top-k 47 --kl forward --lag 2 --max-updates 200" \
   "--teacher untrained --runs opd:1e-4 --top-k 8 --max-updates 2 --eval-every 1 --warmup-steps 2"
 bench learning_probe 300 "--max-seconds 120" "--steps 2 --max-seconds 20 --warmup-steps 5 --eval-every 1"
+# A recipe over 3 seeds, 20 minutes each (the real-checkpoint recipe's goal); at smoke size the arithmetic recipe once.
+bench recipe_learning 4000 "--recipe smollm2 --seeds 0,1,2" "--recipe arithmetic --size smoke --seeds 0"
 echo "== done in $(( $(date +%s) - started )) s; logs and JSON in $OUT; raw lines in ${RLSTREAM_BENCH_RESULTS:-benchmarks/results}"
 if (( ${#failed[@]} )); then
   echo "FAILED: ${failed[*]}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import queue
 import signal
@@ -202,6 +203,8 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
         sup.stop_all(STOP_ORDER, timeout=30)
     elapsed = time.monotonic() - started
     png = _plot(progress, run_dir / "reward_curve.png", s.recipe or (Path(s.dataset).stem if s.dataset else s.task))
+    # The curve's points as data too (seconds since start, policy version, held-out reward), for benchmarks.
+    (run_dir / "heldout_curve.json").write_text(json.dumps(progress.curve))
     print()
     print(f"reward curve: {png}")
     print("explore the run in the archive, e.g.:")
