@@ -157,17 +157,22 @@ def serve(service: EnvService, host: str, port: int) -> ThreadingHTTPServer:
                 return self._answer(400, {"error": f"not JSON: {exc}", "failure_class": "env_error"})
             key = (self.headers.get(KEY_HEADER) or "").strip().strip('"') or None
             try:
-                self._answer(200, route(body, key))
+                status, answer = 200, route(body, key)
             except KeyReused as exc:
-                self._answer(422, {"error": str(exc), "failure_class": "env_error"})
+                status, answer = 422, {"error": str(exc), "failure_class": "env_error"}
             except EnvFailure as exc:
-                self._answer(404 if exc.failure_class == "env_lost" else 500,
-                             {"error": str(exc), "failure_class": exc.failure_class})
+                status, answer = (404 if exc.failure_class == "env_lost" else 500,
+                                  {"error": str(exc), "failure_class": exc.failure_class})
             except (KeyError, TypeError, ValueError) as exc:
-                self._answer(400, {"error": f"bad request: {exc!r}", "failure_class": "env_error"})
+                status, answer = 400, {"error": f"bad request: {exc!r}", "failure_class": "env_error"}
             except Exception as exc:  # the env's own bug: that episode's problem, never the server's
                 log.exception("env server: %s failed", self.path)
-                self._answer(500, {"error": f"{type(exc).__name__}: {exc}", "failure_class": "env_error"})
+                status, answer = 500, {"error": f"{type(exc).__name__}: {exc}", "failure_class": "env_error"}
+            try:
+                self._answer(status, answer)
+            except (BrokenPipeError, ConnectionResetError):
+                # The caller is gone (an env stage killed mid-call): its successor repeats the call under its key.
+                log.info("env server: the caller of %s %s left before the answer", self.path, key)
 
         def log_message(self, fmt, *args):
             log.debug("%s " + fmt, self.address_string(), *args)
