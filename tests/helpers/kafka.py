@@ -122,14 +122,17 @@ def read_uncommitted(bootstrap: str, run: str, logical: str, timeout: float = 30
 
 def committed_offsets(bootstrap: str, group: str, run: str, logical: str) -> dict[int, int]:
     """Consumer group ``group``'s committed offset per partition of a run's topic (partitions it never committed
-    are left out)."""
-    from confluent_kafka import Consumer, TopicPartition
+    are left out; none while the group's coordinator does not answer, e.g. moving after a broker was lost). The
+    group is asked, never joined."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
     name = topic_name(run, logical)
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
     try:
         parts = consumer.list_topics(name, timeout=30).topics[name].partitions
         found = consumer.committed([TopicPartition(name, p) for p in parts], timeout=30)
         return {tp.partition: tp.offset for tp in found if tp.offset >= 0}
+    except KafkaException:
+        return {}
     finally:
         consumer.close()
 
