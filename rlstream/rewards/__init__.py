@@ -48,11 +48,13 @@ budget), ``code`` (the share of ``task.metadata["tests"]`` the response's code p
 
 A judge that calls a service (an LLM judge, a grader behind HTTP) is called again for the same trajectory after a
 reward worker is killed or its transaction aborts: Kafka keeps one Reward, but the service sees the request twice.
-``idempotency_key(trajectory)`` is the same for every such repeat; send it as the ``Idempotency-Key`` header so the
-service can answer a repeat from its record (docs/exactly-once.md)::
+``idempotency_key(trajectory)`` is the same for every such repeat; send it as the ``Idempotency-Key`` header (a
+quoted string, as the IETF draft writes it) so the service can answer a repeat from its record
+(docs/exactly-once.md)::
 
     async def judge(trajectory):
-        async with session.post(URL, json=..., headers={"Idempotency-Key": idempotency_key(trajectory)}) as r:
+        key = f'"{idempotency_key(trajectory)}"'
+        async with session.post(URL, json=..., headers={"Idempotency-Key": key}) as r:
             return (await r.json())["score"]
 """
 from rlstream.rewards.api import (JUDGE_FAILURES, NO_VERDICT, RewardResult, action_turn_count, as_result,
