@@ -55,6 +55,11 @@ class LiveEnvs:
     def __len__(self) -> int:
         return len(self._live)
 
+    def holds(self, episode_id: str) -> bool:
+        """Whether the episode's env is held (not yet finished or evicted)."""
+        with self._lock:
+            return episode_id in self._live
+
     def step(self, factory: Callable[..., Env], ep: Episode) -> StepResult:
         """Step the episode's env with its last action (making or rebuilding the env as needed)."""
         actions = [t.text for t in ep.turns if t.role == "action"]

@@ -17,9 +17,15 @@ before an answer) is tried again ``retries`` times with backoff, then ``env_unre
 
 A server that stays down fails the episode as ``env_unreachable``, which is no verdict on the model: the env stage
 then sends the task back to ``prompts`` as a new task (``TaskRetries``), up to a limit.
+
+Every POST carries ``Idempotency-Key`` (the IETF httpapi draft's header, its value a quoted string): the same key
+for every sending of the same call of the same episode, so that a server can recognise a repeat
+(``idempotency_key`` defines it; docs/concepts/side-effects.md says when repeats happen). ``Rlstream-Attempt`` says which
+sending of this process it is (1, then 2... for the retries above); it is no part of the key.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import socket
@@ -41,6 +47,22 @@ RETRIED_CLASSES = ("env_unreachable",)
 RETRY_OF, RETRY_GROUP, ATTEMPT = "env.retry_of", "env.retry_group", "env.attempt"
 #: Retried task ids remembered per process, so that the G failed episodes of one task retry it once.
 REMEMBERED = 100_000
+#: The request headers of the key and of this process's sending of the call.
+KEY_HEADER, ATTEMPT_HEADER = "Idempotency-Key", "Rlstream-Attempt"
+
+
+def idempotency_key(task: Task, episode_id: str, call: str) -> str:
+    """The key of one call of one episode: ``call`` is ``reset``, ``step/<n>`` (the episode's n-th action, from 1)
+    or ``close``.
+
+    What is in it is what a redo of the same input record repeats: the task as its source produced it (its trace id
+    and creation time, random and fixed in the record, so two runs over one dataset never share a key), the episode
+    and the call. What is not: which worker sends it, how often (a SIGKILL, an aborted transaction or a connection
+    retry sends the same key again), and when. A task the env stage retries is a new task (``<task>.retryN``), so
+    its calls have keys of their own.
+    """
+    identity = "\x1f".join(("rlstream-env/1", task.trace_id, str(task.created_at), episode_id, call))
+    return hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def step_result_to_dict(result: StepResult) -> dict:
@@ -74,13 +96,15 @@ class RemoteEnvs:
     def __call__(self, task: Task, workspace) -> "RemoteEnv":
         return RemoteEnv(self, task, workspace.episode_id)
 
-    def post(self, route: str, body: dict, retries: int | None = None) -> dict:
-        """POST ``body`` to ``route``; the JSON answer, or EnvFailure with the call's class."""
+    def post(self, route: str, body: dict, key: str, retries: int | None = None) -> dict:
+        """POST ``body`` to ``route`` under idempotency ``key``; the JSON answer, or EnvFailure with the call's
+        class."""
         data = json.dumps(body).encode()
         wait, retries = self.backoff_s, self.retries if retries is None else retries
         for attempt in range(retries + 1):
             request = urllib.request.Request(self.url + route, data=data, method="POST",
-                                             headers={"Content-Type": "application/json"})
+                                             headers={"Content-Type": "application/json", KEY_HEADER: f'"{key}"',
+                                                      ATTEMPT_HEADER: str(attempt + 1)})
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                     return json.loads(response.read() or b"{}")
@@ -118,12 +142,21 @@ class RemoteEnv(Env):
 
     def __init__(self, server: RemoteEnvs, task: Task, episode_id: str):
         self.server, self.task, self.episode_id = server, task, episode_id
+        # LiveEnvs resets an env once and steps it with the episode's actions in order (replaying the earlier ones
+        # when it rebuilds it), so counting the steps here numbers them as the episode does.
+        self.steps = 0
+
+    def key(self, call: str) -> str:
+        return idempotency_key(self.task, self.episode_id, call)
 
     def reset(self) -> None:
-        self.server.post("/reset", {"episode_id": self.episode_id, "task": self.task.to_dict()})
+        self.steps = 0
+        self.server.post("/reset", {"episode_id": self.episode_id, "task": self.task.to_dict()}, self.key("reset"))
 
     def step(self, action: str) -> StepResult:
-        answer = self.server.post("/step", {"episode_id": self.episode_id, "action": action})
+        self.steps += 1
+        answer = self.server.post("/step", {"episode_id": self.episode_id, "action": action},
+                                  self.key(f"step/{self.steps}"))
         try:
             return step_result_from_dict(answer)
         except ValueError as exc:
@@ -131,7 +164,7 @@ class RemoteEnv(Env):
 
     def close(self) -> None:
         # Not retried: a server that is gone holds nothing to close.
-        self.server.post("/close", {"episode_id": self.episode_id}, retries=0)
+        self.server.post("/close", {"episode_id": self.episode_id}, self.key("close"), retries=0)
 
 
 class TaskRetries:

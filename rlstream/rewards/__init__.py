@@ -45,9 +45,20 @@ Built-in verifiers (``rlstream.rewards.verifiers`` documents what each reads fro
 budget), ``code`` (the share of ``task.metadata["tests"]`` the response's code passes in the sandbox) and
 ``calculator`` (``calculator_reward``: the right answer after a successful ``calc`` call), and
 ``calculator_turns`` (the same total, with turn scores: the successful call's turn and the right answer's).
+
+A judge that calls a service (an LLM judge, a grader behind HTTP) is called again for the same trajectory after a
+reward worker is killed or its transaction aborts: Kafka keeps one Reward, but the service sees the request twice.
+``idempotency_key(trajectory)`` is the same for every such repeat; send it as the ``Idempotency-Key`` header (a
+quoted string, as the IETF draft writes it) so the service can answer a repeat from its record
+(docs/concepts/side-effects.md)::
+
+    async def judge(trajectory):
+        key = f'"{idempotency_key(trajectory)}"'
+        async with session.post(URL, json=..., headers={"Idempotency-Key": key}) as r:
+            return (await r.json())["score"]
 """
 from rlstream.rewards.api import (JUDGE_FAILURES, NO_VERDICT, RewardResult, action_turn_count, as_result,
-                                  check_turn_scores, final_text, import_reward)
+                                  check_turn_scores, final_text, idempotency_key, import_reward, judging)
 from rlstream.rewards.builtin import calculator_reward, calculator_turns, exact_match, normalise_answer
 from rlstream.rewards.compose import load_reward, parse_spec
 from rlstream.rewards.verifiers import (FORMATS, VERIFIERS, code_tests, extract_answer, format_check, length_penalty,
@@ -55,6 +66,7 @@ from rlstream.rewards.verifiers import (FORMATS, VERIFIERS, code_tests, extract_
 
 __all__ = ["FORMATS", "JUDGE_FAILURES", "NO_VERDICT", "VERIFIERS", "RewardResult", "action_turn_count", "as_result",
            "calculator_reward", "calculator_turns", "check_turn_scores", "code_tests",
-           "exact_match", "extract_answer", "final_text", "format_check", "import_reward", "length_penalty",
+           "exact_match", "extract_answer", "final_text", "format_check", "idempotency_key", "import_reward",
+           "judging", "length_penalty",
            "load_reward", "math_answer", "normalise_answer", "normalise_loose", "normalized_match", "parse_spec",
            "regex_match", "regex_reward"]

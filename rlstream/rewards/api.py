@@ -1,8 +1,12 @@
 """The reward function's contract: its return type, how a return value becomes one, how a function is found by its
-dotted path, and the failure classes a judgement that could not be made carries."""
+dotted path, the failure classes a judgement that could not be made carries, and the idempotency key a judge that
+calls a service sends with its request."""
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -17,6 +21,36 @@ JUDGE_FAILURES = ("judge_error", "judge_timeout")
 #: and episodes the infrastructure failed (a remote env server that never answered, whose task the env stage sends
 #: again; a gateway stopped before its session closed). The reward stage carries an episode's class into the Reward.
 NO_VERDICT = JUDGE_FAILURES + ("env_unreachable", "gateway_stopped")
+
+
+#: The reward version of the judgement in progress: set by the reward stage around each call of the reward function
+#: (a context variable: the judgement's own thread or task sees it, its neighbours in flight see theirs).
+_REWARD_VERSION: ContextVar[str] = ContextVar("rlstream_reward_version", default="")
+
+
+@contextlib.contextmanager
+def judging(reward_version: str):
+    """Within it, ``idempotency_key`` names judgements under ``reward_version`` (the reward stage's own use)."""
+    token = _REWARD_VERSION.set(reward_version)
+    try:
+        yield
+    finally:
+        _REWARD_VERSION.reset(token)
+
+
+def idempotency_key(trajectory: Trajectory) -> str:
+    """The ``Idempotency-Key`` of this judgement, for a judge that calls a service (send it as that HTTP header).
+
+    The same every time the reward stage judges this trajectory under this reward version: a redo after a SIGKILL
+    or an aborted transaction, and a replay under the same ``--reward-version``, send the same key; a replay under
+    a new version is a new judgement with a new key. What is in it: the task as its source produced it (its trace
+    id and creation time, so two runs over one dataset never share a key), the trajectory id and the reward
+    version. Outside a reward stage (a test calling the function) the version part is empty.
+    """
+    task = trajectory.task
+    identity = "\x1f".join(("rlstream-judge/1", task.trace_id, str(task.created_at), trajectory.trajectory_id,
+                            _REWARD_VERSION.get()))
+    return hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 @dataclass

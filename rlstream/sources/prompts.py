@@ -253,10 +253,11 @@ def _dataset_paced(kafka: KafkaSettings, s: PromptSettings, loop: LoopSettings, 
     takes its row's place, so the source stays a little behind the allowance rather than ahead of it)."""
     from rlstream.policy.watcher import PolicyWatcher
     watcher = PolicyWatcher(kafka.client_config(), kafka.run, loop.policy)
-    n = 0
+    n, waited = 0, None
     try:
         while not stop() and tw.next < len(train):
-            version = max(watcher.version, 0)
+            seen = watcher.version
+            version = max(seen, 0)
             if rounds is not None and watcher.version >= 0 and rounds[0].rows:
                 evals, ew = rounds
                 r, k = divmod(ew.next, evals.rows)
@@ -269,6 +270,10 @@ def _dataset_paced(kafka: KafkaSettings, s: PromptSettings, loop: LoopSettings, 
             if tw.next < allowed:
                 n += _write(tw, train.items(tw.next, min(allowed, tw.next + s.batch_rows)), train, s.batch_rows, stop)
             else:
+                if waited != seen:  # once per version: what it wrote is committed, and it writes no more until then
+                    log.info("paced source at its allowance for policy version %d: %d training positions written; "
+                             "waiting for the next version", seen, tw.next)
+                    waited = seen
                 watcher.wait_for(version + 1, 0.5)
         return n
     finally:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from rlstream.config import knob
-from rlstream.rewards import as_result, check_turn_scores, load_reward
+from rlstream.rewards import as_result, check_turn_scores, judging, load_reward
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Reward, ScoredTrajectory, Trajectory, scored_topic
@@ -81,9 +81,10 @@ class RewardStage(Stage):
 
     async def _judge(self, traj: Trajectory, started: float) -> Reward:
         """The reward function's Reward, or one carrying the judge's failure class (total 0.0, never trained on)."""
-        call = self.fn(traj) if self._async else asyncio.to_thread(self.fn, traj)
         try:
-            raw = await asyncio.wait_for(call, self.settings.judge_timeout_s)
+            with judging(self.settings.reward_version):  # the judge's idempotency_key: the context goes with the call
+                call = self.fn(traj) if self._async else asyncio.to_thread(self.fn, traj)
+                raw = await asyncio.wait_for(call, self.settings.judge_timeout_s)
         except InvalidRecord:
             raise  # the trajectory cannot be judged: dead-lettered with its reason
         except TimeoutError:

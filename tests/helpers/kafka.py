@@ -118,3 +118,37 @@ def read_uncommitted(bootstrap: str, run: str, logical: str, timeout: float = 30
         return values
     finally:
         consumer.close()
+
+
+def committed_offsets(bootstrap: str, group: str, run: str, logical: str) -> dict[int, int]:
+    """Consumer group ``group``'s committed offset per partition of a run's topic (partitions it never committed
+    are left out; none while the group's coordinator does not answer, e.g. moving after a broker was lost). The
+    group is asked, never joined."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+    name = topic_name(run, logical)
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        parts = consumer.list_topics(name, timeout=30).topics[name].partitions
+        found = consumer.committed([TopicPartition(name, p) for p in parts], timeout=30)
+        return {tp.partition: tp.offset for tp in found if tp.offset >= 0}
+    except KafkaException:
+        return {}
+    finally:
+        consumer.close()
+
+
+def wait_consumed(bootstrap: str, group: str, run: str, logical: str, timeout: float = 60.0) -> list[Seen]:
+    """Wait until consumer group ``group`` has committed past every committed record of a run's topic (as of the
+    call); its records, as ``read_all`` gives them.
+
+    What "nothing more arrives" means for a stage: it commits its outputs in the transaction that commits its input
+    offsets, so once its group is past every input record, everything those inputs give is on the output topics,
+    and a read to their end sees all of it, duplicates included.
+    """
+    records = read_all(bootstrap, run, logical)
+    wanted: dict[int, int] = {}
+    for s in records:
+        wanted[s.partition] = max(wanted.get(s.partition, 0), s.offset + 1)
+    wait_for(lambda: all(committed_offsets(bootstrap, group, run, logical).get(p, -1) >= o for p, o in wanted.items()),
+             timeout, f"group {group} to commit past the {len(records)} records of {logical}")
+    return records

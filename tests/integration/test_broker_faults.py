@@ -13,7 +13,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from rlstream.infra import broker
 from rlstream.kafka.tail import Seen
 from rlstream.kafka.topics import create_topics, topic_name
-from tests.helpers.kafka import free_base_port, make_trajectory, produce, read_all
+from tests.helpers.kafka import free_base_port, make_trajectory, produce, read_all, wait_consumed
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 GROUPS = 40
@@ -53,7 +53,8 @@ def _wait_rewards(bootstrap: str, run: str, at_least: int, timeout: float = 300)
 def _exactly_once(bootstrap: str, run: str, n: int, log) -> None:
     """Every one of the n inputs has exactly one reward, and nothing went to dead-letters."""
     _read(bootstrap, run, "rewards", expect=n, timeout=400)
-    time.sleep(2)  # a duplicate would come right after the last record
+    # Past every input, the stage's outputs are all committed: a duplicate would be on the topic now.
+    wait_consumed(bootstrap, f"{run}.reward", run, "trajectories", timeout=120)
     rewards = _read(bootstrap, run, "rewards", timeout=120)
     counts = collections.Counter(r.record.trajectory.trajectory_id for r in rewards)
     assert len(counts) == n, f"lost {n - len(counts)} records\n{log.read_text()[-3000:]}"

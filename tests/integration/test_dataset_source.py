@@ -146,12 +146,12 @@ def announce(bootstrap: str, run: str, version: int) -> None:
             [(b"p", PolicyVersion(policy="p", version=version, weights_uri="", created_at=0, published_at=0), None)])
 
 
-def split_ids(bootstrap: str, run: str, expect: int) -> tuple[list[str], list[str]]:
-    """(training task ids, held-out task ids) once at least ``expect`` tasks are committed and two quiet seconds
-    passed (a paced source must not go beyond its allowance in them). Held-out tasks travel in the eval lane."""
-    wait_for(lambda: len(read_all(bootstrap, run, "prompts")) + len(read_all(bootstrap, run, "eval-prompts"))
-             >= expect, 120, f"{expect} tasks")
-    time.sleep(2.0)
+def split_ids(bootstrap: str, run: str, proc: StageProc, version: int) -> tuple[list[str], list[str]]:
+    """(training task ids, held-out task ids) once the paced source ``proc`` says it is at its allowance for policy
+    ``version`` (-1: none yet): what it wrote for it is committed, and it writes nothing more until the next version.
+    Held-out tasks travel in the eval lane."""
+    line = f"paced source at its allowance for policy version {version}:"
+    wait_for(lambda: line in proc.log_tail(), 120, f"the source to reach its allowance for version {version}")
     train, held = read_all(bootstrap, run, "prompts"), read_all(bootstrap, run, "eval-prompts")
     assert {s.record.split for s in train} <= {"train"} and {s.record.split for s in held} <= {"heldout"}
     return [s.record.task_id for s in train], [s.record.task_id for s in held]
@@ -167,20 +167,20 @@ def test_a_paced_dataset_source_follows_the_trainer_and_resumes_its_rounds(tmp_p
             "--groups-per-step", "2", "--heldout-every", "2", "--batch-rows", "4")
     proc = prompts_proc(*args)
     # No policy yet: one step of groups, (version 0 + eta 0 + 1) * 2 tasks, and no evaluation round.
-    train_ids, held_ids = split_ids(bootstrap, run_name, 2)
+    train_ids, held_ids = split_ids(bootstrap, run_name, proc, -1)
     assert (len(train_ids), held_ids) == (2, [])
     announce(bootstrap, run_name, 0)  # round 0 is due at version 0
-    train_ids, held_ids = split_ids(bootstrap, run_name, 5)
+    train_ids, held_ids = split_ids(bootstrap, run_name, proc, 0)
     assert (len(train_ids), len(held_ids)) == (2, 3) and all(h.startswith("v0-r0-") for h in held_ids)
     announce(bootstrap, run_name, 2)  # two steps further, and round 1
-    train_ids, held_ids = split_ids(bootstrap, run_name, 6 + 6)
+    train_ids, held_ids = split_ids(bootstrap, run_name, proc, 2)
     assert (len(train_ids), len(held_ids)) == (6, 6)
     assert sum(h.startswith("v2-r1-") for h in held_ids) == 3
     proc.kill()
 
     again = prompts_proc(*args)
     announce(bootstrap, run_name, 3)
-    train_ids, held_ids = split_ids(bootstrap, run_name, 8 + 6)
+    train_ids, held_ids = split_ids(bootstrap, run_name, again, 3)
     # Resumed: two more training tasks, no evaluation round again, nothing twice.
     assert (len(train_ids), len(held_ids)) == (8, 6)
     assert len(set(train_ids)) == 8 and len(set(held_ids)) == 6

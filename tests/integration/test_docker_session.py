@@ -72,7 +72,8 @@ def test_a_background_process_of_step_1_runs_at_step_3_in_the_episodes_container
         results.append(result.tool_result)
         if n == 1:
             time.sleep(0.5)
-    assert results[0].output == "started\n" and results[0].duration_ms < 3000, results[0]
+    # The call ended with its own output, not at the tool timeout: it did not wait for the sleeper it started.
+    assert (results[0].output, results[0].failure_class) == ("started\n", None), results[0]
     alive, note, ticks = results[2].output.splitlines()
     assert (alive, note) == ("alive", "from the host") and int(ticks) >= 5
     [container] = containers(client, "g1:0")  # one container for the whole episode
@@ -96,7 +97,5 @@ def test_calls_keep_their_exit_codes_and_timeout_and_the_container_has_no_networ
     r = live.step(tools.make, episode(*actions)).tool_result
     assert r.output.split() == ["0", "lo"], r  # loopback only, and down: no way out
     actions.append(call("shell", command="sleep 30"))
-    started = time.monotonic()
     result = live.step(tools.make, episode(*actions))
-    assert result.done and result.failure.failure_class == "timeout", result
-    assert time.monotonic() - started < 15
+    assert result.done and result.failure.failure_class == "timeout", result  # the call's timeout cut the sleep

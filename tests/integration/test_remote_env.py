@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 import random
 import socket
+import threading
 import urllib.request
 
 import pytest
 
+from rlstream.envs.api import Env, StepResult
+from rlstream.envs.remote import idempotency_key
+from rlstream.envs.server import EnvServerSettings, EnvService, serve
 from rlstream.infra.supervisor import StageProc
 from rlstream.runtime.stage import Incoming
+from rlstream.schemas import headers as hdr
 from rlstream.stages.env import EnvSettings, EnvStage
 from tests.agent_envs import MALFORMED, call
 from tests.helpers import ROOT
@@ -185,3 +190,80 @@ def test_the_env_stage_sends_a_task_back_to_prompts_when_its_server_is_killed(bo
     trajs = read_all(bootstrap, run_name, "trajectories", expect=2, timeout=60)
     assert {t.record.task.task_id for t in trajs} == {"t1", "t1.retry1"}
     assert len(read_all(bootstrap, run_name, "prompts", timeout=20)) == 1, "no retry past the limit"
+
+
+class Gated(Env):
+    """An env whose step on ``hold`` waits at a gate the test opens; it notes every action it really stepped."""
+
+    def __init__(self, stepped: list, entered: threading.Event, gate: threading.Event):
+        self.stepped, self.entered, self.gate = stepped, entered, gate
+
+    def step(self, action):
+        if action == "hold":
+            self.entered.set()
+            assert self.gate.wait(120), "the test never opened the gate"
+        self.stepped.append(action)
+        return StepResult(done=False, observation=f"stepped {action}")
+
+
+class Recording(EnvService):
+    """The env server's service as it is, noting the key of every request it receives (route, key)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.received: list[tuple[str, str | None]] = []
+
+    def reset(self, body, key=None):
+        self.received.append(("reset", key))
+        return super().reset(body, key)
+
+    def step(self, body, key=None):
+        self.received.append(("step", key))
+        return super().step(body, key)
+
+
+@pytest.mark.kafka
+@pytest.mark.timeout(240)
+def test_an_env_stage_killed_mid_step_is_redone_under_the_same_keys_and_nothing_is_duplicated(
+        bootstrap, run_name, tmp_path, start_stage):
+    from tests.helpers.kafka import produce, read_all, wait_consumed
+    stepped, entered, gate = [], threading.Event(), threading.Event()
+    service = Recording(lambda task, workspace: Gated(stepped, entered, gate),
+                        EnvServerSettings(sandbox="subprocess", workspace_root=str(tmp_path)))
+    httpd = serve(service, "127.0.0.1", 0)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    args = ("--env-url", url, "--sandbox", "subprocess", "--workspace-root", str(tmp_path), "--instance", "w0")
+    try:
+        stage = start_stage("env", bootstrap, run_name, *args)
+        first = episode("one")
+        first.task.trace_id = hdr.new_traceparent()
+        produce(bootstrap, run_name, "actions", [(b"t1", first, None)])
+        [obs] = read_all(bootstrap, run_name, "observations", expect=1, timeout=90)
+        second = episode("one", "hold")
+        second.task = first.task
+        second.turns[1].text = obs.record.turns[-1].text
+        produce(bootstrap, run_name, "actions", [(b"t1", second, None)])
+        assert entered.wait(60), stage.log_tail()
+        stage.kill()  # SIGKILL mid-step: the server is stepping the episode's second action
+        gate.set()
+        wait_for(lambda: stepped == ["one", "hold"], 30, "the server to finish the step it was given")
+        before = list(service.received)
+        stage.start()  # its successor redoes the uncommitted record: reset, the first action again, the second
+        wait_consumed(bootstrap, f"{run_name}.env", run_name, "actions", timeout=120)
+        observations = read_all(bootstrap, run_name, "observations")
+    finally:
+        gate.set()
+        httpd.shutdown()
+        service.live.close_all()
+    key = lambda call: idempotency_key(first.task, "g1:0", call)  # noqa: E731
+    # The killed worker held the episode's env: the second action was one step on it.
+    assert before == [("reset", key("reset")), ("step", key("step/1")), ("step", key("step/2"))]
+    assert service.received[len(before):] == [("reset", key("reset")), ("step", key("step/1")),
+                                              ("step", key("step/2"))]
+    assert service.received.count(("step", key("step/2"))) == 2, "the repeated step came with the same key"
+    # The server recognised the repeats: the plugin stepped each action once, and the redo got the first answers.
+    assert stepped == ["one", "hold"] and service.repeats == 3
+    assert [len([t for t in o.record.turns if t.role == "action"]) for o in observations] == [1, 2], \
+        "one observation per action on the topic: none lost, none duplicated"
+    assert observations[1].record.turns[-1].text == "stepped hold"

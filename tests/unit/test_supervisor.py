@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 from pathlib import Path
 
 from rlstream.infra.supervisor import StageProc, Supervisor
@@ -46,9 +45,9 @@ def test_sigterm_stops_it_and_it_starts_again_alike(tmp_path):
 def test_sigterm_ignored_ends_in_sigkill_after_the_timeout(tmp_path):
     proc = sleeper(tmp_path, "stubborn", "0", "ignore-term").start()
     ready(proc)
-    started = time.monotonic()
     assert proc.stop(timeout=1) == -signal.SIGKILL
-    assert 1 <= time.monotonic() - started < 20
+    # SIGTERM first, which it outlived; SIGKILL only then.
+    assert "term ignored" in proc.log_tail(), proc.log_tail()
 
 
 def test_kill_takes_its_children_with_it(tmp_path):

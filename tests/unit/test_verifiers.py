@@ -331,10 +331,10 @@ def test_a_judge_that_raises_gives_a_judge_error_reward():
 
 @pytest.mark.parametrize("fn", ["sleepy", "async_sleepy"])
 def test_a_judge_past_its_timeout_gives_a_judge_timeout_reward(fn):
-    started = time.monotonic()
+    # The judges sleep 1 s and 30 s: only the timeout (0.3 s) gives judge_timeout.
     reward = handle(f"{HERE}:{fn}", traj("5"), timeout_s=0.3)
     assert (reward.failure_class, reward.total) == ("judge_timeout", 0.0)
-    assert 300 <= reward.latency_ms < 1000 and time.monotonic() - started < 5
+    assert reward.violations == ["judge_timeout: no judgement within 0.3s"]
 
 
 def test_a_composite_part_raising_fails_the_whole_judgement():

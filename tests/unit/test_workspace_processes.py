@@ -65,7 +65,8 @@ def test_a_background_process_of_step_1_runs_at_step_3_and_is_gone_after_the_epi
         results.append(result.tool_result)
         if n == 1:
             time.sleep(0.5)
-    assert results[0].output == "started\n" and results[0].duration_ms < 3000
+    # The call ended with its own output, not at the tool timeout: it did not wait for the sleeper it started.
+    assert (results[0].output, results[0].failure_class) == ("started\n", None), results[0]
     alive, ticks = results[2].output.splitlines()
     assert alive == "alive" and int(ticks) >= 5
     # The sleeper (and the writer's subshell, forked with the same command line) run, inside the sandbox.
