@@ -171,6 +171,11 @@ class ServerAPI:
         """Load ``folder`` as ``version``; returns only once the server has loaded it. PushRejected if it refused."""
         raise PushRejected(f"{self.url}: a {self.kind} endpoint takes no weights from rlstream")
 
+    def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
+        """The server's log-prob of each of ``token_ids[1:]`` after the tokens before it (the load probe); None
+        when it cannot say (ServerError when it fails)."""
+        return None
+
     def healthy(self) -> bool:
         try:
             self._call("GET", "/health", timeout=5)
@@ -261,6 +266,16 @@ class VLLMServerAPI(OpenAICompletionsAPI):
             hint = (" (start vLLM with VLLM_SERVER_DEV_MODE=1 for its weight routes)" if exc.status == 404 else "")
             raise PushRejected(f"{self.url} did not load v{version} from {folder}: {exc.message[:300]}{hint}") from None
 
+    def probe_logprobs(self, token_ids):
+        # echo with logprobs: the prompt's own tokens come back first with their log-probs (the first has none).
+        reply = self._call("POST", "/v1/completions", {
+            "model": self.model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0.0, "echo": True,
+            "logprobs": 0}, timeout=60)
+        lps = ((reply.get("choices") or [{}])[0].get("logprobs") or {}).get("token_logprobs") or []
+        if len(lps) < len(token_ids):
+            raise ValueError(f"{self.url} echoed {len(lps)} prompt log-probs for a {len(token_ids)}-token probe")
+        return [_finite(x) for x in lps[1:len(token_ids)]]
+
     def weight_version(self) -> str | None:
         """The version the server says it holds (dev mode), None if it cannot say."""
         try:
@@ -307,6 +322,19 @@ class SGLangAPI(ServerAPI):
             raise PushRejected(f"{self.url} did not load v{version} from {folder}: {exc.message[:300]}") from None
         if not reply.get("success"):
             raise PushRejected(f"{self.url} did not load v{version} from {folder}: {reply.get('message')!r}")
+
+    def probe_logprobs(self, token_ids):
+        # Untested against a live server (no CPU build here): SGLang's documented input_token_logprobs, from
+        # logprob_start_len 0, as [logprob, token_id, text] per prompt token (the first has none).
+        reply = self._call("POST", "/generate", {
+            "input_ids": list(token_ids), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True, "logprob_start_len": 0}, timeout=60)
+        if isinstance(reply, list):
+            reply = reply[0]
+        pairs = (reply.get("meta_info") or {}).get("input_token_logprobs") or []
+        if len(pairs) < len(token_ids):
+            raise ValueError(f"{self.url} returned {len(pairs)} input log-probs for a {len(token_ids)}-token probe")
+        return [_finite(p[0]) for p in pairs[1:len(token_ids)]]
 
     def model_id(self) -> str:
         return ""  # the native API serves one model and takes no name

@@ -77,6 +77,7 @@ class PolicyEngine:
                                     tokenizer=self.tokenizer if remote else None, device=s.device,
                                     api_key=os.environ.get("RLSTREAM_GATEWAY_API_KEY", ""))
         self.tokenizer = getattr(self.backend, "tokenizer", None) or self.tokenizer
+        self.weights.verify_first(pv, self.backend)
         self.version = self.backend.version
         metrics.POLICY_VERSION.labels(self.name).set(self.version)
         log.info("gateway serving %s v%d on %s", pv.policy, pv.version, self.backend.name)
