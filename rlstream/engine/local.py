@@ -313,4 +313,3 @@ class VLLMBackend(InferenceBackend):
 
     def close(self) -> None:
         del self.llm
-
