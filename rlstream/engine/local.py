@@ -54,6 +54,10 @@ class TransformersBackend(InferenceBackend):
             raise ValueError(f"weights of v{version} do not fit the model: missing={missing} unexpected={unexpected}")
         self.version = version
 
+    @property
+    def probe_precise(self) -> bool:
+        return self.model.dtype == self.torch.float32
+
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         torch = self.torch
         seq = torch.tensor([token_ids], dtype=torch.long, device=self.device)
@@ -196,6 +200,11 @@ class VLLMBackend(InferenceBackend):
         # KV computed by the old weights must not be reused as cached prompt prefixes (nor by a sequence in flight).
         self.llm.reset_prefix_cache(reset_running_requests=True)
         self.version = version
+
+    @property
+    def probe_precise(self) -> bool:
+        import torch
+        return self.llm.llm_engine.model_config.dtype == torch.float32
 
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         from vllm import SamplingParams as VSampling

@@ -249,7 +249,8 @@ class PolicyWeights:
         if pv.probe_token_ids and pv.probe_logprobs:
             got = backend.probe_logprobs(list(pv.probe_token_ids))
             if got is not None:
-                probe.check(pv.version, getattr(backend, "name", "engine"), list(pv.probe_logprobs), got)
+                probe.check(pv.version, getattr(backend, "name", "engine"), list(pv.probe_logprobs), got,
+                            backend.probe_precise)
         self._good = pv
 
     def verify_first(self, pv: PolicyVersion, backend) -> None:

@@ -47,6 +47,9 @@ def test_probe_ids_spread_over_the_vocabulary_and_check_passes_within_tolerance(
     assert len(ids) == probe.PROBE_TOKENS and len(set(ids)) == len(ids) and max(ids) < 323
     probe.check(1, "engine", [-1.0, -2.0], [-1.0 - probe.TOLERANCE, -2.0])  # mean gap: half the tolerance
     probe.check(1, "engine", [-10.0, -20.0], [-10.0, -20.0 - 2 * probe.RELATIVE * 15])  # in proportion to the size
+    probe.check(1, "engine", [-10.0, -20.0], [-10.0, -20.0 - probe.PRECISE], precise=True)
+    with pytest.raises(ProbeMismatch, match=r"allowed 0\.0100"):  # fp32 on both sides: no room for bf16's error
+        probe.check(1, "engine", [-10.0, -20.0], [-10.0, -20.0 - 2 * probe.RELATIVE * 15], precise=True)
     with pytest.raises(ProbeMismatch, match=r"trainer \[-1\.000, -2\.000\], engine \[-3\.000, -2\.000\]"):
         probe.check(1, "engine", [-1.0, -2.0], [-3.0, -2.0])
     with pytest.raises(ProbeMismatch):  # another probe's answer
@@ -80,7 +83,7 @@ def test_a_version_whose_probe_disagrees_is_refused_and_the_last_good_one_is_ser
     before = refused()
     with caplog.at_level(logging.ERROR), pytest.raises(ProbeMismatch) as exc:
         weights.load(bad, backend)
-    assert exc.value.version == 1 and exc.value.gap > probe.allowed(bad.probe_logprobs)
+    assert exc.value.version == 1 and exc.value.gap > probe.allowed(bad.probe_logprobs, precise=True)
     assert "trainer [" in str(exc.value) and "engine [" in str(exc.value)  # both figures
     assert refused() == before + 1
     assert "still serving v0" in caplog.text
