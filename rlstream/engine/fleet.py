@@ -214,6 +214,28 @@ class ServerFleet(InferenceBackend):
         self._publish()
         return ok
 
+    def verify(self, version: int) -> None:
+        """The load probe on every server that holds ``version`` now (the first version, pushed before its probe was
+        known): one that fails takes no work until a push confirms. ProbeMismatch if none passes."""
+        passed, failure = 0, None
+        for server in list(self.servers):
+            if server.version != version or version not in self._probes:
+                continue
+            try:
+                self._probe(server, version)
+                passed += 1
+            except (ServerError, OSError, ValueError) as exc:
+                failure = exc
+                metrics.PUSH_FAILURES.labels(server.url).inc()
+                with self._cond:
+                    server.version, server.why = -1, str(exc)
+                    server.failed_push = (version, self.options.clock())
+                log.error("%s holds v%d but its log-probs are not the trainer's; it takes no work until a push "
+                          "confirms: %s", server.url, version, exc)
+        self._publish()
+        if not passed and failure is not None:
+            raise failure
+
     def _probe(self, server: Server, version: int) -> None:
         """ProbeMismatch (a ValueError) when ``server``'s log-probs after loading ``version`` are not the trainer's."""
         with self._cond:

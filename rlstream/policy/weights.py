@@ -222,8 +222,11 @@ class PolicyWeights:
         ``folder``'s, the backend's own, and ProbeMismatch (the backend holds the last good version again);
         RuntimeError when it could not be given back the last good version either (the engine is not fit to
         serve: the worker must stop)."""
-        if hasattr(backend, "expect_probe"):
+        if hasattr(backend, "expect_probe"):  # a fleet: each server is probed after its push, by the fleet
             backend.expect_probe(pv.version, list(pv.probe_token_ids), list(pv.probe_logprobs))
+            self._load(pv, backend)
+            self._good = pv
+            return
         self._load(pv, backend)
         try:
             self.verify(pv, backend)
@@ -246,7 +249,10 @@ class PolicyWeights:
         """The load probe of ``pv`` on the weights ``backend`` holds now (the first version, which the engine was
         built from, included): ProbeMismatch when they are not the trainer's. A version without a probe, or an
         engine that cannot answer one, passes unchecked."""
-        if pv.probe_token_ids and pv.probe_logprobs:
+        if hasattr(backend, "expect_probe"):
+            backend.expect_probe(pv.version, list(pv.probe_token_ids), list(pv.probe_logprobs))
+            backend.verify(pv.version)
+        elif pv.probe_token_ids and pv.probe_logprobs:
             got = backend.probe_logprobs(list(pv.probe_token_ids))
             if got is not None:
                 probe.check(pv.version, getattr(backend, "name", "engine"), list(pv.probe_logprobs), got,
@@ -257,7 +263,7 @@ class PolicyWeights:
         """``verify`` on the version an engine was built from; UserError if it fails (nothing good to serve)."""
         try:
             self.verify(pv, backend)
-        except ProbeMismatch as exc:
+        except (ProbeMismatch, OSError) as exc:  # OSError: no server of a fleet could answer its probe
             raise UserError(f"{exc}; the engine serves nothing else, so the worker stops (is the engine's dtype "
                             "or build the trainer's?)") from None
 

@@ -145,3 +145,21 @@ def test_a_fleet_server_whose_probe_disagrees_gets_no_work_for_that_version():
         fleet.load_weights("/w/v2", 2)
     assert fleet.version == 1 and all(s.version == -1 for s in fleet.servers)
     fleet.close()
+
+
+def test_a_fleets_first_version_pushed_before_its_probe_was_known_is_probed_on_every_server(folders):
+    good = [-1.0, -2.0]
+    a, b = ProbedStandin("a", {0: good}), ProbedStandin("b", {0: [-5.0, -5.0]})
+    fleet = ServerFleet([a, b], FleetOptions(request_timeout_s=2, workers=4))
+    fleet.load_weights("/w/v0", 0)  # as start_fleet pushes it, before the rollout knows the version's probe
+    pv0 = PolicyVersion(policy="p", version=0, weights_uri="/w/v0", created_at=0, published_at=0,
+                        probe_token_ids=[5, 6, 7], probe_logprobs=good)
+    PolicyWeights(folders[True][0].parent / "cache").verify_first(pv0, fleet)
+    assert [s.version for s in fleet.servers] == [0, -1] and "v0 refused" in fleet.servers[1].why
+    b.answers = {0: [-5.0, -5.0]}
+    a.answers = {0: [-5.0, -5.0]}
+    fleet.servers[1].version = 0
+    from rlstream.errors import UserError
+    with pytest.raises(UserError, match="v0 refused"):  # no server serves what the trainer published
+        PolicyWeights(folders[True][0].parent / "cache").verify_first(pv0, fleet)
+    fleet.close()
