@@ -7,10 +7,10 @@ gets none while it loads, so every request runs on one set of weights: the versi
 the request was dispatched, which is the version stamped on all its tokens. A server that fails to load keeps its
 old version and is quarantined (a log line and ``rlstream_inference_push_failures_total``); one that loaded it but
 fails the version's load probe (``rlstream.engine.probe``: its log-probs are not the trainer's) holds weights of no
-version and takes no work until a later push confirms (the health thread pushes it the fleet's version); the health thread
-pushes the target to it again every ``retry_push_s`` until it confirms, but not while a fleet-wide push is under
-way (it covers every server). Where the server names the version of each reply (SGLang), that is checked against
-the recorded one, and a mismatch is never stamped.
+version, and takes no work until a push confirms. The health thread pushes the target to such servers again every
+``retry_push_s`` until they confirm, but not while a fleet-wide push is under way (it covers every server). Where
+the server names the version of each reply (SGLang), that is checked against the recorded one, and a mismatch is
+never stamped.
 
 Routing. Each request goes to an eligible server (healthy, on the target, within its rate limits): the server its
 key (the episode) went to before if that one is eligible, since it holds the episode's prefix in cache, else the

@@ -41,8 +41,8 @@ class ProbeMismatch(ValueError):
                  precise: bool = False):
         self.version, self.engine, self.gap = version, engine, gap
         super().__init__(f"v{version} refused: {engine}'s log-probs of the load probe differ from the trainer's by "
-                         f"{gap:.4f} nats a token (allowed {allowed(expected, precise):.4f}): trainer {_short(expected)}, "
-                         f"engine {_short(got)}")
+                         f"{gap:.4f} nats a token (allowed {allowed(expected, precise):.4f}): "
+                         f"trainer {_short(expected)}, engine {_short(got)}")
 
 
 def _short(values: list[float]) -> str:
