@@ -71,6 +71,16 @@ class InferenceBackend(ABC):
         tensors are the caller's: copied in, not kept."""
         raise NotImplementedError(f"{self.name} loads weights from a folder only")
 
+    @property
+    def probe_precise(self) -> bool:
+        """Whether this engine computes log-probs in fp32 (the load probe's tighter tolerance then applies)."""
+        return False
+
+    def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
+        """The log-prob of each of ``token_ids[1:]`` after the tokens before it, under the weights loaded now
+        (the load probe, ``rlstream.engine.probe``); None when this engine cannot say."""
+        return None
+
     def close(self) -> None:
         """Release the engine."""
 

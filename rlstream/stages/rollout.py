@@ -212,6 +212,7 @@ class RolloutStage(Stage):
         pv, folder = self._first_version()
         self.max_context = self.settings.max_context or context_limit(folder)
         self.backend = self._make_backend(folder, pv.version)
+        self.weights.verify_first(pv, self.backend)
         self.tokenizer = getattr(self.backend, "tokenizer", None) or load_tokenizer(folder, flag="policy folder")
         self.version = self.backend.version
         metrics.POLICY_VERSION.labels(self.name).set(self.version)

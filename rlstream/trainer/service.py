@@ -30,6 +30,7 @@ import torch
 
 from rlstream import metrics
 from rlstream.config import KafkaSettings, LoopSettings
+from rlstream.engine.probe import trainer_probe
 from rlstream.errors import UserError
 from rlstream.kafka import records
 from rlstream.kafka.group import GroupMember
@@ -407,6 +408,9 @@ class TrainerService:
             if full_checkpoint:
                 write_optimizer_states(folder, optimizer_states, self.engine.sharded)
 
+        # The load probe every engine must reproduce for this version (rlstream.engine.probe); a sharded model has no
+        # whole copy on this rank to run it on, so its versions go unprobed.
+        probe_ids, probe_lps = ([], []) if self.engine.sharded else trainer_probe(self.model)
         pending = PendingVersion(self._writes, self.store, policy, version, write)
         if self.weight_log is None:
             pending.uri()  # nothing to send before the folder is there: the transaction stays short
@@ -427,7 +431,8 @@ class TrainerService:
                                    created_at=created, published_at=hdr.now_ms(), step=version,
                                    parent_version=self.version, samples_trained=samples, metrics=stats,
                                    trainer_id=self.group_id, tokenizer_hash=self._tokenizer_hash,
-                                   content_hash=written["digest"])
+                                   content_hash=written["digest"], probe_token_ids=probe_ids,
+                                   probe_logprobs=probe_lps)
             records.produce(self.txn, self.kafka.run, "policy-versions", policy, record, version)
             for m, reason, error in self._pop_letters():
                 self.txn.dead_letter("trainer", m, reason, error)

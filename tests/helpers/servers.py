@@ -45,8 +45,10 @@ class VLLMServer:
         self.proc.wait(30)
 
 
-def start_vllm_server(folder: Path, log: Path, dev_mode: bool = True, max_model_len: int = 64) -> VLLMServer:
-    """Start a server for ``folder`` (its weight routes on with ``dev_mode``); call ``wait_ready`` before use."""
+def start_vllm_server(folder: Path, log: Path, dev_mode: bool = True, max_model_len: int = 64,
+                      extra: tuple[str, ...] = ()) -> VLLMServer:
+    """Start a server for ``folder`` (its weight routes on with ``dev_mode``; ``extra`` arguments after the usual
+    ones); call ``wait_ready`` before use."""
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     env.pop("VLLM_SERVER_DEV_MODE", None)
@@ -55,6 +57,6 @@ def start_vllm_server(folder: Path, log: Path, dev_mode: bool = True, max_model_
     out = open(log, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                              "--port", str(port), "--host", "127.0.0.1", "--max-model-len", str(max_model_len),
-                             "--dtype", "float32", "--enforce-eager", "--seed", "0"], env=env, stdout=out,
+                             "--dtype", "float32", "--enforce-eager", "--seed", "0", *extra], env=env, stdout=out,
                             stderr=subprocess.STDOUT, start_new_session=True)
     return VLLMServer(proc, f"http://127.0.0.1:{port}", log)

@@ -67,6 +67,7 @@ def test_workers_without_a_shared_path_load_versions_from_the_log_and_refuse_a_b
             ref = parse_uri(pv.weights_uri)  # every version was announced on the log, with its hash
             assert ref.version == pv.version and ref.anchor == pv.version - pv.version % 2
             assert pv.content_hash == content_hash(truth[pv.version])
+            assert len(pv.probe_logprobs) == len(pv.probe_token_ids) - 1 > 0, "every version carries its load probe"
         assert len({pv.content_hash for pv in versions}) == 4, "a step did not change the weights"
         chunks = [s.record for s in read_all(bootstrap, run_name, "weights")]
         assert [(c.version, c.kind) for c in chunks if c.chunk == 0] == [(0, "anchor"), (1, "delta"), (2, "anchor"),
