@@ -8,7 +8,6 @@ policy version out.
 - ``fleet``: many servers as one backend: pushes confirmed per server, least-loaded routing with episode affinity,
   health checks, failover.
 - ``limits``: per-server rate limits for hosted endpoints.
-- ``probe``: the load probe, checked after every load (the trainer's log-probs of a fixed token sequence).
 - ``vllm_worker``: code run inside vLLM's worker (a tied output head refreshed after each reload).
 - ``factory``: ``make_backend`` by name.
 """

@@ -78,7 +78,7 @@ class InferenceBackend(ABC):
 
     def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
         """The log-prob of each of ``token_ids[1:]`` after the tokens before it, under the weights loaded now
-        (the load probe, ``rlstream.engine.probe``); None when this engine cannot say."""
+        (the load probe, ``rlstream.policy.probe``); None when this engine cannot say."""
         return None
 
     def close(self) -> None:

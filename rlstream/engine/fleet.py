@@ -6,7 +6,7 @@ a server that confirmed the target takes new work. A server is never pushed to w
 gets none while it loads, so every request runs on one set of weights: the version the server had confirmed when
 the request was dispatched, which is the version stamped on all its tokens. A server that fails to load keeps its
 old version and is quarantined (a log line and ``rlstream_inference_push_failures_total``); one that loaded it but
-fails the version's load probe (``rlstream.engine.probe``: its log-probs are not the trainer's) holds weights of no
+fails the version's load probe (``rlstream.policy.probe``: its log-probs are not the trainer's) holds weights of no
 version, and takes no work until a push confirms. The health thread pushes the target to such servers again every
 ``retry_push_s`` until they confirm, but not while a fleet-wide push is under way (it covers every server). Where
 the server names the version of each reply (SGLang), that is checked against the recorded one, and a mismatch is
@@ -42,7 +42,7 @@ from pathlib import Path
 
 from rlstream import metrics
 from rlstream.schemas.records import SamplingParams
-from rlstream.engine import probe
+from rlstream.policy import probe
 from rlstream.engine.base import BetweenSteps, Generation, InferenceBackend
 from rlstream.engine.limits import RateLimits
 from rlstream.engine.servers import Call, PushRejected, ServerAPI, ServerError

@@ -5,7 +5,7 @@
   with ``collective_rpc("reload_weights")`` without a restart, between engine steps
   of a generation in progress if need be (AReaL's interruptible generation).
 
-Both answer the load probe (``probe_logprobs``, see ``rlstream.engine.probe``) after each load.
+Both answer the load probe (``probe_logprobs``, see ``rlstream.policy.probe``) after each load.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ are pushed to it, and how its health and its tokenizer are checked.
   needs ``--worker-extension-cls rlstream.engine.vllm_worker.RLStreamWorker`` too: after each reload the push calls
   its ``rlstream_refresh_tied_head`` (``engine.vllm_worker``).
 - Every kind that takes weights answers the load probe (``probe_logprobs``: the prompt's own log-probs, vLLM's
-  ``echo`` or SGLang's ``input_token_logprobs``), which the fleet checks after each push (``engine.probe``).
+  ``echo`` or SGLang's ``input_token_logprobs``), which the fleet checks after each push (``policy.probe``).
 - ``sglang``: SGLang's native ``/generate`` with ``input_ids`` and ``return_logprob``; tokens and log-probs come
   from ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` per token). Weights:
   ``POST /update_weights_from_disk`` ``{"model_path": FOLDER, "weight_version": "N"}`` (``success`` and

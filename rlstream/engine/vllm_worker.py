@@ -4,7 +4,7 @@ its ``--worker-extension-cls``): refreshing a tied output head after ``reload_we
 A vLLM server gets it by being started with ``--worker-extension-cls rlstream.engine.vllm_worker.RLStreamWorker``
 (rlstream importable there); a push then calls ``/collective_rpc rlstream_refresh_tied_head`` after each reload.
 A server started without it cannot refresh a tied head; the load probe then refuses what it serves
-(``rlstream.engine.probe``).
+(``rlstream.policy.probe``).
 
 Imports nothing of vLLM at module level: the rollout imports it without vLLM installed.
 """

@@ -24,9 +24,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from rlstream import metrics
-from rlstream.engine import probe
+from rlstream.policy import probe
 from rlstream.errors import UserError
-from rlstream.engine.probe import ProbeMismatch
+from rlstream.policy.probe import ProbeMismatch
 from rlstream.policy.deltas import folder_hash
 from rlstream.policy.weight_log import WeightLogReader, is_log_uri
 from rlstream.schemas.records import PolicyVersion
@@ -179,7 +179,7 @@ class PolicyWeights:
     ValueError refuses the version, OSError says it is not readable now; either way the caller keeps what it
     holds.
 
-    After every load the engine answers the version's load probe (``rlstream.engine.probe``, when the version
+    After every load the engine answers the version's load probe (``rlstream.policy.probe``, when the version
     carries one): an engine whose log-probs are not the trainer's gets the last good version loaded back and the
     new one is refused (``ProbeMismatch``, a ValueError). A fleet checks each server itself (``expect_probe``)."""
 

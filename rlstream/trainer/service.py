@@ -30,7 +30,7 @@ import torch
 
 from rlstream import metrics
 from rlstream.config import KafkaSettings, LoopSettings
-from rlstream.engine.probe import trainer_probe
+from rlstream.policy.probe import trainer_probe
 from rlstream.errors import UserError
 from rlstream.kafka import records
 from rlstream.kafka.group import GroupMember
@@ -408,7 +408,7 @@ class TrainerService:
             if full_checkpoint:
                 write_optimizer_states(folder, optimizer_states, self.engine.sharded)
 
-        # The load probe every engine must reproduce for this version (rlstream.engine.probe); a sharded model has no
+        # The load probe every engine must reproduce for this version (rlstream.policy.probe); a sharded model has no
         # whole copy on this rank to run it on, so its versions go unprobed.
         probe_ids, probe_lps = ([], []) if self.engine.sharded else trainer_probe(self.model)
         pending = PendingVersion(self._writes, self.store, policy, version, write)

@@ -61,7 +61,7 @@ def test_every_load_passes_the_trainers_probe_mid_generation_included(engine):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlstream.engine.probe import trainer_probe
+    from rlstream.policy.probe import trainer_probe
     from rlstream.policy.weights import PolicyWeights
     from rlstream.schemas.records import PolicyVersion
     tok, v0, v1, _, backend = engine
@@ -104,7 +104,7 @@ def test_a_stale_head_fails_the_probe_and_the_last_good_version_is_served_again(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlstream.engine.probe import ProbeMismatch, trainer_probe
+    from rlstream.policy.probe import ProbeMismatch, trainer_probe
     from rlstream.policy.weights import PolicyWeights
     from rlstream.schemas.records import PolicyVersion
     tok, v0, v1, _, backend = engine
@@ -141,7 +141,7 @@ def test_a_vllm_server_serves_a_tied_models_pushed_version_and_one_that_cannot_g
     from transformers import AutoModelForCausalLM
 
     from rlstream.engine.fleet import FleetOptions, NoServerAvailable, ServerFleet
-    from rlstream.engine.probe import trainer_probe
+    from rlstream.policy.probe import trainer_probe
     from rlstream.engine.servers import VLLMServerAPI
     from tests.helpers.servers import start_vllm_server
     tok = chat_tokenizer()

@@ -1,4 +1,4 @@
-"""The load probe (rlstream.engine.probe): the trainer's log-probs of a fixed token sequence travel with the version,
+"""The load probe (rlstream.policy.probe): the trainer's log-probs of a fixed token sequence travel with the version,
 and every load is checked against them. On the transformers engine with real tiny Llamas built in code (tied and
 untied), through PolicyWeights as the rollout and gateway load; the fleet's part on stand-in servers (what is tested
 there is the fleet's bookkeeping, not a server: real servers are tests/integration/)."""
@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 
 from rlstream import metrics
 from rlstream.engine import TransformersBackend
-from rlstream.engine import probe
+from rlstream.policy import probe
 from rlstream.engine.base import Generation
 from rlstream.engine.fleet import FleetOptions, ServerFleet
-from rlstream.engine.probe import ProbeMismatch, trainer_probe
+from rlstream.policy.probe import ProbeMismatch, trainer_probe
 from rlstream.engine.servers import ServerAPI
 from rlstream.policy.weights import PolicyWeights
 from rlstream.schemas.records import PolicyVersion, SamplingParams
