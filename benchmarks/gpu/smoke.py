@@ -59,6 +59,8 @@ PENDING = {
     "gpu-defaults": "pending issue 26 item 4: bf16 autocast and micro-batching by default on CUDA, "
                     "--attn-implementation, --enforce-eager",
 }
+#: Called after each check (main writes the JSON so far).
+AFTER_EACH: list = []
 #: ``--only``: the checks (names or prefixes) to run; empty: all of them.
 ONLY: list[str] = []
 
@@ -69,7 +71,7 @@ def preflight(args) -> dict:
     cuda = torch.cuda.is_available()
     figures = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                "cuda_available": cuda, "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-               if cuda else [], "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+               if cuda else [], "nccl": _nccl() if cuda else None,
                "auto": str(resolve_device("auto", local_rank=0)), "device": str(args.device)}
     for part in ("transformers", "vllm", "deepspeed", "confluent_kafka", "fastavro"):
         spec = importlib.util.find_spec(part)
@@ -84,6 +86,21 @@ def preflight(args) -> dict:
     if args.devices == "cuda" and not cuda:
         raise AssertionError("--devices cuda: torch sees no CUDA device")
     return figures
+
+
+def _nccl() -> str:
+    version = torch.cuda.nccl.version()  # a tuple in recent torch, an int (2708: 2.7.8) in older ones
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def _commit() -> str:
+    """The source tree's commit; where it is a copy without git (a lent machine gets the files alone),
+    ``$RLSTREAM_COMMIT`` or ``?``."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=30).stdout.strip() or os.environ.get("RLSTREAM_COMMIT", "?")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("RLSTREAM_COMMIT", "?")
 
 
 def _version(part: str) -> str:
@@ -231,6 +248,8 @@ def record(results: list, name: str, fn, *a) -> dict | None:
     results.append(entry)
     print(f"{entry['status']} {name} ({entry['seconds']:.1f} s)" + (f": {entry['reason']}" if entry["reason"] else ""),
           flush=True)
+    for save_so_far in AFTER_EACH:  # the JSON so far: a run killed at its time limit still leaves its results
+        save_so_far()
     return entry["figures"] if entry["status"] == "PASS" else None
 
 
@@ -259,11 +278,12 @@ def main(argv=None) -> int:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports DeepSpeed
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = _commit()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    print(f"smoke: {started} commit {commit or '?'} device {args.device} hidden {args.hidden} layers {args.layers}",
+    print(f"smoke: {started} commit {commit} device {args.device} hidden {args.hidden} layers {args.layers}",
           flush=True)
     results: list[dict] = []
+    AFTER_EACH[:] = [lambda: _write(args, results, started, commit, done=False)]
     work = Path(tempfile.mkdtemp(prefix="rlstream-gpu-smoke-"))
     server = None
     try:
@@ -303,14 +323,19 @@ def _raise(exc: Exception):
 
 
 def _finish(args, results: list[dict], started: str, commit: str) -> int:
-    counts = {s: sum(r["status"] == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+    counts = _write(args, results, started, commit, done=True)
     print(f"smoke: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP", flush=True)
+    return 1 if counts["FAIL"] else 0
+
+
+def _write(args, results: list[dict], started: str, commit: str, done: bool) -> dict:
+    counts = {s: sum(r["status"] == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     if args.out:
         Path(args.out).write_text(json.dumps({
             "benchmark": "gpu_smoke", "started": started, "commit": commit, "device": str(args.device),
             "devices": args.devices, "hidden": args.hidden, "layers": args.layers, "host": platform.node(),
-            "counts": counts, "checks": results}, indent=1, default=str) + "\n")
-    return 1 if counts["FAIL"] else 0
+            "complete": done, "counts": counts, "checks": results}, indent=1, default=str) + "\n")
+    return counts
 
 
 if __name__ == "__main__":
