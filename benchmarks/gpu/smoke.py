@@ -230,8 +230,12 @@ def _process_group(device: torch.device) -> None:
 
 # -- the run -----------------------------------------------------------------------------------------------------
 
+def wanted(name: str) -> bool:
+    return not ONLY or any(name.startswith(o) for o in ONLY)
+
+
 def record(results: list, name: str, fn, *a) -> dict | None:
-    if ONLY and not any(name.startswith(o) for o in ONLY):
+    if not wanted(name):
         return None
     started = time.perf_counter()
     entry = {"name": name, "status": "PASS", "reason": "", "part": "", "figures": {}}
@@ -293,7 +297,7 @@ def main(argv=None) -> int:
                 record(results, name, _raise, Skip("--devices cuda: no CUDA device here"))
             return _finish(args, results, started, commit)
         server_states = None
-        if importlib.util.find_spec("vllm") is not None and not (ONLY and "vllm-server" not in ONLY):
+        if importlib.util.find_spec("vllm") is not None and wanted("vllm-server"):
             # Started first: it loads while the other checks run.
             server_states = versions(args, False, 3)
             args.server_folders = [save(reference(args, False, s), work / "server" / f"v{i}")
@@ -304,7 +308,7 @@ def main(argv=None) -> int:
         record(results, "behaviour-untied", behaviour_check, args, work, False)
         record(results, "behaviour-tied", behaviour_check, args, work, True)
         record(results, "vllm", vllm_check, args, work)
-        record(results, "vllm-server", lambda: server_check(args, server, server_states) if server else need("vllm"))
+        record(results, "vllm-server", server_check, args, server, server_states)
         ref: dict = {}  # the plain engine's run, made by the first sharded check and compared by each
         for sharding in ("ddp", "zero1", "zero2", "zero3", "fsdp2"):
             record(results, sharding, sharded_check, args, sharding, ref)

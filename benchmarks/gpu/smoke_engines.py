@@ -16,7 +16,10 @@ from benchmarks.gpu.smoke_parts import need, prompts_of, reference, save, traine
 def compare(args, tied: bool, state: dict, prompts, gens, tol: float, label: str, figures: dict) -> None:
     """Each generation's log-probs against the trainer's for the version in ``state``."""
     model = reference(args, tied, state)
-    diffs = [worst(zip(g.logprobs, trainer_logprobs(model, args.device, p, g.token_ids))) for p, g in zip(prompts, gens)]
+    if not gens or any(not g.token_ids or len(g.logprobs) != len(g.token_ids) for g in gens):
+        raise AssertionError(f"{label}: a generation without tokens, or without a log-prob for each")
+    diffs = [worst(zip(g.logprobs, trainer_logprobs(model, args.device, p, g.token_ids)))
+             for p, g in zip(prompts, gens)]
     figures[f"{label}_max_dlogprob"] = max(diffs)
     figures[f"{label}_tokens"] = sum(len(g.token_ids) for g in gens)
     if max(diffs) > tol:
@@ -125,6 +128,8 @@ def start_server(args, folder: Path, log: Path):
 
 def server_check(args, server, states) -> dict:
     need("vllm")
+    if server is None:
+        raise AssertionError("the vLLM server was not started")
     from rlstream.engine.servers import VLLMServerAPI
     from rlstream.schemas.records import SamplingParams
     proc, url, log = server
