@@ -1,11 +1,15 @@
 """check-pins: fail when a package installed in this Python is not pinned, at its version, in the profile's files.
 
-Usage: python infra/check_pins.py CONSTRAINTS [CONSTRAINTS ...]  (run by the Python whose packages it checks).
+Usage: python infra/check_pins.py [--report REPORT.json] CONSTRAINTS [CONSTRAINTS ...]  (run by the Python whose
+packages it checks). With --report, the packages checked are those of a `pip install --dry-run --report` (what
+would be installed), not those installed: how CI checks the GPU profile on a machine without a GPU.
 A profile is one or more constraints files (constraints.txt; constraints-gpu.txt; constraints.txt plus
 constraints-trl.txt for TRL's venv). A pin may carry an environment marker (`pkg==1.0; python_version >= "3.13"`):
 it counts only where the marker holds, so one file serves every supported Python. Only the standard library and
 pip's vendored `packaging` are used: this runs before anything else is known to be installed.
 """
+import argparse
+import json
 import re
 import sys
 from importlib import metadata
@@ -35,17 +39,26 @@ def pins(paths: list[str]) -> set[tuple[str, str]]:
     return out
 
 
-def main(paths: list[str]) -> int:
+def main(paths: list[str], report: str | None = None) -> int:
     pinned = pins(paths)
-    seen = {(norm(d.metadata["Name"]), d.version) for d in metadata.distributions()}
+    if report:
+        seen = {(norm(i["metadata"]["name"]), i["metadata"]["version"]) for i in json.load(open(report))["install"]}
+    else:
+        seen = {(norm(d.metadata["Name"]), d.version) for d in metadata.distributions()}
     loose = sorted(f"{n}=={v}" for n, v in seen if n not in IGNORED and (n, v) not in pinned)
     if loose:
-        print(f"installed but not pinned in {' + '.join(paths)}: {loose}", file=sys.stderr)
+        print(f"{'would be installed' if report else 'installed'} but not pinned in {' + '.join(paths)}: {loose}", file=sys.stderr)
         return 1
+    if report:
+        versions = dict(seen)
+        print(f"resolves: {len(seen)} packages (vllm {versions.get('vllm', '-')}, torch {versions.get('torch', '-')}),"
+              f" all pinned in {' + '.join(paths)}")
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python infra/check_pins.py CONSTRAINTS [CONSTRAINTS ...]")
-    sys.exit(main(sys.argv[1:]))
+    parser = argparse.ArgumentParser(description="fail when a package is not pinned in the profile's files")
+    parser.add_argument("--report", help="check a `pip install --dry-run --report` file instead of this Python")
+    parser.add_argument("constraints", nargs="+")
+    args = parser.parse_args()
+    sys.exit(main(args.constraints, args.report))
