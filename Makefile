@@ -2,7 +2,8 @@
 PY ?= python3
 # Every pip call installs under these pins: the whole environment, side installs included. A profile is its own
 # file (constraints.txt: CPU, vLLM's CPU build; constraints-gpu.txt: CUDA, vLLM's CUDA build), made from a real
-# resolution on Python 3.11, 3.12 and 3.13 (a pin that differs by Python carries an environment marker).
+# resolution and checked on Python 3.11, 3.12 and 3.13 (a pin that had to differ by Python would carry an
+# environment marker: infra/check_pins.py honours them).
 CONSTRAINTS := $(CURDIR)/constraints.txt
 GPU_CONSTRAINTS := $(CURDIR)/constraints-gpu.txt
 PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
@@ -45,8 +46,9 @@ side-installs:
 # A GPU host in one command: the project, vLLM's CUDA build (the PyPI `vllm`, which runs on the same torch 2.13 as
 # the CPU profile) and the broker jars, pinned by constraints-gpu.txt. WITH_FLASH_ATTN=1 adds flash-attn (built
 # against the installed torch: it needs nvcc, and minutes; PyPI has its source only). SGLang pins a torch of its
-# own (2.14.1), so it gets its own venv: `make setup-sglang`. Refused where `nvidia-smi` is missing or sees no GPU: this profile's
-# wheels are CUDA's, and on such a machine `make setup-vllm` is the one to run.
+# own (2.14.1), so it gets its own venv: `make setup-sglang`. Refused where `nvidia-smi` is missing or lists no
+# GPU (this profile's wheels are CUDA's: there `make setup-vllm` is the one to run), and after the install where
+# torch does not see the GPUs nvidia-smi lists (infra/gpu_check.sh). Not yet run on a GPU host.
 setup-gpu:        ## the GPU profile: vLLM's CUDA build (constraints-gpu.txt); WITH_FLASH_ATTN=1 adds flash-attn
 	@bash infra/gpu_check.sh
 	PIP_CONSTRAINT=$(GPU_CONSTRAINTS) $(PY) -m pip install -q -c $(GPU_CONSTRAINTS) -e ".[dev,gpu]"
