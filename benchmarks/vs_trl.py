@@ -40,7 +40,10 @@ from rlstream.trainer.chain import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_VENV = ROOT / ".rlstream" / "trl-venv"
-TRL_VERSION = "1.16.0"
+# TRL and whatever it adds on top of constraints.txt: pinned there, not resolved at test time.
+TRL_CONSTRAINTS = ROOT / "constraints-trl.txt"
+TRL_VERSION = next(line.split("==")[1].strip() for line in TRL_CONSTRAINTS.read_text().splitlines()
+                   if line.startswith("trl=="))
 
 
 # -- TRL side (runs inside the venv) ---------------------------------------------------------------------
@@ -130,7 +133,9 @@ def run_trl(latency: str, args, sync_reward: bool = False) -> dict:
     check = subprocess.run([str(python), "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True)
     if check.stdout.strip() != TRL_VERSION:
         subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"),
-                        f"trl=={TRL_VERSION}"], check=True)
+                        "-c", str(TRL_CONSTRAINTS), "trl"], check=True)
+        subprocess.run([str(python), str(ROOT / "infra" / "check_pins.py"), str(ROOT / "constraints.txt"),
+                        str(TRL_CONSTRAINTS)], check=True)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = dict(os.environ, BENCH_REWARD_LATENCY_S=latency if latency != "heavy" else "0",
                    OMP_NUM_THREADS=str(args.threads),

