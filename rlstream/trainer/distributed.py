@@ -175,8 +175,10 @@ def launcher_ranks(env=None) -> Launched | None:
     world = _int(env, world_name, launcher, fix)
     if world < 1:
         raise UsageError(f"{world_name}={world}: expected at least 1 rank")
-    if world == 1:  # a plain trainer, which may start ranks of its own only if the launcher says nothing
-        return Launched(launcher, 0, 1, 0, 1, "", 0)
+    if world == 1:
+        # A world of one is a plain trainer; under torchrun itself (its run id set) it may not start ranks of its own
+        # (check_launcher). Elsewhere WORLD_SIZE=1 is no launcher's: a single-process engine sets it (ZeRO).
+        return Launched(launcher, 0, 1, 0, 1, "", 0) if env.get("TORCHELASTIC_RUN_ID") else None
     rank, local_rank = _int(env, rank_name, launcher, fix), _int(env, local_name, launcher, fix)
     if not 0 <= rank < world:
         raise UsageError(f"{rank_name}={rank} with {world_name}={world}: a rank is 0 to {world - 1}; {fix}")

@@ -103,7 +103,9 @@ def test_launcher_variables_map_to_ranks():
     assert launcher_ranks(one_node).master_addr == "127.0.0.1"
     assert launcher_ranks({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
     assert launcher_ranks({}) is None
-    assert launcher_ranks({"WORLD_SIZE": "1"}).world == 1
+    # A world of one: torchrun's is one (its store: no --nproc of our own), a leftover WORLD_SIZE=1 is nothing.
+    assert launcher_ranks({"WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "x"}).world == 1
+    assert launcher_ranks({"WORLD_SIZE": "1", "RANK": "0"}) is None
 
 
 @pytest.mark.parametrize("env,message", [
