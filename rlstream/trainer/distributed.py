@@ -31,7 +31,9 @@ the ranks. Run ``rlstream run trainer`` itself under ``srun``, not in the batch 
 
 The launcher watches the ranks. A rank that dies takes the trainer down (``launch`` kills the others and exits
 non-zero; torchrun does the same; srun needs ``--kill-on-bad-exit=1``); its supervisor restarts every rank, which
-resume from the last announced version as a single trainer does. Liveness is the launcher's job, so the
+resume from the last announced version as a single trainer does. SIGTERM to torchrun reaches every rank: rank 0
+ends its step and stops the others, all exit 0, and torchrun itself then exits 1 with its own SignalException
+(torchrun's way, not a failed step). Liveness is the launcher's job, so the
 collectives wait without a timeout of their own (a trainer waits on Kafka for as long as the loop is idle).
 Verified on the CPU only (gloo: ``--nproc``, torchrun on one node and as two "nodes" over loopback, srun's
 variables set by hand); NCCL across real machines and a real Slurm cluster have not run here.
@@ -205,7 +207,7 @@ def _int(env, name: str, launcher: str, fix: str) -> int:
         return int(value)
     except ValueError:
         what = "is not set" if not value else f"is {value!r}, not a number"
-        raise UsageError(f"{name} {what} although {launcher}'s variables are: {fix}") from None
+        raise UsageError(f"{name} {what}, though {launcher}'s other rank variables are set: {fix}") from None
 
 
 def check_launcher(nproc: int, launched: Launched | None) -> None:
