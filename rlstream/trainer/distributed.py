@@ -19,7 +19,7 @@ command lines that work (``rlstream.cli`` as a module, so a launcher can run it 
     # one machine, 2 ranks started by torchrun (its own free port: --standalone)
     torchrun --standalone --nproc-per-node 2 -m rlstream.cli run trainer ...
     # two machines, 8 GPUs each (run on both; HOST0 is the first one's address, PORT any free port there)
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:PORT \
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST0:PORT \\
         -m rlstream.cli run trainer ...
     # Slurm: one task per rank (--ntasks-per-node = GPUs per node); srun sets no rendezvous, so set it
     export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1) MASTER_PORT=PORT
