@@ -53,7 +53,7 @@ from rlstream.trainer.chain import chain_stats
 from rlstream.trainer.checkpoint import (PendingVersion, VersionWriter, load_resumed, resume_optimizer_states,
                                          write_optimizer_states)
 from rlstream.trainer.distill import DistillConfig, coef_at
-from rlstream.trainer.distributed import Ranks, check_nproc, launch
+from rlstream.trainer.distributed import Ranks, check_ranks, start_ranks
 from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.gate import OutcomeBooks, SampleGate, trajectory_of
 from rlstream.trainer.microbatch import StepBudget, step_budget, train_step
@@ -77,7 +77,7 @@ class TrainerService:
             raise ValueError("--gpu-memory-fraction must be in (0, 1]: a share of the GPU's memory")
         if settings.checkpoint_every < 1:
             raise ValueError("--checkpoint-every must be at least 1 (1: the optimizer state with every version)")
-        check_nproc(settings.nproc, settings.device, settings.threads)
+        self.launched = check_ranks(settings.nproc, settings.device, settings.threads)  # torchrun's or srun's
         self.settings = settings
         self.ranks = Ranks()  # this process's rank; set by the launcher on several ranks
         self.device: torch.device | None = None  # with the knobs that follow it: _place
@@ -116,9 +116,9 @@ class TrainerService:
 
     def serve(self, kafka: KafkaSettings, runtime: RuntimeSettings = RuntimeSettings()) -> None:
         """Train until SIGTERM or max_steps; every step ends in a committed transaction."""
-        if self.settings.nproc > 1 and self.ranks.world == 1:  # the launcher: the ranks run serve_rank
-            launch(self.settings.nproc, serve_rank, (self.settings, self.loop, kafka, runtime), self.settings.device)
-            return
+        if self.ranks.world == 1 and start_ranks(self.settings.nproc, self.launched, serve_rank,
+                                                 (self.settings, self.loop, kafka, runtime), self.settings.device):
+            return  # the ranks ran serve_rank
         torch.set_num_threads(resolve_threads(self.settings.threads))
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stopping", True))
@@ -177,7 +177,7 @@ class TrainerService:
         if self.device is not None:
             return
         s = self.settings
-        self.device = resolve_device(s.device, self.ranks.rank)
+        self.device = resolve_device(s.device, self.ranks.local_rank)
         cuda = self.device.type == "cuda"
         precision = resolve_precision(self.device.type, s.dtype, s.autocast, s.publish_dtype,
                                       bf16_supported=cuda and torch.cuda.is_bf16_supported())
@@ -484,8 +484,9 @@ class TrainerService:
 
 def serve_rank(ranks: Ranks, settings: TrainerSettings, loop: LoopSettings, kafka: KafkaSettings,
                runtime: RuntimeSettings) -> None:
-    """One rank of ``--nproc N``: rank 0 is the trainer, the others follow its commands (trainer/distributed.py)."""
-    torch.set_num_threads(resolve_threads(settings.threads, share=settings.nproc))
+    """One rank of ``--nproc N`` or a launcher's: rank 0 is the trainer, the others follow its commands
+    (trainer/distributed.py)."""
+    torch.set_num_threads(resolve_threads(settings.threads, share=ranks.local_world))
     service = TrainerService(settings, loop)
     service.ranks = ranks
     if not ranks.lead:

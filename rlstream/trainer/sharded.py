@@ -18,6 +18,7 @@ import os
 import torch
 
 from rlstream.models.devices import autocast
+from rlstream.trainer.distributed import free_port
 from rlstream.trainer.engine import TorchEngine, adam_steps, set_lr, warmup_lr
 
 
@@ -53,7 +54,8 @@ class DeepSpeedEngine:
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29511")
+        if "MASTER_PORT" not in os.environ:  # never a fixed port: two trainers on one machine would meet on it
+            os.environ["MASTER_PORT"] = str(free_port())
         if device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed

@@ -17,11 +17,16 @@ from rlstream.trainer.distributed import Ranks, cpu_cores, launch
 from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.microbatch import train_step
 from rlstream.trainer.update import UpdateConfig
+from tests.helpers.cores import require_cores
 from tests.helpers.kafka import produce, read_all, wait_for
 from tests.integration.test_trainer import G, produce_groups, scored_group
 from tests.unit.test_microbatch import mixed_batch
 
-pytestmark = pytest.mark.skipif(cpu_cores() < 2, reason="2 ranks need 2 cores")
+
+@pytest.fixture(autouse=True)
+def two_cores():
+    require_cores(2)
+
 
 STEPS = 4
 #: Losses of 2 ranks against 1, for every engine: the same sums in another order and gradients averaged across ranks
