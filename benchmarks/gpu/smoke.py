@@ -22,7 +22,18 @@ Checks (each on the ``--devices`` device; a check that cannot run here says SKIP
 - ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp2`` at world size 1 (NCCL on CUDA, gloo on the CPU): losses and
   gradient norms equal the plain engine's on the same batches; the optimizer state saved after two steps and
   resumed in a new engine gives the same next steps as the run that went on.
-- pending (SKIP until their code lands; issue 26 items 2 and 4): the tied-embedding probe on vLLM, the GPU defaults.
+- ``vllm-tied``: a tied Qwen2 on in-process vLLM loads v1 from its folder and v2 from tensors; after each load
+  the engine's answer to the load probe is the trainer's within the probe's tolerance (``policy.probe.check``),
+  and the log-probs of what it samples are the trainer's for that version.
+- ``gpu-defaults``: the trainer's ``auto`` knobs resolved on this device by the project's own functions
+  (``trainer.precision.resolve_precision``, ``trainer.microbatch.step_budget``, ``engine.factory.
+  resolve_enforce_eager``, ``models.loading.resolve_attention``, ``infra.placement.gpus``) are what
+  docs/architecture.md ("Defaults on a GPU") says: on CUDA fp32 masters under bf16 autocast published in bf16, a
+  micro-batch budget sized from the memory left, CUDA graphs on; on the CPU each as before; one step runs with them.
+
+At the end the run's figures (counts, the largest difference each check measured) go to the results API
+(``benchmarks.harness.record``: a line in ``benchmarks/results/gpu_smoke.jsonl``, none under a test), with the goal
+``failed <= 0``.
 
 Models are random Qwen2s built in code (no downloads, no network), fp32 weights; ``--hidden``/``--layers`` size
 them (small on the CPU, where CI runs this at smoke size so that it cannot rot: tests/e2e/test_gpu_smoke.py). Only
@@ -49,16 +60,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu.smoke_engines import behaviour_check, server_check, start_server, vllm_check
+from benchmarks.gpu.smoke_engines import behaviour_check, server_check, start_server, vllm_check, vllm_tied_check
 from benchmarks.gpu.smoke_parts import Skip, batches, close, need, new_model, reference, save, versions, worst
+from benchmarks.harness.record import Goal, record
 
-#: (part, reason): checks that will go here once their code exists; listed so the JSON says what is not yet checked.
-PENDING = {
-    "vllm-tied": "pending issue 26 item 2: the tied-embedding probe after each load (today vLLM keeps a tied "
-                 "output head at its old values after reload_weights)",
-    "gpu-defaults": "pending issue 26 item 4: bf16 autocast and micro-batching by default on CUDA, "
-                    "--attn-implementation, --enforce-eager",
-}
 #: Called after each check (main writes the JSON so far).
 AFTER_EACH: list = []
 #: ``--only``: the checks (names or prefixes) to run; empty: all of them.
@@ -117,10 +122,76 @@ def _nvidia_smi() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
+def defaults_check(args) -> dict:
+    """The trainer's and in-process vLLM's ``auto`` defaults as the trainer resolves them on this device
+    (``TrainerService._place`` and ``_budget``, ``engine.factory``), against docs/architecture.md's "Defaults on a
+    GPU"; then one trainer step with them."""
+    from rlstream.engine.factory import resolve_enforce_eager
+    from rlstream.infra.placement import gpus
+    from rlstream.models.loading import flash_attn_installed, resolve_attention
+    from rlstream.models.resources import ModelShape
+    from rlstream.stages.rollout import RolloutSettings
+    from rlstream.trainer.sharding import make_engine
+    from rlstream.trainer.microbatch import MAX_BUDGET, MIN_BUDGET, default_budget, step_budget, train_step
+    from rlstream.trainer.precision import resolve_precision
+    from rlstream.trainer.settings import TrainerSettings
+    from rlstream.trainer.update import UpdateConfig
+    s, rollout = TrainerSettings(), RolloutSettings()
+    device = args.device  # main's --devices through resolve_device; auto is the trainer's own default
+    cuda = device.type == "cuda"
+    bf16 = cuda and torch.cuda.is_bf16_supported()
+    precision = resolve_precision(device.type, s.dtype, s.autocast, s.publish_dtype, bf16_supported=bf16)
+    attention = resolve_attention(s.attn_implementation, device.type, cuda and flash_attn_installed(),
+                                  s.packed_sequences)
+    eager = resolve_enforce_eager(rollout.enforce_eager, cuda)
+    model = new_model(args)
+    shape = ModelShape.of_model(model) if cuda else None
+    engine = make_engine(model, s.lr, device=device, autocast_mode=precision.autocast)
+    half = precision.autocast == "bf16" or precision.dtype in ("bf16", "fp16")
+    pending = 12 * shape.params if shape else 0  # as TrainerService._budget: gradients and AdamW's moments
+    # Free memory before and after: the vLLM server, starting in the background, may take or give back some.
+    free_before = torch.cuda.mem_get_info(device)[0] if cuda else 0
+    budget = step_budget(s.micro_batch_tokens, device, shape, half, s.gradient_checkpointing, s.gpu_memory_fraction,
+                         pending=pending)
+    listed = gpus()
+    figures = {"device": str(device), "bf16_supported": bf16, "dtype": precision.dtype,
+               "autocast": precision.autocast, "publish_dtype": precision.publish_dtype, "attention": attention,
+               "enforce_eager": eager, "micro_batch_tokens": budget.tokens, "room_bytes": budget.room,
+               "per_token_bytes": budget.per_token, "placement_gpus": len(listed)}
+    if cuda:
+        free = max(free_before, torch.cuda.mem_get_info(device)[0])
+        figures["free_bytes"] = free
+        expected = {"dtype": "fp32", "autocast": "bf16" if bf16 else "off",  # no bf16 (pre-Ampere): no autocast
+                    "publish_dtype": "bf16" if bf16 else "auto", "enforce_eager": False}
+        # Sized from free memory: the room is within what the driver says is free, and the budget is what that room
+        # holds at the model's bytes a token (default_budget given the room again; a fixed budget would differ).
+        sized = budget.room is not None and 0 < budget.room <= free and MIN_BUDGET <= budget.tokens <= MAX_BUDGET \
+            and budget.tokens == default_budget("cuda", budget.room, shape, 2 if half else 4)
+        if not sized:
+            raise AssertionError(f"micro-batch budget {budget.tokens} tokens from a room of {budget.room} bytes "
+                                 f"({free} free): not a positive budget sized from free memory")
+        if not listed:
+            raise AssertionError("infra.placement.gpus() lists no GPU where torch sees one: the demo would place "
+                                 "every stage on the CPU")
+    else:
+        expected = {"dtype": "auto", "autocast": "off", "publish_dtype": "auto", "enforce_eager": True}
+        if budget.tokens != 0 or budget.room is not None:
+            raise AssertionError(f"on the CPU the default is the whole batch, not {budget.tokens} tokens")
+    expected["attention"] = None  # --packed-sequences is off by default: transformers' choice
+    bad = [f"{k} {figures[k]!r}, expected {v!r}" for k, v in expected.items() if figures[k] != v]
+    if bad:
+        raise AssertionError(f"defaults on {device}: " + "; ".join(bad))
+    loss = train_step(engine, batches(1, seed=300)[0], UpdateConfig(), max_tokens=budget)["loss"]
+    figures["step_loss"] = loss
+    if not torch.isfinite(torch.tensor(loss)):
+        raise AssertionError(f"a step with the defaults gave loss {loss}")
+    return figures
+
+
 def trainer_check(args, mode: str) -> dict:
     """Whole vs micro-batched, padded vs packed: the same two steps from the same weights."""
     from rlstream.models.logprobs import check_packing
-    from rlstream.trainer.engine import make_engine
+    from rlstream.trainer.sharding import make_engine
     from rlstream.trainer.microbatch import train_step
     from rlstream.trainer.update import UpdateConfig
     steps = batches(2)
@@ -154,7 +225,8 @@ def sharded_check(args, sharding: str, reference_run: dict) -> dict:
     if sharding.startswith("zero"):
         need("deepspeed")
     from rlstream.trainer.checkpoint import read_optimizer_states, write_optimizer_states
-    from rlstream.trainer.engine import DDPEngine, make_engine
+    from rlstream.trainer.engine import DDPEngine
+    from rlstream.trainer.sharding import make_engine
     from rlstream.trainer.microbatch import train_step
     from rlstream.trainer.update import UpdateConfig
     _process_group(args.device)
@@ -208,7 +280,7 @@ def sharded_check(args, sharding: str, reference_run: dict) -> dict:
 
 def plain_run(args) -> list:
     """The plain engine's losses and gradient norms on the sharded checks' batches, each taken whole."""
-    from rlstream.trainer.engine import make_engine
+    from rlstream.trainer.sharding import make_engine
     from rlstream.trainer.microbatch import train_step
     from rlstream.trainer.update import UpdateConfig
     steps = batches(4, seed=200)
@@ -234,7 +306,7 @@ def wanted(name: str) -> bool:
     return not ONLY or any(name.startswith(o) for o in ONLY)
 
 
-def record(results: list, name: str, fn, *a) -> dict | None:
+def run_check(results: list, name: str, fn, *a) -> dict | None:
     if not wanted(name):
         return None
     started = time.perf_counter()
@@ -291,10 +363,10 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="rlstream-gpu-smoke-"))
     server = None
     try:
-        record(results, "preflight", preflight, args)
+        run_check(results, "preflight", preflight, args)
         if cuda_missing:
             for name in ("trainer", "behaviour", "vllm", "vllm-server", "sharded"):
-                record(results, name, _raise, Skip("--devices cuda: no CUDA device here"))
+                run_check(results, name, _raise, Skip("--devices cuda: no CUDA device here"))
             return _finish(args, results, started, commit)
         server_states = None
         if importlib.util.find_spec("vllm") is not None and wanted("vllm-server"):
@@ -303,17 +375,17 @@ def main(argv=None) -> int:
             args.server_folders = [save(reference(args, False, s), work / "server" / f"v{i}")
                                    for i, s in enumerate(server_states)]
             server = start_server(args, args.server_folders[0], work / "vllm-server.log")
-        record(results, "trainer-fp32", trainer_check, args, "off")
-        record(results, "trainer-bf16", trainer_check, args, "bf16")
-        record(results, "behaviour-untied", behaviour_check, args, work, False)
-        record(results, "behaviour-tied", behaviour_check, args, work, True)
-        record(results, "vllm", vllm_check, args, work)
-        record(results, "vllm-server", server_check, args, server, server_states)
+        run_check(results, "gpu-defaults", defaults_check, args)
+        run_check(results, "trainer-fp32", trainer_check, args, "off")
+        run_check(results, "trainer-bf16", trainer_check, args, "bf16")
+        run_check(results, "behaviour-untied", behaviour_check, args, work, False)
+        run_check(results, "behaviour-tied", behaviour_check, args, work, True)
+        run_check(results, "vllm", vllm_check, args, work)
+        run_check(results, "vllm-tied", vllm_tied_check, args, work)  # before the sharded checks' process group
+        run_check(results, "vllm-server", server_check, args, server, server_states)
         ref: dict = {}  # the plain engine's run, made by the first sharded check and compared by each
         for sharding in ("ddp", "zero1", "zero2", "zero3", "fsdp2"):
-            record(results, sharding, sharded_check, args, sharding, ref)
-        for name, reason in PENDING.items():
-            record(results, name, _raise, Skip(reason))
+            run_check(results, sharding, sharded_check, args, sharding, ref)
     finally:
         if server is not None and server[0].poll() is None:
             os.killpg(server[0].pid, signal.SIGKILL)
@@ -329,7 +401,21 @@ def _raise(exc: Exception):
 def _finish(args, results: list[dict], started: str, commit: str) -> int:
     counts = _write(args, results, started, commit, done=True)
     print(f"smoke: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP", flush=True)
+    record("gpu_smoke", summary(args, results, counts), [Goal("failed", "<=", 0)])
     return 1 if counts["FAIL"] else 0
+
+
+def summary(args, results: list[dict], counts: dict) -> dict:
+    """The run's figures for the results API: the counts, and per check that passed the largest difference it
+    measured (any ``*max_d*`` figure: losses, gradient norms, log-probs; ``max_probe_gap`` for the probe)."""
+    figures = {"device": str(args.device), "passed": counts["PASS"], "failed": counts["FAIL"],
+               "skipped": counts["SKIP"], "checks_s": round(sum(r["seconds"] for r in results), 1)}
+    for r in results:
+        diffs = [v for k, v in r["figures"].items() if ("max_d" in k or k == "max_probe_gap")
+                 and isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if r["status"] == "PASS" and diffs:
+            figures[f"{r['name'].replace('-', '_')}_max_diff"] = max(diffs)
+    return figures
 
 
 def _write(args, results: list[dict], started: str, commit: str, done: bool) -> dict:

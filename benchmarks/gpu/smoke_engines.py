@@ -1,6 +1,6 @@
 """The smoke run's inference-engine checks (``benchmarks/gpu/smoke.py``): each engine's behaviour log-probs against
 the trainer's, for the version it holds, after every kind of load: the transformers engine, in-process vLLM (with a
-swap mid-generation) and vLLM's OpenAI server (a pushed version, confirmed by ``/weight_info``)."""
+swap mid-generation; a tied model through the load probe) and vLLM's OpenAI server (a pushed version, confirmed by ``/weight_info``)."""
 from __future__ import annotations
 
 import importlib.util
@@ -74,6 +74,52 @@ def vllm_check(args, work: Path) -> dict:
         compare(args, False, states[2], prompts, backend.generate(prompts, params), tol, "v2_tensors", figures)
         _versions_differ(args, False, states, prompts, figures)
         figures.update(_swap(args, backend, folders[3], states, prompts * 2, tol))
+    finally:
+        backend.close()
+    return figures
+
+
+def vllm_tied_check(args, work: Path) -> dict:
+    """A tied Qwen2 on in-process vLLM: after loading v1 from its folder and v2 from tensors, the engine's answer to
+    the load probe is the trainer's for that version within the probe's own tolerance (``policy.probe.check``),
+    and so are the log-probs of what it samples. The stale head this catches (vLLM keeping the head it packed at
+    start-up) is what ``engine.vllm_worker.refresh_tied_head`` repairs after each reload."""
+    need("vllm")
+    from rlstream.engine.local import VLLMBackend
+    from rlstream.policy.probe import allowed, check, gap, trainer_probe
+    from rlstream.schemas.records import SamplingParams
+    states = versions(args, True, 3)
+    folders = [save(reference(args, True, s), work / "vllm-tied" / f"v{i}") for i, s in enumerate(states)]
+    probes = [trainer_probe(reference(args, True, s).to(args.device)) for s in states]
+    ids = probes[0][0]
+    figures: dict = {"probe_tokens": len(ids)}
+    # A stale head serves the previous version's head: the check tells versions apart only if the probe does.
+    figures["between_versions_min_probe_gap"] = spread = min(gap(a[1], b[1]) for a, b in zip(probes, probes[1:]))
+    backend = VLLMBackend(folders[0], max_model_len=256, gpu_memory_utilization=args.gpu_memory_utilization)
+    try:
+        if not backend.tied:
+            raise AssertionError("VLLMBackend does not see the model as tied: the head refresh would not run")
+        if not backend.loads_tensors:
+            raise AssertionError("in-process vLLM does not take tensors (VLLM_ENABLE_V1_MULTIPROCESSING is not 0)")
+        backend.version = 0
+        prompts, params = prompts_of(4), SamplingParams(temperature=1.0, max_tokens=8, seed=1)
+        loads = {"v0": None, "v1_folder": lambda: backend.load_weights(folders[1], 1),
+                 # As the folder holds it: the tied tensor once, no lm_head.weight to overwrite a stale head with.
+                 "v2_tensors": lambda: backend.load_tensors({k: v for k, v in states[2].items()
+                                                            if k != "lm_head.weight"}, 2)}
+        for version, (label, load) in enumerate(loads.items()):
+            if load is not None:
+                load()
+            expected = probes[version][1]
+            got = backend.probe_logprobs(ids)
+            figures[f"{label}_probe_gap"] = gap(expected, got)
+            figures[f"{label}_probe_allowed"] = limit = allowed(expected, backend.probe_precise)
+            if spread <= limit:
+                raise AssertionError(f"consecutive versions' probes differ by only {spread:.3g} nats a token, within "
+                                     f"the probe's tolerance {limit:.3g}: a stale head would pass")
+            check(version, "vllm", expected, got, backend.probe_precise)  # ProbeMismatch: this check's FAIL
+            compare(args, True, states[version], prompts, backend.generate(prompts, params), 2e-3, label, figures)
+        figures["max_probe_gap"] = max(figures[f"{label}_probe_gap"] for label in loads)
     finally:
         backend.close()
     return figures

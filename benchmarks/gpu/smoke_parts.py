@@ -105,7 +105,7 @@ def trainer_logprobs(model, device, prompt: list[int], tokens: list[int]) -> lis
 def versions(args, tied: bool, n: int) -> list[dict]:
     """``n`` policy versions as the trainer makes them: v0 a random model, each next one a trainer step on it
     (lr 1e-2, so each version's log-probs differ from the last by far more than the tolerance)."""
-    from rlstream.trainer.engine import make_engine
+    from rlstream.trainer.sharding import make_engine
     from rlstream.trainer.microbatch import train_step
     from rlstream.trainer.update import UpdateConfig
     engine = make_engine(new_model(args, tied=tied), lr=1e-2, device=args.device)

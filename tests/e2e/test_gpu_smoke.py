@@ -2,7 +2,8 @@
 lent: every check runs through to its PASS/SKIP line, none FAILs, and the JSON file holds them all.
 
 A check may SKIP only for a part that is not installed here (and, under CI=true, not for vLLM or DeepSpeed, which
-CI installs), or because the code it checks has not landed yet (``PENDING``).
+CI installs). The run's figures reach the results API (``benchmarks.harness.record``) in the test's own folder,
+never in the repository's ``benchmarks/results/``.
 """
 from __future__ import annotations
 
@@ -15,12 +16,11 @@ import sys
 
 import pytest
 
-from benchmarks.gpu.smoke import PENDING
 from tests.helpers import ROOT
 
 #: Every check the run prints, in its order.
-CHECKS = ["preflight", "trainer-fp32", "trainer-bf16", "behaviour-untied", "behaviour-tied", "vllm", "vllm-server",
-          "ddp", "zero1", "zero2", "zero3", "fsdp2", *PENDING]
+CHECKS = ["preflight", "gpu-defaults", "trainer-fp32", "trainer-bf16", "behaviour-untied", "behaviour-tied", "vllm",
+          "vllm-tied", "vllm-server", "ddp", "zero1", "zero2", "zero3", "fsdp2"]
 #: Parts CI installs: a check skipped for want of one of them is a failure there.
 CI_PARTS = ("vllm", "deepspeed")
 
@@ -30,8 +30,10 @@ CI_PARTS = ("vllm", "deepspeed")
 # build of its C++ op on a new machine (about 65 s) on top.
 @pytest.mark.timeout(900)
 def test_the_gpu_smoke_run_passes_on_the_cpu(tmp_path):
-    out = tmp_path / "smoke.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out, results = tmp_path / "smoke.json", tmp_path / "results"
+    in_repo = ROOT / "benchmarks" / "results" / "gpu_smoke.jsonl"
+    before = in_repo.read_bytes() if in_repo.exists() else None
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RLSTREAM_BENCH_RESULTS=str(results))
     done = subprocess.run([sys.executable, "-m", "benchmarks.gpu.smoke", "--devices", "cpu", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=830)
     lines = re.findall(r"^(PASS|FAIL|SKIP) (\S+) \([\d.]+ s\)(?:: (.*))?$", done.stdout, re.M)
@@ -49,9 +51,7 @@ def test_the_gpu_smoke_run_passes_on_the_cpu(tmp_path):
         if check["status"] != "SKIP":
             continue
         part = check["part"]
-        if not part:
-            assert name in PENDING, f"{name} skipped for no missing part: {check['reason']}"
-            continue
+        assert part, f"{name} skipped for no missing part: {check['reason']}"
         assert importlib.util.find_spec(part) is None, f"{name} skipped for {part}, which is installed here"
         assert not (os.environ.get("CI") == "true" and part in CI_PARTS), f"{name} skipped in CI: {check['reason']}"
     assert report["complete"] and report["counts"]["FAIL"] == 0 and report["device"] == "cpu"
@@ -61,3 +61,14 @@ def test_the_gpu_smoke_run_passes_on_the_cpu(tmp_path):
     assert checks["trainer-fp32"]["figures"]["whole"]
     if checks["behaviour-tied"]["status"] == "PASS":
         assert checks["behaviour-tied"]["figures"]["between_versions_min_dlogprob"] > 0.05
+    if checks["vllm-tied"]["status"] == "PASS":
+        tied = checks["vllm-tied"]["figures"]
+        assert tied["between_versions_min_probe_gap"] > tied["v1_folder_probe_allowed"] >= tied["max_probe_gap"]
+    defaults = checks["gpu-defaults"]["figures"]
+    assert (defaults["autocast"], defaults["micro_batch_tokens"], defaults["enforce_eager"]) == ("off", 0, True)
+    # The results API got one line, here and not in the repository.
+    [line] = [json.loads(x) for x in (results / "gpu_smoke.jsonl").read_text().splitlines()]
+    assert line["figures"]["failed"] == 0 and line["figures"]["passed"] == report["counts"]["PASS"]
+    assert {"figure": "failed", "op": "<=", "target": 0} in line["goals"]
+    assert "RESULT gpu_smoke" in done.stdout
+    assert (in_repo.read_bytes() if in_repo.exists() else None) == before
