@@ -6,7 +6,8 @@ would be installed), not those installed: how CI checks the GPU profile on a mac
 A profile is one or more constraints files (constraints.txt; constraints-gpu.txt; constraints.txt plus
 constraints-trl.txt for TRL's venv). A pin may carry an environment marker (`pkg==1.0; python_version >= "3.13"`):
 it counts only where the marker holds, so one file serves every supported Python. Only the standard library and
-pip's vendored `packaging` are used: this runs before anything else is known to be installed.
+`packaging` (pip's vendored copy where it is not installed) are used: this runs before anything else is known to be
+installed.
 """
 import argparse
 import json
@@ -14,13 +15,22 @@ import re
 import sys
 from importlib import metadata
 
-from pip._vendor.packaging.markers import Marker
-
 IGNORED = {"pip", "setuptools", "wheel", "rlstream"}  # the installer's own, and the editable project itself
 
 
 def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def marker_holds(marker: str) -> bool:
+    """Whether an environment marker holds on this Python. Imported here, not at the top: importing pip into a
+    process turns setuptools' distutils shim off for the rest of it, and a later ``import setuptools`` (torch's
+    cpp_extension, inside vLLM) then fails; a test that imports this module must not do that to its process."""
+    try:
+        from packaging.markers import Marker
+    except ImportError:  # a bare venv: pip's own copy
+        from pip._vendor.packaging.markers import Marker
+    return Marker(marker).evaluate()
 
 
 def pins(paths: list[str]) -> set[tuple[str, str]]:
@@ -32,7 +42,7 @@ def pins(paths: list[str]) -> set[tuple[str, str]]:
             if not line or line.startswith(("#", "-")) or "==" not in line:
                 continue
             spec, _, marker = line.partition(";")
-            if marker.strip() and not Marker(marker.strip()).evaluate():
+            if marker.strip() and not marker_holds(marker.strip()):
                 continue
             name, _, version = spec.partition("==")
             out.add((norm(name.strip()), version.strip()))
