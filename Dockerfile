@@ -36,6 +36,7 @@ RUN apt-get update \
 # cache/rlstream/kafka/<pom hash>, as in a user's cache), else fetched here with Maven.
 FROM python AS kafka-jars
 COPY rlstream/__init__.py /src/rlstream/__init__.py
+COPY rlstream/errors.py /src/rlstream/errors.py
 COPY rlstream/infra /src/rlstream/infra
 ENV PYTHONPATH=/src RLSTREAM_HOME=/tmp/fetch XDG_CACHE_HOME=/cache
 RUN --mount=type=bind,source=infra/docker/cache,target=/cache \
