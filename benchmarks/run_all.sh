@@ -22,19 +22,41 @@ failed=()
 
 # bench NAME LIMIT_S "FULL ARGS" "SMOKE ARGS": run benchmarks.NAME, keep stdout+stderr in $OUT/NAME.log, show its
 # last lines, and fail the step unless it exited 0 and printed its `RESULT NAME ...` line (benchmarks/harness/result).
-bench() {
-  local name=$1 limit=$2 args=$3
-  [[ $SMOKE == 1 ]] && args=$4
-  echo "== $name $args (at most ${limit}s; load average $(cut -d' ' -f1 /proc/loadavg))"
-  # shellcheck disable=SC2086  # the argument strings are word-split on purpose
-  timeout --kill-after=30 "$limit" "$PY" -m "benchmarks.$name" $args >"$OUT/$name.log" 2>&1
-  local code=$?
-  grep -v '^\[' "$OUT/$name.log" | grep -v -E '^(INFO|WARNING|DEBUG)|Warning|warn\(' | tail -12
-  if [[ $code != 0 ]] || ! grep -q "^RESULT $name " "$OUT/$name.log"; then
-    echo "   $name FAILED (exit $code, or no RESULT line): see $OUT/$name.log"
-    failed+=("$name")
-  fi
+# JOBS=N runs up to N benchmarks at once: only for SMOKE=1 (CI), whose figures mean nothing anyway, and where most
+# of each script's time is process start, imports and fixed waits rather than CPU; a timed run keeps JOBS=1, since
+# two benchmarks side by side make each other's figures noise. Each report is printed in the listed order.
+JOBS=${JOBS:-1}
+if [[ $SMOKE != 1 && $JOBS != 1 ]]; then
+  echo "JOBS=$JOBS is for SMOKE=1 only: timed benchmarks run one at a time (their figures would be noise)" >&2
+  exit 2
+fi
+names=()
+run_one() {
+  local name=$1 limit=$2 args=$3 code t0=$SECONDS
+  {
+    echo "== $name $args (at most ${limit}s; load average $(cut -d' ' -f1 /proc/loadavg))"
+    # shellcheck disable=SC2086  # the argument strings are word-split on purpose
+    timeout --kill-after=30 "$limit" "$PY" -m "benchmarks.$name" $args >"$OUT/$name.log" 2>&1
+    code=$?
+    grep -v '^\[' "$OUT/$name.log" | grep -v -E '^(INFO|WARNING|DEBUG)|Warning|warn\(' | tail -12
+    if [[ $code != 0 ]] || ! grep -q "^RESULT $name " "$OUT/$name.log"; then
+      echo "   $name FAILED (exit $code, or no RESULT line): see $OUT/$name.log"
+      touch "$OUT/$name.failed"
+    fi
+    echo "   $name took $((SECONDS - t0)) s"
+  } >"$OUT/$name.report" 2>&1
 }
+bench() {
+  local args=$3
+  [[ $SMOKE == 1 ]] && args=$4
+  names+=("$1")
+  rm -f "$OUT/$1.failed"
+  if ((JOBS == 1)); then run_one "$1" "$2" "$args"; cat "$OUT/$1.report"; return; fi
+  while (($(jobs -rp | wc -l) >= JOBS)); do wait -n || true; done
+  run_one "$1" "$2" "$args" &
+}
+# barrier: the benchmarks started so far have finished (for one that reads what an earlier one wrote).
+barrier() { wait; }
 
 "$PY" -m rlstream.cli up >/dev/null
 bench bus_hop 300 "--records 5000" "--records 200 --rounds 1"
@@ -59,12 +81,17 @@ bench loop_cost 900 "--versions 150 --json $OUT/loop_cost.json" "--versions 3 --
 # forward KL, at the lr they learn best at (benchmarks/distill_offline.py's sweep); RL at its own 1e-4.
 bench distill_vs_rl 1800 "--target 0.5 --max-seconds 300 --modes opd,rl --top-k 47 --opd-kl forward --opd-lr 3e-4" \
   "--teacher untrained --target 0 --max-seconds 30 --modes opd --eval-every 1 --top-k 8 --opd-kl forward"
-# After distill_vs_rl, which saves the teacher it trained at .rlstream/distill-teacher.
+# After distill_vs_rl, which saves the teacher it trained at .rlstream/distill-teacher (at smoke size it trains from an
+# untrained teacher instead, so it need not wait).
+[[ $SMOKE == 1 ]] || barrier
 bench distill_offline 900 "--runs opd:1e-4,opd:3e-4 --top-k 47 --kl forward --lag 2 --max-updates 200" \
   "--teacher untrained --runs opd:1e-4 --top-k 8 --max-updates 2 --eval-every 1 --warmup-steps 2"
 bench learning_probe 300 "--max-seconds 120" "--steps 2 --max-seconds 20 --warmup-steps 5 --eval-every 1"
 # A recipe over 3 seeds, 20 minutes each (the real-checkpoint recipe's goal); at smoke size the arithmetic recipe once.
 bench recipe_learning 4000 "--recipe smollm2 --seeds 0,1,2" "--recipe arithmetic --size smoke --seeds 0"
+wait
+if ((JOBS > 1)); then for name in "${names[@]}"; do cat "$OUT/$name.report"; done; fi
+for name in "${names[@]}"; do [[ -f "$OUT/$name.failed" ]] && failed+=("$name"); done
 echo "== done in $(( $(date +%s) - started )) s; logs and JSON in $OUT; raw lines in ${RLSTREAM_BENCH_RESULTS:-benchmarks/results}"
 if (( ${#failed[@]} )); then
   echo "FAILED: ${failed[*]}"
