@@ -73,26 +73,31 @@ class WeightStore:
 
     def put(self, policy: str, version: int, write) -> str:
         """Write a version through ``write(folder)`` (a local folder) atomically; return its URI."""
+        return self.put_named(policy, f"v{version}", write, marker=str(version))
+
+    def put_named(self, policy: str, name: str, write, marker: str = "") -> str:
+        """``put`` under any folder name of the policy (a LoRA base: ``base-<hash>``, which ``versions`` and
+        ``prune`` leave alone); return its URI."""
         if not self.local:
-            staging = Path(tempfile.mkdtemp(prefix=f"rlstream-{policy}-v{version}-"))
+            staging = Path(tempfile.mkdtemp(prefix=f"rlstream-{policy}-{name}-"))
             try:
                 write(staging)
-                remote = self._remote(policy, version)
+                remote = f"{self._remote(policy)}/{name}"
                 if self.fs.exists(remote):
                     self._remove(remote)
                 for path in sorted(p for p in staging.rglob("*") if p.is_file()):
                     self.fs.put_file(str(path), f"{remote}/{path.relative_to(staging).as_posix()}")
                 # Readers take a version as complete by its marker: it goes last.
-                self.fs.pipe_file(f"{remote}/{COMPLETE}", str(version).encode())
+                self.fs.pipe_file(f"{remote}/{COMPLETE}", (marker or name).encode())
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
-            return self.uri(policy, version)
-        final = self.path(policy, version)
+            return f"{self.root_uri}/{policy}/{name}"
+        final = self.root / policy / name
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         write(tmp)
-        (tmp / COMPLETE).write_text(str(version))
+        (tmp / COMPLETE).write_text(marker or name)
         shutil.rmtree(final, ignore_errors=True)
         # A reader never sees a half-written version: the folder appears whole.
         os.replace(tmp, final)
