@@ -26,6 +26,7 @@ class TransformersBackend(InferenceBackend):
     name = "transformers"
     streams = True
     loads_tensors = True
+    serves_adapters = True
 
     def __init__(self, folder: Path, threads: int = 1, device: str = "cpu", dtype: str = "auto",
                  attn_implementation: str | None = None):
@@ -38,6 +39,14 @@ class TransformersBackend(InferenceBackend):
                                 attn_implementation=attn_implementation).to(device).eval()
         self.eos = _stop_ids(self.model, self.tokenizer)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
+        self._adapters = None  # LoRA versions merged over the base (engine/adapters.py), from the first one on
+
+    def load_adapter(self, folder: Path, version: int) -> None:
+        from rlstream.engine.adapters import MergedAdapters
+        if self._adapters is None:
+            self._adapters = MergedAdapters(self.model)
+        self._adapters.apply(folder)
+        self.version = version
 
     def load_weights(self, folder: Path, version: int) -> None:
         from safetensors.torch import load_file
@@ -54,6 +63,7 @@ class TransformersBackend(InferenceBackend):
         missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
             raise ValueError(f"weights of v{version} do not fit the model: missing={missing} unexpected={unexpected}")
+        self._adapters = None  # whole weights: a new base, no adapter merged in
         self.version = version
 
     @property

@@ -70,6 +70,11 @@ def check_lora(model, rank: int, targets: tuple[str, ...], sharding: str) -> Non
     if not layers:
         raise UserError(f"--lora-target-modules {','.join(targets)} names no module of the model; its linear modules "
                         f"are: {', '.join(linear_modules(model))} (or {ALL_LINEAR})")
+    head = model.get_output_embeddings()
+    if head in [m for _, m in layers] and getattr(model.config, "tie_word_embeddings", False):
+        raise UserError("--lora-target-modules names the output head of a model whose input and output embeddings are "
+                        "tied: an adapter on it cannot be merged without changing the input embedding too; leave it "
+                        f"out ({ALL_LINEAR} does)")
     for name, m in layers:
         if rank > min(m.in_features, m.out_features):
             raise UserError(f"--lora-rank {rank} is larger than layer {name} ({m.in_features} -> {m.out_features}); "
@@ -198,8 +203,13 @@ class LoraTraining:
         return resume(base, folder)
 
     def writer(self, model, tokenizer) -> AdapterWriter:
-        # The adapter's config names where its base is: a restart (and a person with PEFT) finds it there.
-        model.peft_config["default"].base_model_name_or_path = self.base_uri
+        # The adapter's config names where its base is: a restart (and a person with PEFT: a local store's is a path
+        # PEFT reads) finds it there.
+        from rlstream.policy.weights import local_path
+        from urllib.parse import urlparse
+        local = urlparse(self.base_uri).scheme in ("", "file")
+        model.peft_config["default"].base_model_name_or_path = str(local_path(self.base_uri)) if local else \
+            self.base_uri
         return AdapterWriter(model, tokenizer)
 
     def fields(self) -> dict:
