@@ -179,3 +179,31 @@ def test_an_engine_that_cannot_serve_adapters_is_refused_naming_it_and_the_flag(
     pv = publish(lora, lora.fresh(model, tok, store, "policy", lead=True), tok, store, 0)
     with pytest.raises(UserError, match="some-server engine cannot serve adapters.*--backend transformers"):
         PolicyWeights(tmp_path / "cache").adopt(pv, NoAdapters())
+
+
+def test_export_merge_gives_a_folder_from_pretrained_loads_with_the_served_log_probs(tmp_path):
+    """``rlstream export --merge`` of a trained LoRA version: the merged folder, loaded by from_pretrained, gives
+    the log-probs the transformers engine serves for that version; the bare adapter comes beside it."""
+    from rlstream import cli
+    from rlstream.policy.adapters import is_adapter
+    model, tok = tiny(False)
+    store = WeightStore(str(tmp_path / "store"))
+    lora = LoraTraining(TrainerSettings(lora_rank=4))
+    peft_model = lora.fresh(model, tok, store, "policy", lead=True)
+    engine = TorchEngine(peft_model, 1e-2, 1.0)
+    publish(lora, peft_model, tok, store, 0)
+    train_a_step(engine, 1)
+    pv = publish(lora, peft_model, tok, store, 1)
+    weights = PolicyWeights(tmp_path / "cache")
+    backend = TransformersBackend(weights.engine_folder(pv))
+    weights.adopt(pv, backend)
+    out = tmp_path / "out"
+    assert cli.main(["export", "--store", str(tmp_path / "store"), "--version", "1", "--out", str(out), "--merge",
+                     "--home", str(tmp_path / "home")]) == 0
+    assert is_adapter(out / "adapter") and not is_adapter(out / "merged")
+    merged = Qwen2ForCausalLM.from_pretrained(out / "merged")
+    assert torch.allclose(logprobs(merged), torch.tensor(backend.probe_logprobs(SEQ)), atol=1e-5)
+    assert not torch.allclose(logprobs(merged), logprobs(peft_model.get_base_model().__class__.from_pretrained(
+        weights.engine_folder(pv))), atol=1e-4), "the export is the base, not the trained version"
+    assert cli.main(["export", "--store", str(tmp_path / "store"), "--version", "7", "--out", str(tmp_path / "o2"),
+                     "--home", str(tmp_path / "home")]) == 1  # a version not in the store: an error, no traceback
