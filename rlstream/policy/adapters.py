@@ -17,6 +17,16 @@ from rlstream.errors import UserError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: In a LoRA base's folder: what an engine that reserves adapter slots up front (vLLM) must know before it starts,
+#: ``{"max_rank": R, "resident": η + 1}`` (the trainer's rank; the adapters a worker keeps at once).
+LORA_BASE = "rlstream_lora.json"
+
+
+def lora_base(folder: Path) -> dict | None:
+    """The LoRA-base marker of ``folder`` (None: not a LoRA base)."""
+    import json
+    marker = Path(folder) / LORA_BASE
+    return json.loads(marker.read_text()) if marker.exists() else None
 
 
 def is_adapter(folder: Path) -> bool:

@@ -15,6 +15,7 @@ parameters that require gradients).
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
@@ -25,7 +26,7 @@ import torch
 
 from rlstream.errors import UserError
 from rlstream.models.devices import autocast
-from rlstream.policy.adapters import ADAPTER_CONFIG
+from rlstream.policy.adapters import ADAPTER_CONFIG, LORA_BASE
 from rlstream.policy.deltas import content_hash, folder_hash, read_folder
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def resume(base, adapter_folder: Path):
     return PeftModel.from_pretrained(base, str(adapter_folder), is_trainable=True)
 
 
-def publish_base(model, tokenizer, store, policy: str) -> tuple[str, str]:
+def publish_base(model, tokenizer, store, policy: str, rank: int = 0, resident: int = 0) -> tuple[str, str]:
     """Write the (unwrapped) base once into the store as ``<policy>/base-<hash>``; return (its URI, its content hash).
 
     Named by its content, so a store shared by runs holds each base once and no run's base overwrites another's."""
@@ -113,6 +114,7 @@ def publish_base(model, tokenizer, store, policy: str) -> tuple[str, str]:
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+        (staging / LORA_BASE).write_text(json.dumps({"max_rank": rank, "resident": resident}) + "\n")
         digest = folder_hash(staging)
         uri = store.put_named(policy, f"base-{digest[:16]}",
                               lambda folder: shutil.copytree(staging, folder, dirs_exist_ok=True))
@@ -163,7 +165,8 @@ class LoraTraining:
     """What the trainer does differently with ``--lora-rank``: the model it trains (``fresh``, ``resumed``), the
     writer of each version, the base fields of each PolicyVersion, and the KL reference."""
 
-    def __init__(self, settings):
+    def __init__(self, settings, eta: int = 2):
+        self.resident = eta + 1  # the adapters a worker keeps at once: every version a sample may still come from
         if settings.weights_transport != "store":
             raise UserError("--lora-rank with --weights-transport kafka: LoRA versions travel through the store for "
                             "now; give --weights-transport store (an fsspec URL such as s3:// for other hosts)")
@@ -177,7 +180,7 @@ class LoraTraining:
         the adapter starts at zero."""
         check_lora(model, self.rank, self.targets, self.sharding)
         if lead:
-            self.base_uri, self.base_hash = publish_base(model, tokenizer, store, policy)
+            self.base_uri, self.base_hash = publish_base(model, tokenizer, store, policy, self.rank, self.resident)
         return wrap(model, self.rank, self.alpha, self.dropout, self.targets)
 
     def announced(self, pv) -> None:
@@ -189,8 +192,6 @@ class LoraTraining:
 
     def resumed(self, folder: Path, cache_dir: Path):
         """The announced adapter in ``folder`` over its base (named in the adapter's config), trainable again."""
-        import json
-
         from rlstream.models.loading import load_model
         from rlstream.policy.weights import fetch_uri
         config = folder / ADAPTER_CONFIG

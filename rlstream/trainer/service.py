@@ -111,7 +111,7 @@ class TrainerService:
         if settings.loss != "ppo" and settings.source != "feedback":
             raise ValueError(f"--loss {settings.loss} needs the teacher's feedback: add --source feedback and run "
                              "the teacher stage (rlstream run teacher)")
-        self.lora = LoraTraining(settings) if settings.lora_rank else None  # --lora-rank: trainer/lora.py
+        self.lora = LoraTraining(settings, loop.eta) if settings.lora_rank else None  # --lora-rank: trainer/lora.py
         self.gate = SampleGate(settings, loop.eta, distill)
         self.counter = self.gate.counter  # the staleness counts each step publishes
 
