@@ -149,7 +149,8 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     for extra in ("rlstream.sources.prompts", "rlstream.archive.query", "rlstream.stages.replay",
-                  "rlstream.archive.report", "rlstream.envs.server", "rlstream.gateway.server", "rlstream.demo"):
+                  "rlstream.archive.report", "rlstream.envs.server", "rlstream.gateway.server", "rlstream.demo",
+                  "rlstream.trainer.export"):
         importlib.import_module(extra).add_command(sub)
     return parser
 

@@ -71,6 +71,8 @@ class DemoSettings:
     lr: float = knob(1e-4, "Learning rate")
     lr_warmup_steps: int = knob(0, "Linear learning-rate warm-up over this many updates (the trainer's "
                                    "--lr-warmup-steps)")
+    lora_rank: int = knob(0, "Train a LoRA adapter of this rank instead of the whole model (the trainer's "
+                             "--lora-rank; 0: the whole model)")
     warmup_steps: int = knob(300, "Supervised warm-up steps of the tiny model before RL (a --model is used as "
                                   "given)")
     heldout_every: int = knob(2, "Evaluate the held-out set every N policy versions")
@@ -150,7 +152,7 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
                                               else "CPU") + f", {x.threads} threads" for n, x in seats.items()))
     plan = {
         "trainer": ["run", "trainer", "--weights", weights, "--model", s.model, "--task", s.task, "--lr", str(s.lr),
-                    "--lr-warmup-steps", str(s.lr_warmup_steps),
+                    "--lr-warmup-steps", str(s.lr_warmup_steps), "--lora-rank", str(s.lora_rank),
                     "--warmup-steps", str(0 if user_model else s.warmup_steps), "--seed", str(s.seed), "--instance", "0",
                     *seat_flags(seats["trainer"], "--gpu-memory-fraction")],
         "rollout": ["run", "rollout", "--backend", s.backend, "--instance", "0", "--batch-size", "64",

@@ -48,6 +48,11 @@ class InferenceBackend(ABC):
     #: True when ``load_tensors`` takes a version's tensors from memory (an in-process engine: the weights log hands
     #: them over without writing a folder for the engine to read back).
     loads_tensors = False
+    #: True when ``load_adapter`` applies a LoRA version's adapter to the base this engine holds.
+    serves_adapters = False
+    #: Content hash of the base weights this engine holds (set by ``PolicyWeights`` when it builds or loads one): a
+    #: LoRA version's adapter is applied only when it names this base (``rlstream.policy.adapters``).
+    base_hash = ""
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams,
@@ -70,6 +75,10 @@ class InferenceBackend(ABC):
         """Swap in a policy version's weights from its tensors by checkpoint name (when ``loads_tensors``). The
         tensors are the caller's: copied in, not kept."""
         raise NotImplementedError(f"{self.name} loads weights from a folder only")
+
+    def load_adapter(self, folder: Path, version: int) -> None:
+        """Serve a LoRA version: its adapter (a PEFT adapter folder) over the base this engine holds."""
+        raise NotImplementedError(f"{self.name} cannot serve LoRA adapters")
 
     @property
     def probe_precise(self) -> bool:

@@ -26,6 +26,7 @@ class TransformersBackend(InferenceBackend):
     name = "transformers"
     streams = True
     loads_tensors = True
+    serves_adapters = True
 
     def __init__(self, folder: Path, threads: int = 1, device: str = "cpu", dtype: str = "auto",
                  attn_implementation: str | None = None):
@@ -38,6 +39,14 @@ class TransformersBackend(InferenceBackend):
                                 attn_implementation=attn_implementation).to(device).eval()
         self.eos = _stop_ids(self.model, self.tokenizer)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
+        self._adapters = None  # LoRA versions merged over the base (engine/adapters.py), from the first one on
+
+    def load_adapter(self, folder: Path, version: int) -> None:
+        from rlstream.engine.adapters import MergedAdapters
+        if self._adapters is None:
+            self._adapters = MergedAdapters(self.model)
+        self._adapters.apply(folder)
+        self.version = version
 
     def load_weights(self, folder: Path, version: int) -> None:
         from safetensors.torch import load_file
@@ -54,6 +63,7 @@ class TransformersBackend(InferenceBackend):
         missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
             raise ValueError(f"weights of v{version} do not fit the model: missing={missing} unexpected={unexpected}")
+        self._adapters = None  # whole weights: a new base, no adapter merged in
         self.version = version
 
     @property
@@ -119,6 +129,11 @@ class TransformersBackend(InferenceBackend):
                 for t, lp in zip(out_tokens, out_lps)]
 
 
+def _lora_slot_rank(rank: int) -> int:
+    """The smallest adapter rank vLLM reserves slots of that holds ``rank`` (it takes only these)."""
+    return next((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank), rank)
+
+
 def _stop_ids(model, tokenizer) -> list[int]:
     """The token ids that end a turn: the generation config's eos ids (chat models list their end-of-turn token
     there), else the tokenizer's eos."""
@@ -161,12 +176,18 @@ class VLLMBackend(InferenceBackend):
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if threads <= 1 else "all")
         from vllm import LLM
 
+        from rlstream.policy.adapters import lora_base
+        # A LoRA base (rlstream.policy.adapters): vLLM reserves its adapter slots, of the trainer's rank, up front.
+        lora = lora_base(folder)
+        self.serves_adapters = lora is not None
+        extra = {} if lora is None else {"enable_lora": True, "max_loras": max(1, int(lora["resident"])),
+                                         "max_lora_rank": _lora_slot_rank(int(lora["max_rank"]))}
         # No async scheduling: a step's tokens must come from the weights loaded when that step ran, so that
         # the version stamped on each token (and its log-prob) is the one that sampled it.
         self.llm = LLM(model=str(folder), dtype=dtype_name(torch_dtype(dtype, folder)),
                        max_model_len=max_model_len or context_limit(folder), enforce_eager=enforce_eager,
                        load_format="safetensors", seed=0, async_scheduling=False,
-                       gpu_memory_utilization=gpu_memory_utilization)
+                       gpu_memory_utilization=gpu_memory_utilization, **extra)
         self.tokenizer = self.llm.get_tokenizer()
         self.eos = self.tokenizer.eos_token_id
         # Tensors reach an engine in this process as they are; one in its own process would need them pickled.
@@ -178,6 +199,24 @@ class VLLMBackend(InferenceBackend):
         self._resubmit: list[str] = []
         import json
         self.tied = bool(json.loads((Path(folder) / "config.json").read_text()).get("tie_word_embeddings"))
+        # LoRA versions: one LoRARequest each, its name and id never reused (vLLM keys its prefix cache by them, so a
+        # reused one would mix two policies' KV); at most ``resident`` held, the oldest removed. ``_adapter`` serves.
+        self._resident = int(lora["resident"]) if lora else 0
+        self._adapters: list = []
+        self._adapter = None
+        self._lora_ids = 0
+
+    def load_adapter(self, folder: Path, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+        self._lora_ids += 1
+        request = LoRARequest(f"rls-v{version}-{self._lora_ids}", self._lora_ids, str(folder))
+        self.llm.llm_engine.add_lora(request)  # loaded now: a bad adapter fails here, not inside a generation
+        self._take_out_live()
+        self._adapter = request
+        self._adapters.append(request)
+        while len(self._adapters) > self._resident:
+            self.llm.llm_engine.remove_lora(self._adapters.pop(0).lora_int_id)
+        self.version = version
 
     def load_weights(self, folder: Path, version: int) -> None:
         self._reload({"weights_path": str(folder)}, version)
@@ -187,6 +226,15 @@ class VLLMBackend(InferenceBackend):
         self._reload({"weights_iterator": iter(tensors.items())}, version)
 
     def _reload(self, source: dict, version: int) -> None:
+        self._take_out_live()
+        self.llm.collective_rpc("reload_weights", kwargs=source)
+        if self.tied:
+            self.llm.collective_rpc(refresh_tied_head)
+        # KV computed by the old weights must not be reused as cached prompt prefixes (nor by a sequence in flight).
+        self.llm.reset_prefix_cache(reset_running_requests=True)
+        self.version = version
+
+    def _take_out_live(self) -> None:
         if self._live:
             # Mid-generation: the unfinished sequences leave the engine until the new weights have passed the load
             # probe (which steps the engine: they must not take a step on weights that may yet be refused).
@@ -196,12 +244,6 @@ class VLLMBackend(InferenceBackend):
             self._resubmit += [rid for rid in self._live if rid not in self._resubmit]
             self.llm.llm_engine.abort_request(list(self._live))
             self._live = {}
-        self.llm.collective_rpc("reload_weights", kwargs=source)
-        if self.tied:
-            self.llm.collective_rpc(refresh_tied_head)
-        # KV computed by the old weights must not be reused as cached prompt prefixes (nor by a sequence in flight).
-        self.llm.reset_prefix_cache(reset_running_requests=True)
-        self.version = version
 
     @property
     def probe_precise(self) -> bool:
@@ -216,7 +258,8 @@ class VLLMBackend(InferenceBackend):
         rid = f"rls-probe{self._calls}"
         # Prompt log-probs are the model's raw ones (no temperature), as the trainer's are.
         engine.add_request(rid, TokensPrompt(prompt_token_ids=list(token_ids)),
-                           VSampling(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False))
+                           VSampling(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False),
+                           lora_request=self._adapter)
         try:
             while True:
                 for out in engine.step():
@@ -252,7 +295,7 @@ class VLLMBackend(InferenceBackend):
         ids = [f"rls{self._calls}-{i}" for i in range(len(prompts))]
         try:
             for rid, p in zip(ids, prompts):
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sp, lora_request=self._adapter)
         except BaseException:
             engine.abort_request(ids)
             raise
@@ -316,7 +359,8 @@ class VLLMBackend(InferenceBackend):
             resumed.max_tokens = left
             if sp.seed is not None:  # the same seed again would replay the draws the sequence started with
                 resumed.seed = sp.seed + len(g.token_ids)
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompts[i] + g.token_ids), resumed)
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=prompts[i] + g.token_ids), resumed,
+                               lora_request=self._adapter)
             index[rid] = i
             unfinished.add(rid)
             self._live[rid] = i

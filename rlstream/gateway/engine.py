@@ -58,7 +58,7 @@ class PolicyEngine:
         while self.watcher.wait_for(version, max(0.0, deadline - time.monotonic())):
             pv = self.watcher.latest
             try:
-                folder = self.weights.folder(pv)
+                folder = self.weights.engine_folder(pv)  # a LoRA version's base
                 break
             except (OSError, ValueError) as exc:
                 log.warning("gateway: could not load v%d: %s", pv.version, exc)
@@ -78,6 +78,7 @@ class PolicyEngine:
                                     api_key=os.environ.get("RLSTREAM_GATEWAY_API_KEY", ""),
                                     enforce_eager=s.enforce_eager, attn_implementation=s.attn_implementation)
         self.tokenizer = getattr(self.backend, "tokenizer", None) or self.tokenizer
+        self.weights.adopt(pv, self.backend)
         self.weights.verify_first(pv, self.backend)
         self.version = self.backend.version
         metrics.POLICY_VERSION.labels(self.name).set(self.version)

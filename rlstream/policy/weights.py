@@ -25,6 +25,7 @@ from urllib.parse import urlparse
 
 from rlstream import metrics
 from rlstream.policy import probe
+from rlstream.policy.adapters import check_base, check_serves_adapters
 from rlstream.errors import UserError
 from rlstream.policy.probe import ProbeMismatch
 from rlstream.policy.deltas import folder_hash
@@ -73,26 +74,31 @@ class WeightStore:
 
     def put(self, policy: str, version: int, write) -> str:
         """Write a version through ``write(folder)`` (a local folder) atomically; return its URI."""
+        return self.put_named(policy, f"v{version}", write, marker=str(version))
+
+    def put_named(self, policy: str, name: str, write, marker: str = "") -> str:
+        """``put`` under any folder name of the policy (a LoRA base: ``base-<hash>``, which ``versions`` and
+        ``prune`` leave alone); return its URI."""
         if not self.local:
-            staging = Path(tempfile.mkdtemp(prefix=f"rlstream-{policy}-v{version}-"))
+            staging = Path(tempfile.mkdtemp(prefix=f"rlstream-{policy}-{name}-"))
             try:
                 write(staging)
-                remote = self._remote(policy, version)
+                remote = f"{self._remote(policy)}/{name}"
                 if self.fs.exists(remote):
                     self._remove(remote)
                 for path in sorted(p for p in staging.rglob("*") if p.is_file()):
                     self.fs.put_file(str(path), f"{remote}/{path.relative_to(staging).as_posix()}")
                 # Readers take a version as complete by its marker: it goes last.
-                self.fs.pipe_file(f"{remote}/{COMPLETE}", str(version).encode())
+                self.fs.pipe_file(f"{remote}/{COMPLETE}", (marker or name).encode())
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
-            return self.uri(policy, version)
-        final = self.path(policy, version)
+            return f"{self.root_uri}/{policy}/{name}"
+        final = self.root / policy / name
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         write(tmp)
-        (tmp / COMPLETE).write_text(str(version))
+        (tmp / COMPLETE).write_text(marker or name)
         shutil.rmtree(final, ignore_errors=True)
         # A reader never sees a half-written version: the folder appears whole.
         os.replace(tmp, final)
@@ -188,6 +194,7 @@ class PolicyWeights:
         self._log: WeightLogReader | None = None
         self._checked: tuple[str, Path] | None = None  # (hash, folder) of the last store folder checked
         self._good: PolicyVersion | None = None  # the last version an engine loaded and passed the probe with
+        self._bases: set[tuple[str, Path]] = set()  # (hash, folder) of the LoRA bases checked
         if client_config is not None:
             self.bind(client_config, run)
 
@@ -207,6 +214,27 @@ class PolicyWeights:
                 raise ValueError(f"{pv.policy} v{pv.version} refused: {folder} does not match its content hash")
             self._checked = (pv.content_hash, folder)
         return folder
+
+    def engine_folder(self, pv: PolicyVersion) -> Path:
+        """The folder an engine is built from to serve ``pv``: its own, or a LoRA version's base (``adopt`` then
+        applies the adapter). Errors as ``folder``'s."""
+        if not pv.base_hash:
+            return self.folder(pv)
+        folder = fetch_uri(pv.base_uri, self.cache_dir)
+        if (pv.base_hash, folder) not in self._bases:
+            if folder_hash(folder) != pv.base_hash:
+                metrics.WEIGHTS_REFUSED.labels("hash_mismatch").inc()
+                raise ValueError(f"{pv.policy} v{pv.version} refused: its base {folder} does not match the base hash "
+                                 f"{pv.base_hash[:16]} it names")
+            self._bases.add((pv.base_hash, folder))
+        return folder
+
+    def adopt(self, pv: PolicyVersion, backend) -> None:
+        """An engine just built from ``engine_folder(pv)``: record the base it holds and, for a LoRA version, apply
+        the adapter (UserError when the engine cannot serve adapters)."""
+        backend.base_hash = pv.base_hash or pv.content_hash
+        if pv.base_hash:
+            self._load(pv, backend)
 
     def prefetch(self, pv: PolicyVersion, folder: bool = True) -> None:
         """Get ``pv`` ready to load before the engine is taken: its folder (``folder``), or, from the weights log, only
@@ -268,10 +296,17 @@ class PolicyWeights:
                             "or build the trainer's?)") from None
 
     def _load(self, pv: PolicyVersion, backend) -> None:
+        if pv.base_hash:  # a LoRA version: its adapter, on its own base only (rlstream.policy.adapters)
+            check_serves_adapters(backend, pv.policy, pv.version)
+            check_base(pv.policy, pv.version, pv.base_hash, backend.base_hash, backend.name)
+            backend.load_adapter(self.folder(pv), pv.version)
+            return
         if getattr(backend, "loads_tensors", False) and is_log_uri(pv.weights_uri):
             self._reader(pv).load(pv, lambda tensors: backend.load_tensors(tensors, pv.version))
         else:
             backend.load_weights(self.folder(pv), pv.version)
+        if pv.content_hash:
+            backend.base_hash = pv.content_hash  # whole weights: a new base, which only its own adapters fit
 
     def _reader(self, pv: PolicyVersion) -> WeightLogReader:
         if self._log is None:

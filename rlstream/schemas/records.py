@@ -249,6 +249,8 @@ class PolicyVersion(Record):
     content_hash: str = ""
     probe_token_ids: list[int] = field(default_factory=list)
     probe_logprobs: list[float] = field(default_factory=list)
+    base_hash: str = ""
+    base_uri: str = ""
 
 
 @dataclass(slots=True)

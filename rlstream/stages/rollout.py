@@ -212,6 +212,7 @@ class RolloutStage(Stage):
         pv, folder = self._first_version()
         self.max_context = self.settings.max_context or context_limit(folder)
         self.backend = self._make_backend(folder, pv.version)
+        self.weights.adopt(pv, self.backend)  # a LoRA version's adapter over the base the engine was built from
         self.weights.verify_first(pv, self.backend)
         self.tokenizer = getattr(self.backend, "tokenizer", None) or load_tokenizer(folder, flag="policy folder")
         self.version = self.backend.version
@@ -244,14 +245,13 @@ class RolloutStage(Stage):
                             attn_implementation=s.attn_implementation)
 
     def _first_version(self):
-        """The newest announced version that loads, and its folder; a refused or unreadable one is skipped for the
-        next announcement (no weights, no tokens)."""
+        """The newest announced version that loads, and the folder an engine is built from (a LoRA version's base)."""
         deadline = time.monotonic() + self.settings.wait_policy_s
         version = 0
         while self.watcher.wait_for(version, max(0.0, deadline - time.monotonic())):
             pv = self.watcher.latest
             try:
-                return pv, self.weights.folder(pv)
+                return pv, self.weights.engine_folder(pv)
             except (OSError, ValueError) as exc:
                 log.warning("could not load v%d: %s", pv.version, exc)
                 version = pv.version + 1

@@ -52,7 +52,9 @@ class TorchEngine:
         self.device = device
         self.model = model.to(device)
         self.autocast_mode = autocast_mode
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        # The parameters that train (all of them, or a LoRA adapter's: the frozen base gets no optimizer state).
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr,
+                                           weight_decay=0.0)
         self.max_grad_norm = max_grad_norm
         self.lr, self.lr_warmup_steps, self.steps = lr, lr_warmup_steps, 0
 

@@ -39,8 +39,8 @@ from rlstream.kafka.records import Rejected
 from rlstream.kafka.topics import delete_before, topic_name
 from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.devices import enable_gradient_checkpointing, resolve_device, resolve_threads
-from rlstream.models.loading import (TINY, check_folder, flash_attn_installed, load_model, load_tokenizer,
-                                     read_chat_template, resolve_attention, set_attention, torch_dtype)
+from rlstream.models.loading import (flash_attn_installed, load_tokenizer, resolve_attention, set_attention,
+                                     torch_dtype)
 from rlstream.models.resources import ModelShape, gib
 from rlstream.models.logprobs import check_packing
 from rlstream.policy.watcher import last_policy_version
@@ -56,6 +56,8 @@ from rlstream.trainer.distill import DistillConfig, coef_at
 from rlstream.trainer.distributed import Ranks, check_ranks, start_ranks
 from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.gate import OutcomeBooks, SampleGate, trajectory_of
+from rlstream.trainer.initial import version_zero
+from rlstream.trainer.lora import BaseReference, LoraTraining
 from rlstream.trainer.microbatch import StepBudget, step_budget, train_step
 from rlstream.trainer.precision import resolve_precision
 from rlstream.trainer.settings import TrainerSettings
@@ -109,6 +111,7 @@ class TrainerService:
         if settings.loss != "ppo" and settings.source != "feedback":
             raise ValueError(f"--loss {settings.loss} needs the teacher's feedback: add --source feedback and run "
                              "the teacher stage (rlstream run teacher)")
+        self.lora = LoraTraining(settings, loop.eta) if settings.lora_rank else None  # --lora-rank: trainer/lora.py
         self.gate = SampleGate(settings, loop.eta, distill)
         self.counter = self.gate.counter  # the staleness counts each step publishes
 
@@ -196,6 +199,8 @@ class TrainerService:
         announced = last_policy_version(self.kafka.client_config(), self.kafka.run, self.loop.policy)
         if announced is not None:
             self._resuming = announced.version  # _build takes the newest optimizer state at or before it
+            if self.lora:
+                self.lora.announced(announced)
             self._build(self.ranks.broadcast(self._resume_folder(announced)))
             self.version = announced.version
             log.info("trainer resumed %s at v%d", self.loop.policy, self.version)
@@ -203,7 +208,7 @@ class TrainerService:
             self._build(self.ranks.broadcast(None))
             self._publish(0, {"warmup_steps": float(self.settings.warmup_steps)}, offsets=None, samples=0)
         ref = None
-        if self.settings.kl_coef > 0:
+        if self.settings.kl_coef > 0 and self.lora is None:  # LoRA's reference is its own base (_load_ref)
             if 0 not in self.store.versions(self.loop.policy):
                 raise UserError(f"--kl-coef: the KL reference, {self.loop.policy} v0, is not in the store "
                                 f"{self.settings.weights!r}: point --weights at the store that holds it")
@@ -218,15 +223,11 @@ class TrainerService:
         self._place()
         if folder is not None:
             self.tokenizer = load_tokenizer(folder, flag="resume from")
-            self.model = load_resumed(folder, self.settings.dtype)
+            self.model = self.lora.resumed(folder, self.loop.home_path / "weights-cache") if self.lora else \
+                load_resumed(folder, self.settings.dtype)
         else:
-            self.model, self.tokenizer = self._initial_policy()
-            if self.settings.warmup_steps > 0 and self.ranks.lead:
-                from rlstream.trainer.warmup import supervised_warmup
-                info = supervised_warmup(self.model, self.tokenizer, self.settings.task,
-                                         fraction=self.settings.warmup_fraction,
-                                         steps=self.settings.warmup_steps, seconds=None, seed=self.settings.seed)
-                log.info("supervised warm-up: %s", info)
+            self.model, self.tokenizer = version_zero(self.settings, self.attention, self.ranks.lead, self.lora,
+                                                      self.store, self.loop.policy)
         self.engine = self._engine()
         states = resume_optimizer_states(folder, self.store, self.loop.policy, self._resuming,
                                          self.loop.home_path / "weights-cache") \
@@ -256,25 +257,13 @@ class TrainerService:
         return folder
 
     def _load_ref(self, folder: Path | None) -> None:
-        """The KL reference (version 0), on this rank's device; None without --kl-coef."""
+        """The KL reference (version 0), on this rank's device; None without --kl-coef. LoRA: the policy's own
+        forward with its adapter disabled (the frozen base), no second model."""
+        if self.lora and self.settings.kl_coef > 0:
+            self.ref_model = BaseReference(self.engine)
+            return
         self.ref_model = None if folder is None else \
             load_resumed(folder, self.settings.dtype, flag="--kl-coef reference").to(self.engine.device).eval()
-
-    def _initial_policy(self):
-        """Version 0's model and tokenizer: ``--model`` as given, or the tiny model built from its seed."""
-        s = self.settings
-        if s.model == TINY:
-            from rlstream.models.tiny import build_model, build_tokenizer
-            tokenizer = build_tokenizer()
-            if s.chat_template:
-                tokenizer.chat_template = read_chat_template(s.chat_template)
-            return build_model(tokenizer, seed=s.seed).to(torch_dtype(s.dtype)), tokenizer
-        folder = check_folder(s.model)
-        tokenizer = load_tokenizer(folder, s.chat_template)
-        model = load_model(folder, s.dtype, attn_implementation=self.attention)
-        log.info("version 0 is %s as given (%.1f M parameters, %s)", s.model,
-                 sum(p.numel() for p in model.parameters()) / 1e6, next(model.parameters()).dtype)
-        return model, tokenizer
 
     def _engine(self):
         s = self.settings
@@ -388,6 +377,8 @@ class TrainerService:
         written = {}
         self.ranks.command("save")
         full_state, optimizer_states = self._checkpoint_parts()
+        if self._writer is None and self.lora:
+            self._writer = self.lora.writer(self.model, self.tokenizer)
         if self._writer is None:
             self._writer = VersionWriter(self.model, self.tokenizer, None if self.settings.publish_dtype == "auto"
                                          else torch_dtype(self.settings.publish_dtype))
@@ -432,7 +423,7 @@ class TrainerService:
                                    parent_version=self.version, samples_trained=samples, metrics=stats,
                                    trainer_id=self.group_id, tokenizer_hash=self._tokenizer_hash,
                                    content_hash=written["digest"], probe_token_ids=probe_ids,
-                                   probe_logprobs=probe_lps)
+                                   probe_logprobs=probe_lps, **(self.lora.fields() if self.lora else {}))
             records.produce(self.txn, self.kafka.run, "policy-versions", policy, record, version)
             for m, reason, error in self._pop_letters():
                 self.txn.dead_letter("trainer", m, reason, error)

@@ -110,4 +110,13 @@ class TrainerSettings:
     packed_sequences: bool = knob(False, "Padding-free: each (micro-)batch's rows packed into one sequence, attention "
                                          "kept within each row (models whose masks follow position_ids, checked at "
                                          "start); --micro-batch-tokens then counts real tokens")
+    lora_rank: int = knob(0, "LoRA through PEFT: train a rank-R adapter on the frozen base (in --dtype) and publish "
+                             "only the adapter, its base named by content hash (0: train the whole model); with "
+                             "--sharding none (plain torch, or DDP over --nproc ranks)")
+    lora_alpha: float = knob(16.0, "--lora-rank: the adapter's scale is alpha / rank")
+    lora_dropout: float = knob(0.0, "--lora-rank: dropout on the adapter's input while training")
+    lora_target_modules: tuple[str, ...] = knob(("all-linear",), "--lora-rank: the linear modules that get an "
+                                                                  "adapter, by short name (q_proj, v_proj, ...; "
+                                                                  "repeatable or comma-separated), or all-linear "
+                                                                  "(every linear layer but the output head)")
     seed: int = knob(0, "Seed of the initial model and warm-up")

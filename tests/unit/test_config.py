@@ -65,7 +65,8 @@ def test_loop_settings_reach_every_role_from_one_flag(monkeypatch):
 
 
 @pytest.mark.parametrize("command", [["run", s] for s in cli.STAGES] + [["replay"], ["prompts"], ["sql", "x"],
-                                                                      ["report"], ["up"], ["down"], ["topics"]])
+                                                                      ["report"], ["up"], ["down"], ["topics"],
+                                                                      ["export"]])
 def test_every_command_parses_its_flags_without_collisions(command):
     parser = cli.build_parser(command[1] if command[0] == "run" else None)
     parser.parse_args(command)  # argparse raises on a flag declared twice

@@ -41,3 +41,7 @@ LOOP = {"group_size": 8, "groups_per_step": 8}
 #: At smoke size the run ends at its first held-out evaluation of a trained version.
 SMOKE_DEMO = {"minutes": 10.0, "target": 0.0, "heldout_every": 1, "max_tokens": 16, "lr_warmup_steps": 0}
 SMOKE_LOOP = {"group_size": 2, "groups_per_step": 2}
+
+#: The LoRA variant (``rlstream demo --recipe smollm2 --lora-rank 16 --lr 2e-5``): what it overrides. An adapter
+#: takes a larger step than the whole model (its B starts at zero); the rate is a first guess, not yet measured here.
+LORA_DEMO = {"lora_rank": 16, "lr": 2e-5}

@@ -112,6 +112,10 @@ class TeacherStage(Stage):
     def _follow(self, pv: PolicyVersion, first: bool = False) -> None:
         """Load the policy's version ``pv`` as the teacher; a version that cannot be loaded now keeps the one held
         (tried again before the next batch), except the first, without which there is no teacher."""
+        if pv.base_hash:  # rlstream.policy.adapters: this stage loads whole checkpoints only
+            raise UserError(f"the teacher follows {pv.policy}, whose v{pv.version} is a LoRA adapter; the teacher "
+                            "cannot serve adapters yet: give it --teacher FOLDER (e.g. the base), or train without "
+                            "--lora-rank")
         try:
             folder = self.weights.folder(pv)
         except (OSError, ValueError) as exc:
