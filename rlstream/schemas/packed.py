@@ -20,9 +20,9 @@ _BIG_ENDIAN = sys.byteorder == "big"
 def _forgets(name: str):
     base = getattr(list, name)
 
-    def method(self, *args):
+    def method(self, *args, **kwargs):
         self._packed = None
-        return base(self, *args)
+        return base(self, *args, **kwargs)
     method.__name__ = name
     method.__doc__ = base.__doc__
     return method
