@@ -131,9 +131,10 @@ class Decoder:
     """Turns one poll's messages into ``Consumed`` records with the batch codec: headers checked first, every value
     of the poll decoded in one call, each failure kept as that record's dead-letter reason."""
 
-    def __init__(self, run: str, *, require_policy_version: bool = True):
+    def __init__(self, run: str, *, require_policy_version: bool = True, token_views: bool = False):
         self.run = run
         self.require_policy_version = require_policy_version
+        self.token_views = token_views  # token arrays as read-only views over their bytes (Stage.token_views)
         self._logical: dict[str, str] = {}  # physical topic -> logical name
 
     def logical(self, physical: str) -> str:
@@ -160,7 +161,8 @@ class Decoder:
             record_name = TOPICS[logical].record
             cls = RECORD_TYPES[record_name]
             for (c, headers, version), decoded in zip(group, codec.decode_many([c.value() for c, _, _ in group],
-                                                                               expect=record_name)):
+                                                                               expect=record_name,
+                                                                               views=self.token_views)):
                 if isinstance(decoded, DecodeError):
                     c.rejected = Rejected(decoded.reason, str(decoded))
                     continue

@@ -64,7 +64,8 @@ class StageRunner:
         # The runner's input seam: decoded records. A Kafka source decodes each poll with this (the batch codec);
         # a source with records already decoded (the archive) hands them over as they are.
         self.source.bind(self._on_assign, self._on_revoke,
-                         Decoder(kafka.run, require_policy_version=stage.require_policy_version))
+                         Decoder(kafka.run, require_policy_version=stage.require_policy_version,
+                                 token_views=stage.token_views))
         instance = settings.instance or uuid.uuid4().hex[:12]  # transactional id; static membership needs a set one
         self.txn = TransactionalProducer(kafka, f"{self.group_id}.{instance}", who=stage.name,
                                          transaction_timeout_ms=settings.transaction_timeout_ms,

@@ -57,12 +57,12 @@ def _pack_record(record: dict, paths) -> dict:
     return out
 
 
-def _unpack_record(record: dict, paths) -> None:
+def _unpack_record(record: dict, paths, views: bool = False) -> None:
     for path, kind in paths:
         node = record
         for key in path[:-1]:
             node = node[key]
-        node[path[-1]] = _unpack(node[path[-1]], kind)
+        node[path[-1]] = unpack(node[path[-1]], kind, views)
 
 
 class DecodeError(ValueError):
@@ -150,10 +150,11 @@ class Codec:
             raise DecodeError("wrong_record", f"expected a {expect} record, got {writer.name}")
         return writer.name, self._body(writer, data)
 
-    def decode_many(self, values: Sequence[bytes | None], expect: str | None = None) \
+    def decode_many(self, values: Sequence[bytes | None], expect: str | None = None, *, views: bool = False) \
             -> list[tuple[str, dict] | DecodeError]:
         """Decode a whole poll: per value, (record name, dict) or the DecodeError that value raised, in order, so
-        one bad value is dead-lettered alone. Each writer schema is looked up once per batch, not once per value."""
+        one bad value is dead-lettered alone. Each writer schema is looked up once per batch, not once per value.
+        ``views``: token arrays as read-only TokenViews over their bytes rather than lists."""
         out: list[tuple[str, dict] | DecodeError] = []
         writers: dict[bytes, _Writer] = {}
         for data in values:
@@ -166,12 +167,12 @@ class Codec:
                     writer = writers[fp] = self._writer_of(data)
                 if expect is not None and writer.name != expect:
                     raise DecodeError("wrong_record", f"expected a {expect} record, got {writer.name}")
-                out.append((writer.name, self._body(writer, data)))
+                out.append((writer.name, self._body(writer, data, views)))
             except DecodeError as exc:
                 out.append(exc)
         return out
 
-    def _body(self, writer: _Writer, data: bytes) -> dict:
+    def _body(self, writer: _Writer, data: bytes, views: bool = False) -> dict:
         """The Avro body of ``data`` (written with ``writer``) in the current schema's shape, token arrays as
         TokenLists."""
         buf = io.BytesIO(data)
@@ -184,7 +185,7 @@ class Codec:
         if buf.tell() != len(data):
             raise DecodeError("malformed", f"{len(data) - buf.tell()} trailing bytes after a {writer.name} record")
         try:
-            _unpack_record(value, self._packed[writer.name])
+            _unpack_record(value, self._packed[writer.name], views)
         except (ValueError, TypeError) as exc:  # e.g. a packed int32 field whose length is not a multiple of 4
             raise DecodeError("malformed", f"bad packed array in a {writer.name} record: {exc}") from None
         return value

@@ -100,6 +100,7 @@ class ReplayStage(Stage):
     """The reward stage under a replay's own name, group and policy-version range."""
 
     inputs = ("trajectories",)
+    token_views = True  # as the reward stage's
 
     def __init__(self, settings: ReplaySettings):
         if not settings.reward_version:

@@ -58,6 +58,7 @@ class RewardStage(Stage):
 
     name = "reward"
     inputs = ("trajectories",)
+    token_views = True  # a judge reads a trajectory's tokens; the scored trajectory carries them on unchanged
 
     def __init__(self, settings: RewardSettings = RewardSettings()):
         self.settings = settings

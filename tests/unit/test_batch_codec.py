@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from rlstream.schemas import records
 from rlstream.schemas.codec import (MARKER, RECORDS, Codec, DecodeError, _unpack_record, iter_history, load_current,
                                     packed_paths, schema_fingerprint)
-from rlstream.schemas.packed import TokenList, pack, unpack
+from rlstream.schemas.packed import TokenList, TokenView, pack, unpack
 
 CODEC = Codec()
 _TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=6)
@@ -97,6 +97,10 @@ def test_batch_decode_and_encode_match_fastavro_record_at_a_time(name, version, 
     if version == 0:
         assert encoded == values
     assert CODEC.decode_many(encoded, expect=name) == batch
+    # Read-only views over the bytes (Stage.token_views) decode to the same elements and encode to the same bytes.
+    viewed = CODEC.decode_many(values, expect=name, views=True)
+    assert viewed == batch
+    assert CODEC.encode_many(name, [records.RECORD_TYPES[name].from_dict(d).to_dict() for _, d in viewed]) == encoded
 
 
 def test_one_bad_value_in_a_batch_fails_alone_with_its_reason():
@@ -135,3 +139,19 @@ def test_a_pass_through_record_reuses_its_token_bytes():
     fresh = records.ScoredTrajectory(traj, records.Reward(total=1.0, reward_version="v"))
     assert CODEC.encode_many("ScoredTrajectory", [scored.to_dict()]) == [CODEC.encode("ScoredTrajectory",
                                                                                       fresh.to_dict())]
+
+
+def test_a_token_view_reads_like_the_list_of_its_elements():
+    view = unpack(pack([3, -1, 7], "int32"), "int32", view=True)
+    assert isinstance(view, TokenView) and view == [3, -1, 7] and [3, -1, 7] == view and view != [3, -1]
+    assert len(view) == 3 and view[1] == -1 and view[-2:] == [-1, 7] and list(view) == [3, -1, 7] and 7 in view
+    assert view + [1] == [3, -1, 7, 1] and [0] + view == [0, 3, -1, 7] and sum(view) == 9 and repr(view) == "[3, -1, 7]"
+    import numpy as np
+    assert np.asarray(view).tolist() == [3, -1, 7] and type(pickle.loads(pickle.dumps(view))) is list
+    assert pack(view, "int32") == struct.pack("<3i", 3, -1, 7) and view.packed_as("float32") is None
+    with pytest.raises(AttributeError):
+        view.append(1)  # read-only: a stage that edits tokens in place keeps lists (Stage.token_views False)
+    floats = unpack(pack([0.5, -2.0], "float32"), "float32", view=True)
+    assert floats == [0.5, -2.0] and isinstance(floats[0], float)
+    with pytest.raises((ValueError, TypeError)):
+        unpack(b"\x01\x02\x03", "int32", view=True)
