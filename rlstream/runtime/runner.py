@@ -1,8 +1,11 @@
 """The runner every stage process runs: consume, handle, produce, commit, exactly once.
 
-Two ways to drive a stage, chosen by ``Stage.batched`` (per instance) and ``--pipeline``:
+Its input is decoded records (``records.Consumed``) from a source: a Kafka source decodes each poll as one batch,
+a replay from the archive hands its rows over as they are. Two ways to drive a stage, chosen by ``Stage.batched``
+(per instance) and ``--pipeline``:
 
-- one batch per transaction (batch handlers such as rollout's in-process generation, replays, ``--no-pipeline``);
+- one batch per transaction (batch handlers such as rollout's in-process generation, replays, ``--no-pipeline``),
+  the handler called once on the batch's records;
 - pipelined (per-record handlers such as env, reward and rollout on a server fleet): up to ``max_in_flight``
   records across polls, each finished one committed in the next transaction whatever the order (see
   ``rlstream.kafka.inflight``).
