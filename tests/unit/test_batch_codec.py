@@ -34,9 +34,9 @@ def datum(schema):
     if kind in simple:
         return simple[kind]
     if kind == "array":
-        return st.lists(datum(schema["items"]), max_size=3)
+        return st.lists(datum(schema["items"]), max_size=2)
     if kind == "map":
-        return st.dictionaries(_TEXT, datum(schema["values"]), max_size=2)
+        return st.dictionaries(_TEXT, datum(schema["values"]), max_size=1)
     if kind == "enum":
         return st.sampled_from(schema["symbols"])
     if kind == "fixed":
@@ -79,12 +79,12 @@ def _write(schema: dict, value: dict) -> bytes:
 
 
 @pytest.mark.parametrize("name,version,writer", WRITERS, ids=lambda v: str(v) if not isinstance(v, dict) else "")
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_batch_decode_and_encode_match_fastavro_record_at_a_time(name, version, writer, data):
     key = (name, version)
     if key not in _BATCHES:
-        _BATCHES[key] = st.lists(datum(writer), min_size=3, max_size=3)
+        _BATCHES[key] = st.lists(datum(writer), min_size=2, max_size=2)
     values = [_write(writer, v) for v in data.draw(_BATCHES[key])]
     batch = CODEC.decode_many(values, expect=name)
     for value, got in zip(values, batch):
