@@ -9,12 +9,13 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from rlstream.config import KafkaSettings
-from rlstream.kafka.topics import TOPICS, topic_name
+from rlstream.kafka.topics import TOPICS, logical_name, topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import DecodeError, default_codec
 from rlstream.schemas.records import RECORD_TYPES, Record
 
-__all__ = ["Incoming", "Message", "Rejected", "TypedProducer", "decode", "encode", "produce"]
+__all__ = ["Consumed", "Decoder", "Incoming", "Message", "Rejected", "TypedProducer", "check_headers", "decode", "encode",
+           "produce"]
 
 
 class Rejected(Exception):
@@ -62,14 +63,13 @@ def produce_waiting(producer: Producer, topic: str, value: bytes | None, key: An
             producer.poll(0.05)
 
 
-def decode(m: Message, logical: str, *, require_policy_version: bool = True) -> Incoming:
-    """The typed record of a consumed message of the logical topic ``logical``; Rejected with the dead-letter
-    reason if it is not one.
+def check_headers(raw_headers, *, require_policy_version: bool = True) -> tuple[dict[str, bytes], int]:
+    """A record's headers as a dict and its policy version; Rejected (``bad_header``) when they are not usable.
 
-    Headers are checked before the value is decoded: consumers filter on them without decoding, so a bad header
-    must never pass as a version.
+    Checked before the value is decoded: consumers filter on headers without decoding, so a bad header must never
+    pass as a version.
     """
-    headers = hdr.as_dict(m.headers())
+    headers = hdr.as_dict(raw_headers)
     try:
         version = hdr.policy_version(headers)
     except hdr.HeaderError as exc:
@@ -83,12 +83,92 @@ def decode(m: Message, logical: str, *, require_policy_version: bool = True) -> 
         except UnicodeDecodeError:
             # Checked here: outputs copy it, and a decode error there would crash the stage on every retry.
             raise Rejected("bad_header", f"reward_version header is not UTF-8: {reward_version[:32]!r}") from None
+    return headers, version
+
+
+def decode(m: Message, logical: str, *, require_policy_version: bool = True) -> Incoming:
+    """The typed record of a consumed message of the logical topic ``logical``; Rejected with the dead-letter
+    reason if it is not one."""
+    headers, version = check_headers(m.headers(), require_policy_version=require_policy_version)
     try:
         name, value = default_codec().decode(m.value(), expect=TOPICS[logical].record)
         record = RECORD_TYPES[name].from_dict(value)
     except DecodeError as exc:
         raise Rejected(exc.reason, str(exc)) from None
     return Incoming(logical, m.partition(), m.offset(), m.key(), headers, version, record)
+
+
+class Consumed:
+    """One record a source hands the runner: where it sits on its log, its decoded input (``item``) or why it has
+    none (``rejected``), and its original key, value and headers for a dead letter.
+
+    Positions read like a confluent Message's (``topic()``, ``partition()``, ``offset()``: the physical topic), so
+    the offset window and the dead letters take either. ``value`` may be a callable that builds the bytes on
+    demand: a source whose records are already decoded (the archive) encodes one only for a dead letter.
+    """
+
+    __slots__ = ("_topic", "_partition", "_offset", "_key", "_headers", "_value", "item", "rejected")
+
+    def __init__(self, topic: str, partition: int, offset: int, key: bytes | None, headers: Any, value: Any,
+                 item: Incoming | None = None, rejected: Rejected | None = None):
+        self._topic, self._partition, self._offset = topic, partition, offset
+        self._key, self._headers, self._value = key, headers, value
+        self.item, self.rejected = item, rejected
+
+    def topic(self) -> str: return self._topic
+    def partition(self) -> int: return self._partition
+    def offset(self) -> int: return self._offset
+    def key(self) -> bytes | None: return self._key
+    def headers(self) -> Any: return self._headers
+
+    def value(self) -> bytes | None:
+        if callable(self._value):
+            self._value = self._value()
+        return self._value
+
+
+class Decoder:
+    """Turns one poll's messages into ``Consumed`` records with the batch codec: headers checked first, every value
+    of the poll decoded in one call, each failure kept as that record's dead-letter reason."""
+
+    def __init__(self, run: str, *, require_policy_version: bool = True, token_views: bool = False):
+        self.run = run
+        self.require_policy_version = require_policy_version
+        self.token_views = token_views  # token arrays as read-only views over their bytes (Stage.token_views)
+        self._logical: dict[str, str] = {}  # physical topic -> logical name
+
+    def logical(self, physical: str) -> str:
+        name = self._logical.get(physical)
+        if name is None:
+            name = self._logical[physical] = logical_name(self.run, physical)
+        return name
+
+    def decode(self, msgs: list[Message]) -> list[Consumed]:
+        out: list[Consumed] = []
+        by_topic: dict[str, list[tuple[Consumed, dict, int]]] = {}
+        for m in msgs:
+            c = Consumed(m.topic(), m.partition(), m.offset(), m.key(), m.headers(), m.value())
+            out.append(c)
+            try:
+                headers, version = check_headers(c.headers(), require_policy_version=self.require_policy_version)
+            except Rejected as rej:
+                c.rejected = rej
+                continue
+            by_topic.setdefault(c.topic(), []).append((c, headers, version))
+        codec = default_codec()
+        for physical, group in by_topic.items():
+            logical = self.logical(physical)
+            record_name = TOPICS[logical].record
+            cls = RECORD_TYPES[record_name]
+            for (c, headers, version), decoded in zip(group, codec.decode_many([c.value() for c, _, _ in group],
+                                                                               expect=record_name,
+                                                                               views=self.token_views)):
+                if isinstance(decoded, DecodeError):
+                    c.rejected = Rejected(decoded.reason, str(decoded))
+                    continue
+                c.item = Incoming(logical, c.partition(), c.offset(), c.key(), headers, version,
+                                  cls.from_dict(decoded[1]))
+        return out
 
 
 def encode(logical: str, record: Record) -> bytes:

@@ -1,9 +1,11 @@
 """Input sources: where a runner's records come from and whose offsets its transactions commit.
 
-The runner asks a source for records, seeks it back after an aborted transaction, and commits positions in the
-source's consumer group. ``GroupSource`` is a stage's consumer group over its input topics; ``BoundedTopicSource``
-is the same group restricted to the offsets a topic had when it began (a replay), and a source that rebuilds
-records elsewhere (replay from the archive) only has to offer the same methods.
+The runner asks a source for decoded records (``records.Consumed``), seeks it back after an aborted transaction,
+and commits positions in the source's consumer group. ``GroupSource`` is a stage's consumer group over its input
+topics, decoding each poll with the runner's ``records.Decoder`` (the batch codec); ``BoundedTopicSource`` is the
+same group restricted to the offsets a topic had when it began (a replay), and a source that has records already
+decoded elsewhere (replay from the archive) only has to offer the same methods and hand its records over as they
+are.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, Message, T
 
 from rlstream.config import KafkaSettings
 from rlstream.kafka.group import GroupMember
+from rlstream.kafka.records import Consumed, Decoder
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +48,9 @@ class InputSource(Protocol):
 
     consumer: Consumer  # the group's consumer: offsets commit in its group, lag is read from it
 
-    def bind(self, on_assign: Listener, on_revoke: Listener) -> None: ...
+    def bind(self, on_assign: Listener, on_revoke: Listener, decoder: Decoder) -> None: ...
     def start(self) -> list[str]: ...
-    def consume(self, num: int, timeout: float) -> list[Message]: ...
+    def consume(self, num: int, timeout: float) -> list[Consumed]: ...
     def seek(self, topic: str, partition: int, offset: int) -> None: ...
     def pause(self, parts: list[TopicPartition]) -> None: ...  # partitions as assigned
     def resume(self, parts: list[TopicPartition]) -> None: ...
@@ -63,6 +66,7 @@ class GroupSource:
                  session_timeout_ms: int = 10000, who: str = ""):
         self.group_id = group_id
         self._listeners: tuple[Listener, Listener] | None = None
+        self._decoder: Decoder | None = None
         self.member = GroupMember(kafka, group_id, topics, instance=instance, session_timeout_ms=session_timeout_ms,
                                   on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_revoke,
                                   who=who or group_id)
@@ -72,8 +76,9 @@ class GroupSource:
         """The member's current consumer (a new object after it was replaced)."""
         return self.member.consumer
 
-    def bind(self, on_assign: Listener, on_revoke: Listener) -> None:
+    def bind(self, on_assign: Listener, on_revoke: Listener, decoder: Decoder) -> None:
         self._listeners = (on_assign, on_revoke)
+        self._decoder = decoder
 
     def _on_assign(self, consumer: Consumer, parts: list[TopicPartition]) -> None:
         if not parts:
@@ -92,7 +97,12 @@ class GroupSource:
     def start(self) -> list[str]:
         return self.member.subscribe().topics
 
-    def consume(self, num: int, timeout: float) -> list[Message]:
+    def consume(self, num: int, timeout: float) -> list[Consumed]:
+        """Up to ``num`` records, decoded as one batch."""
+        msgs = self._poll(num, timeout)
+        return self._decoder.decode(msgs) if msgs else []
+
+    def _poll(self, num: int, timeout: float) -> list[Message]:
         return self.member.consume(num, timeout)
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
@@ -173,9 +183,9 @@ class BoundedTopicSource(GroupSource):
         self.assigned = [p for p in self.assigned if p not in gone]
         super()._on_revoke(consumer, parts)
 
-    def consume(self, num: int, timeout: float) -> list[Message]:
+    def _poll(self, num: int, timeout: float) -> list[Message]:
         keep, beyond = [], set()
-        for m in super().consume(num, timeout):
+        for m in super()._poll(num, timeout):
             start, end = self.bounds.get(m.partition(), (0, 0))
             if start <= m.offset() < end:
                 keep.append(m)

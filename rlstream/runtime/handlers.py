@@ -1,5 +1,6 @@
-"""Calling a stage's handlers: in a thread pool or on the runner's event loop, each with its timeout, every
-failure turned into the dead-letter reason of the record that caused it (never into a crash of the stage).
+"""Calling a stage's handlers: a batch handler as one call in the thread pool, per-record handlers on the runner's
+event loop, each with its timeout, every failure turned into the dead-letter reason of the record that caused it
+(never into a crash of the stage).
 """
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import math
 import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from rlstream import metrics
 from rlstream.kafka.records import Incoming, Rejected
@@ -64,12 +66,15 @@ class Handlers:
         return [self.rejection(r) if isinstance(r, Exception) else r for r in result]
 
     def _run_timed(self, fn, items: list[Incoming], n: int):
-        """Run a batch handler in the pool with a timeout scaled to the batch; errors become Rejected."""
-        async def go():
-            return await asyncio.wait_for(self.loop.run_in_executor(self.pool, fn, items),
-                                          self.timeout_s * max(1, math.ceil(n / 8)))
+        """Run a batch handler in the pool with a timeout scaled to the batch; errors become Rejected.
+
+        One pool call for the whole batch, no event loop: the loop is for handlers whose records run at once."""
+        future = self.pool.submit(fn, items)
         try:
-            return self.loop.run_until_complete(go())
+            return future.result(self.timeout_s * max(1, math.ceil(n / 8)))
+        except FutureTimeout:
+            future.cancel()  # a started handler cannot be stopped: it finishes in the background, its result dropped
+            return Rejected("handler_timeout", f"handler exceeded {self.timeout_s}s")
         except Exception as exc:
             return self.rejection(exc)
 

@@ -1,8 +1,11 @@
 """The runner every stage process runs: consume, handle, produce, commit, exactly once.
 
-Two ways to drive a stage, chosen by ``Stage.batched`` (per instance) and ``--pipeline``:
+Its input is decoded records (``records.Consumed``) from a source: a Kafka source decodes each poll as one batch,
+a replay from the archive hands its rows over as they are. Two ways to drive a stage, chosen by ``Stage.batched``
+(per instance) and ``--pipeline``:
 
-- one batch per transaction (batch handlers such as rollout's in-process generation, replays, ``--no-pipeline``);
+- one batch per transaction (batch handlers such as rollout's in-process generation, replays, ``--no-pipeline``),
+  the handler called once on the batch's records;
 - pipelined (per-record handlers such as env, reward and rollout on a server fleet): up to ``max_in_flight``
   records across polls, each finished one committed in the next transaction whatever the order (see
   ``rlstream.kafka.inflight``).
@@ -25,7 +28,7 @@ from rlstream.config import KafkaSettings
 from rlstream.kafka import records
 from rlstream.kafka.dead_letters import wire_bytes
 from rlstream.kafka.inflight import OffsetWindow, Slot
-from rlstream.kafka.records import Incoming, Message, Rejected
+from rlstream.kafka.records import Consumed, Decoder, Incoming, Rejected
 from rlstream.kafka.sources import GroupSource, InputSource, waiting
 from rlstream.kafka.topics import logical_name, topic_name
 from rlstream.kafka.transactions import Offset, TransactionalProducer
@@ -61,7 +64,11 @@ class StageRunner:
         self.source = source or GroupSource(kafka, self.group_id, [topic_name(kafka.run, t) for t in stage.inputs],
                                             instance=settings.instance, session_timeout_ms=settings.session_timeout_ms,
                                             who=stage.name)
-        self.source.bind(self._on_assign, self._on_revoke)
+        # The runner's input seam: decoded records. A Kafka source decodes each poll with this (the batch codec);
+        # a source with records already decoded (the archive) hands them over as they are.
+        self.source.bind(self._on_assign, self._on_revoke,
+                         Decoder(kafka.run, require_policy_version=stage.require_policy_version,
+                                 token_views=stage.token_views))
         instance = settings.instance or uuid.uuid4().hex[:12]  # transactional id; static membership needs a set one
         self.txn = TransactionalProducer(kafka, f"{self.group_id}.{instance}", who=stage.name,
                                          transaction_timeout_ms=settings.transaction_timeout_ms,
@@ -75,6 +82,9 @@ class StageRunner:
         self._lag = metrics.LagProbe(stage.name, kafka.run)  # consumer lag gauge, refreshed every few seconds
         self._on_consumed = on_consumed or (lambda n: None)
         self._on_committed = on_committed or (lambda n: None)
+        self._records_out: dict[str, Any] = {}  # logical topic -> its RECORDS_OUT child (a labels() call per record
+        # cost more than producing it)
+        self._queue_delay = metrics.QUEUE_DELAY.labels(stage.name)
 
     @property
     def consumer(self):
@@ -149,7 +159,8 @@ class StageRunner:
                 now, now_ms = time.monotonic(), hdr.now_ms()
                 if msgs:
                     self._on_consumed(len(msgs))
-                admitted = [slot for slot in (self._admit(m, now, now_ms) for m in msgs) if slot is not None]
+                self._observe(msgs, now_ms)
+                admitted = [slot for slot in (self._admit(m, now) for m in msgs) if slot is not None]
                 for slot, future in zip(admitted, self.handlers.submit([slot.item for slot in admitted])):
                     slot.future = future
                 if msgs or busy:
@@ -196,16 +207,15 @@ class StageRunner:
 
     # -- pipelined transactions ----------------------------------------------------------------------------------
 
-    def _admit(self, m: Message, now: float, now_ms: int) -> Slot | None:
-        """The record's slot in the window, decoded; the slot when its handler is still to start, else None."""
-        slot = self._window.add(Slot(m, admitted_at=now))
+    def _admit(self, c: Consumed, now: float) -> Slot | None:
+        """The record's slot in the window; the slot when its handler is still to start, else None."""
+        slot = self._window.add(Slot(c, admitted_at=now))
         if slot.emitted:
             return None  # handled before a crash or rebalance; the committed offset metadata says so
-        try:
-            slot.item = self._decode(m, now_ms)
-        except Rejected as rej:
-            slot.resolve(rej)
+        if c.rejected is not None:
+            slot.resolve(c.rejected)
             return None
+        slot.item = c.item
         return slot
 
     def _commit_ready(self) -> None:
@@ -242,7 +252,7 @@ class StageRunner:
 
     # -- one batch per transaction -------------------------------------------------------------------------------
 
-    def _process_batch(self, msgs: list[Message]) -> None:
+    def _process_batch(self, msgs: list[Consumed]) -> None:
         started = time.monotonic()
 
         def body() -> list[Offset]:
@@ -260,18 +270,19 @@ class StageRunner:
         self._on_committed(len(msgs))
         metrics.BATCH_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
 
-    def _handle_and_produce(self, msgs: list[Message]) -> None:
+    def _handle_and_produce(self, msgs: list[Consumed]) -> None:
+        """The batch's records through the stage's handlers in one call, then their outputs and dead letters."""
         items: list[Incoming] = []
-        sources: list[Message] = []
-        now = hdr.now_ms()
-        for m in msgs:
-            if self._window.is_done_before((m.topic(), m.partition()), m.offset()):
+        sources: list[Consumed] = []
+        self._observe(msgs, hdr.now_ms())
+        for c in msgs:
+            if self._window.is_done_before((c.topic(), c.partition()), c.offset()):
                 continue  # a pipelined worker finished it before this one took the partition over
-            try:
-                items.append(self._decode(m, now))
-                sources.append(m)
-            except Rejected as rej:
-                self._dead_letter(m, rej.reason, str(rej))
+            if c.rejected is not None:
+                self._dead_letter(c, c.rejected.reason, str(c.rejected))
+            else:
+                items.append(c.item)
+                sources.append(c)
         for msg, item, result in zip(sources, items, self.handlers.handle_all(items)):
             self._emit(msg, item, result)
 
@@ -282,16 +293,18 @@ class StageRunner:
 
     # -- records in, records out ---------------------------------------------------------------------------------
 
-    def _decode(self, m: Message, now_ms: int) -> Incoming:
-        logical = logical_name(self.kafka.run, m.topic())
-        metrics.RECORDS_IN.labels(self.stage.name, logical).inc()
-        item = records.decode(m, logical, require_policy_version=self.stage.require_policy_version)
-        produced = item.headers.get(hdr.PRODUCED_AT)
-        if produced is not None and produced.isdigit():
-            metrics.QUEUE_DELAY.labels(self.stage.name).observe(max(0, now_ms - int(produced)) / 1000)
-        return item
+    def _observe(self, consumed: list[Consumed], now_ms: int) -> None:
+        """Records-in per topic, and each decoded record's wait on its topic (the produced-at header)."""
+        per_topic: dict[str, int] = {}
+        for c in consumed:
+            per_topic[c.topic()] = per_topic.get(c.topic(), 0) + 1
+            produced = c.item.headers.get(hdr.PRODUCED_AT) if c.item is not None else None
+            if produced is not None and produced.isdigit():
+                self._queue_delay.observe(max(0, now_ms - int(produced)) / 1000)
+        for physical, n in per_topic.items():
+            metrics.RECORDS_IN.labels(self.stage.name, logical_name(self.kafka.run, physical)).inc(n)
 
-    def _emit(self, msg: Message, item: Incoming | None, result: "list[Output] | Rejected") -> None:
+    def _emit(self, msg: Consumed, item: Incoming | None, result: "list[Output] | Rejected") -> None:
         """Produce a record's outputs, or its dead letter, into the open transaction."""
         if isinstance(result, Rejected):
             self._dead_letter(msg, result.reason, str(result))
@@ -303,7 +316,10 @@ class StageRunner:
             return
         for out, (topic, key, value, headers) in zip(result, encoded):
             self.txn.produce(topic, value, key, headers)
-            metrics.RECORDS_OUT.labels(self.stage.name, out.topic).inc()
+            counter = self._records_out.get(out.topic)
+            if counter is None:
+                counter = self._records_out[out.topic] = metrics.RECORDS_OUT.labels(self.stage.name, out.topic)
+            counter.inc()
             metrics.count_output(self.stage.name, out.topic, out.record)
 
     def _encode(self, item: Incoming, out: Output) -> tuple[str, Any, bytes, list]:
@@ -323,7 +339,7 @@ class StageRunner:
                                         f"exceeds {self.settings.max_record_bytes}")
         return topic_name(self.kafka.run, out.topic), out.key, value, headers
 
-    def _dead_letter(self, m: Message, reason: str, error: str) -> None:
+    def _dead_letter(self, m: Consumed, reason: str, error: str) -> None:
         self.txn.dead_letter(self.stage.name, m, reason, error, self.settings.max_record_bytes)
 
     # -- assignment and backpressure -----------------------------------------------------------------------------
@@ -377,7 +393,7 @@ class StageRunner:
                 slot.future.cancel()
 
 
-def _first_offsets(msgs: Sequence[Message]) -> dict[tuple[str, int], int]:
+def _first_offsets(msgs: Sequence[Consumed]) -> dict[tuple[str, int], int]:
     """Where a rewind of a batch starts: the first offset of each partition in it."""
     first: dict[tuple[str, int], int] = {}
     for m in msgs:
@@ -386,7 +402,7 @@ def _first_offsets(msgs: Sequence[Message]) -> dict[tuple[str, int], int]:
     return first
 
 
-def _next_offsets(msgs: Sequence[Message]) -> dict[tuple[str, int], int]:
+def _next_offsets(msgs: Sequence[Consumed]) -> dict[tuple[str, int], int]:
     """The offsets to commit: one past the last consumed record of each partition."""
     last: dict[tuple[str, int], int] = {}
     for m in msgs:

@@ -1,7 +1,7 @@
 """The Stage API: what a stream processor implements, and the few things it may ask of the runtime.
 
 A stage maps typed input records (``Incoming``) to typed outputs (``Output``); it never touches Kafka. The runner
-decodes its inputs, calls it, encodes its outputs and commits them with the input offsets.
+takes its inputs decoded from a source, calls it, encodes its outputs and commits them with the input offsets.
 """
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ class Stage:
     #: Least seconds a record's handler may run before it is dead-lettered as ``handler_timeout`` (None: the
     #: runtime's ``--handler-timeout-s`` alone); the runtime takes the larger of the two.
     handler_timeout_s: float | None = None
+    #: Whether the per-token arrays of its inputs may come as read-only ``TokenView``s over their packed bytes
+    #: instead of lists (``rlstream.schemas.packed``): for a stage that reads tokens and never edits them in place.
+    token_views: bool = False
     #: Most records in flight a pipelined stage wants (None: the runtime's ``--max-in-flight``); the runtime takes
     #: the smaller of the two.
     max_in_flight: int | None = None

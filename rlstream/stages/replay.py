@@ -7,7 +7,8 @@ starts, from an offset or a time, optionally only some policy versions. Outputs 
 input offsets commit in one Kafka transaction, so a killed replay resumes where it
 stopped and never writes a reward twice. Once the topic's retention has dropped the
 records, ``--source archive`` rebuilds them from the archive and goes through the
-same runtime, committing the archived offsets in the same group.
+same runtime, committing the archived offsets in the same group: the archive's rows are the runner's decoded
+records as they are (no Avro on the way).
 """
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ class ReplayStage(Stage):
     """The reward stage under a replay's own name, group and policy-version range."""
 
     inputs = ("trajectories",)
+    token_views = True  # as the reward stage's
 
     def __init__(self, settings: ReplaySettings):
         if not settings.reward_version:
@@ -122,6 +124,22 @@ class ReplayStage(Stage):
         out = await self.reward.handle(item)
         self.scored += 1
         return out
+
+    def handle_batch(self, items: list[Incoming]) -> list[list[Output] | Exception] | None:
+        """A replay runs one batch per transaction: the range filter and the reward stage's batch path, in one call
+        (None, per record, when the reward function is async)."""
+        if not self.reward.judges_in_batches:
+            return None
+        results: list[list[Output] | Exception] = [[] for _ in items]  # outside the range: consumed, not scored
+        keep = [i for i, item in enumerate(items) if self.wanted(item.policy_version)]
+        self.skipped += len(items) - len(keep)
+        started = now_ms()
+        for i in keep:
+            items[i].record.stage_times["replay.start"] = started
+        for i, result in zip(keep, self.reward.handle_batch([items[i] for i in keep]) if keep else []):
+            results[i] = result
+            self.scored += not isinstance(result, Exception)
+        return results
 
     def close(self) -> None:
         self.reward.close()
@@ -219,26 +237,6 @@ def _replay_topic(stage: ReplayStage | TeacherReplayStage, kafka: KafkaSettings,
 
 # -- from the archive --------------------------------------------------------------------------------------------
 
-class _Archived:
-    """An archived trajectory dressed as a consumed Kafka message, so the stage runtime handles it unchanged."""
-
-    __slots__ = ("_topic", "_partition", "_offset", "_key", "_value", "_headers")
-
-    def __init__(self, topic, partition, offset, key, value, headers):
-        self._topic, self._partition, self._offset = topic, partition, offset
-        self._key, self._value, self._headers = key, value, headers
-
-    def topic(self): return self._topic
-    def partition(self): return self._partition
-    def offset(self): return self._offset
-    def key(self): return self._key
-    def value(self): return self._value
-    def headers(self): return self._headers
-    def error(self): return None
-    def timestamp(self): return (1, 0)
-    def __len__(self): return len(self._value)
-
-
 class ArchiveSource:
     """Archived trajectories (scored ones for a teacher replay: ``logical`` rewards), page by page in (partition,
     offset) order, as the runner's input.
@@ -261,25 +259,38 @@ class ArchiveSource:
         self.rows.resume(done)
         self._after = (-1, -1)
         self._end = False
+        self._require_policy_version = True
 
     @property
     def consumer(self):
         return self.member.consumer
 
-    def bind(self, on_assign, on_revoke) -> None:
-        pass  # no assignments: the archive is read whole
+    def bind(self, on_assign, on_revoke, decoder) -> None:
+        self._require_policy_version = decoder.require_policy_version  # no assignments: the archive is read whole
 
     def start(self) -> list[str]:
         return [self.topic]
 
-    def consume(self, num: int, timeout: float) -> list[_Archived]:
+    def consume(self, num: int, timeout: float) -> list[records.Consumed]:
+        """The next page of archived rows as decoded records (their headers checked as a topic's would be)."""
         rows = self.rows.page(self._after, num)
         if not rows:
             self._end = True
             return []
         self._after = (rows[-1][0], rows[-1][1])
-        return [_Archived(self.topic, partition, offset, key, records.encode(self.logical, record), headers)
-                for partition, offset, key, headers, record in rows]
+        return [self._consumed(*row) for row in rows]
+
+    def _consumed(self, partition: int, offset: int, key: bytes, headers: list, record) -> records.Consumed:
+        # The Avro value is built only for a dead letter, which keeps the original bytes.
+        consumed = records.Consumed(self.topic, partition, offset, key, headers,
+                                    lambda: records.encode(self.logical, record))
+        try:
+            header_map, version = records.check_headers(headers, require_policy_version=self._require_policy_version)
+        except records.Rejected as rej:
+            consumed.rejected = rej
+            return consumed
+        consumed.item = records.Incoming(self.logical, partition, offset, key, header_map, version, record)
+        return consumed
 
     def seek(self, topic: str, partition: int, offset: int) -> None:
         # Pages run in (partition, offset) order: after an abort, read again from the earliest rewound record.

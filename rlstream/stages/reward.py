@@ -58,26 +58,61 @@ class RewardStage(Stage):
 
     name = "reward"
     inputs = ("trajectories",)
+    token_views = True  # a judge reads a trajectory's tokens; the scored trajectory carries them on unchanged
 
     def __init__(self, settings: RewardSettings = RewardSettings()):
         self.settings = settings
         self.fn = load_reward(settings.reward)
         self._async = inspect.iscoroutinefunction(self.fn)
 
+    @property
+    def judges_in_batches(self) -> bool:
+        """Whether ``handle_batch`` scores a batch in one call (a sync reward function) rather than declining."""
+        return not self._async
+
+    @property
+    def batched(self) -> bool:
+        # Per record by default (pipelined: judgements overlap and none waits for a slower one); handle_batch
+        # serves the unpipelined runs (--no-pipeline, replays).
+        return False
+
     async def handle(self, item: Incoming) -> list[Output]:
         traj: Trajectory = item.record
         started = time.perf_counter()
-        if traj.status == "failed":
-            # A failed episode is recorded with zero reward and its class, not silently dropped.
-            reward = Reward(total=0.0, reward_version=self.settings.reward_version,
-                            failure_class=traj.failure.failure_class if traj.failure else "failed",
-                            scored_at=now_ms())
-        else:
-            reward = await self._judge(traj, started)
+        reward = self._failed(traj) if traj.status == "failed" else await self._judge(traj, started)
+        return self._scored(item, reward)
+
+    def handle_batch(self, items: list[Incoming]) -> list[list[Output] | Exception] | None:
+        """A whole unpipelined batch in one call when the reward function is sync: an exact-match judge costs
+        microseconds, less than the thread hop and event-loop turn per trajectory of the per-record path. An async
+        function keeps that path (None), where its judgements overlap.
+
+        A sync judgement that runs past ``judge_timeout_s`` is recorded as ``judge_timeout``, as on the per-record
+        path, but the batch waits for it: a sync judge that can hang belongs on the pipelined default, where its
+        thread is left behind."""
+        if not self.judges_in_batches:
+            return None
+        out: list[list[Output] | Exception] = []
+        for item in items:
+            traj: Trajectory = item.record
+            try:
+                reward = self._failed(traj) if traj.status == "failed" else self._judge_sync(traj)
+                out.append(self._scored(item, reward))
+            except Exception as exc:  # this record alone is dead-lettered (InvalidRecord: reason invalid)
+                out.append(exc)
+        return out
+
+    def _scored(self, item: Incoming, reward: Reward) -> list[Output]:
+        traj: Trajectory = item.record
         traj.stage_times["reward.end"] = now_ms()
         # Eval-lane results go where no trainer reads (records.is_eval).
         return [Output(scored_topic(traj.task), item.key, ScoredTrajectory(traj, reward),
                        reward_version=self.settings.reward_version)]
+
+    def _failed(self, traj: Trajectory) -> Reward:
+        """A failed episode is recorded with zero reward and its class, not silently dropped."""
+        return Reward(total=0.0, reward_version=self.settings.reward_version,
+                      failure_class=traj.failure.failure_class if traj.failure else "failed", scored_at=now_ms())
 
     async def _judge(self, traj: Trajectory, started: float) -> Reward:
         """The reward function's Reward, or one carrying the judge's failure class (total 0.0, never trained on)."""
@@ -89,15 +124,34 @@ class RewardStage(Stage):
             raise  # the trajectory cannot be judged: dead-lettered with its reason
         except TimeoutError:
             # A sync function's thread cannot be stopped: it finishes in the background and its result is dropped.
-            return self._judge_failure("judge_timeout", f"no judgement within {self.settings.judge_timeout_s}s",
-                                       started)
+            return self._timed_out(started)
         except Exception as exc:
             return self._judge_failure("judge_error", f"{type(exc).__name__}: {exc}", started)
+        return self._checked(traj, raw, started)
+
+    def _judge_sync(self, traj: Trajectory) -> Reward:
+        """``_judge`` for a sync function called on this thread (handle_batch)."""
+        started = time.perf_counter()
+        try:
+            with judging(self.settings.reward_version):
+                raw = self.fn(traj)
+        except InvalidRecord:
+            raise
+        except Exception as exc:
+            return self._judge_failure("judge_error", f"{type(exc).__name__}: {exc}", started)
+        if time.perf_counter() - started > self.settings.judge_timeout_s:
+            return self._timed_out(started)  # its result is dropped, as the per-record path drops a late one
+        return self._checked(traj, raw, started)
+
+    def _checked(self, traj: Trajectory, raw: Any, started: float) -> Reward:
         try:
             check_turn_scores(traj, as_result(raw).turn_scores)
         except ValueError as exc:  # the judge's mistake, not the trajectory's: its group goes on without it
             return self._judge_failure("judge_error", str(exc), started)
         return to_reward(raw, self.settings.reward_version, (time.perf_counter() - started) * 1000)
+
+    def _timed_out(self, started: float) -> Reward:
+        return self._judge_failure("judge_timeout", f"no judgement within {self.settings.judge_timeout_s}s", started)
 
     def _judge_failure(self, failure_class: str, error: str, started: float) -> Reward:
         """Total 0.0 with the failure class and the error; the error made encodable (a lone surrogate in an

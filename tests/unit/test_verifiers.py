@@ -337,6 +337,35 @@ def test_a_judge_past_its_timeout_gives_a_judge_timeout_reward(fn):
     assert reward.violations == ["judge_timeout: no judgement within 0.3s"]
 
 
+def test_an_unpipelined_batch_of_a_sync_judge_is_one_call_scored_as_each_record_alone_would_be():
+    """RewardStage.handle_batch (--no-pipeline, replays): the same rewards as the per-record path, a judge past
+    its timeout included; an async judge declines it (None) and keeps the per-record path."""
+    def batch(reward: str, ts: list, timeout_s: float = 20.0):
+        stage = RewardStage(RewardSettings(reward=reward, judge_timeout_s=timeout_s))
+        return stage.handle_batch([Incoming("trajectories", 0, i, b"g", {}, 0, t) for i, t in enumerate(ts)])
+
+    def essence(r):
+        return r.total, r.failure_class, r.breakdown, r.violations
+    ts = [traj("5"), traj("4"), traj("5", answer=None)]
+    outs = batch("exact", ts)
+    assert [type(o) for o in outs[:2]] == [list, list] and [o[0].record.trajectory for o in outs[:2]] == ts[:2]
+    assert [essence(o[0].record.reward) for o in outs[:2]] == [essence(handle("exact", t)) for t in ts[:2]]
+    assert type(outs[2]) is type(_raised(lambda: handle("exact", ts[2])))  # unjudgeable: dead-lettered alone
+    [[crashed]] = batch(f"{HERE}:crash", [traj("5")])
+    assert essence(crashed.record.reward) == essence(handle(f"{HERE}:crash", traj("5")))
+    [[late]] = batch(f"{HERE}:sleepy", [traj("5")], timeout_s=0.3)
+    assert essence(late.record.reward) == (0.0, "judge_timeout", {}, ["judge_timeout: no judgement within 0.3s"])
+    assert batch(f"{HERE}:async_sleepy", [traj("5")]) is None
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    raise AssertionError("expected an exception")
+
+
 def test_a_composite_part_raising_fails_the_whole_judgement():
     reward = handle(f"math,{HERE}:crash:0.1", traj(r"\boxed{5}"))
     assert reward.failure_class == "judge_error" and reward.breakdown == {}
