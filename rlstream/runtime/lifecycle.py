@@ -1,7 +1,7 @@
 """One process's life, the same for every ``rlstream run`` process: the stages the StageRunner drives and the
 services with loops of their own (the trainer, the archive, the monitor).
 
-The rules, each enforced here and nowhere else:
+The rules (enforced here, but for the error codes):
 
 - **A first SIGTERM or SIGINT asks for a graceful stop**: every callback given to ``on_stop`` runs (each sets its
   loop's stop flag and returns), the process finishes what is open (commits or aborts its transaction, flushes its
@@ -12,14 +12,13 @@ The rules, each enforced here and nowhere else:
 - **A second signal stops at once**, with exit code 128 + the signal's number (130 for a second Ctrl-C). One within
   ``SAME_SIGNAL_S`` of the first is the same request: a terminal's Ctrl-C reaches every process of its group, and a
   launcher forwards it as well (the trainer's ranks).
-- **Exit codes**: 0 stopped or done; 1 a UserError (the broker never answered, a missing optional package, a bad
-  setup); 2 a UsageError; ``EXIT_DEADLINE``; 128 + N.
+- **Exit codes**: 0 stopped or done; ``EXIT_DEADLINE``; 128 + N; and, from ``cli.main``, 1 for a UserError (the
+  broker never answered, a missing optional package, a bad setup) and 2 for a UsageError.
 - **The metrics server** starts with the work (``serve_metrics``) and stops when the process leaves.
 
 A process has one lifecycle (its signal handlers are the process's): ``process()`` returns it, and the first call
-from the main thread installs the handlers. Code that runs a loop in a process it does not own (a runner inside a
-test, a trainer in a thread) registers its stop callback the same way; off the main thread nothing is installed
-and the caller stops the loop itself.
+from the main thread installs the handlers. A loop run outside ``rlstream run`` (a replay's runner, a runner or a
+trainer inside a test) registers its stop the same way; the deadline is the CLI's alone (``configure``).
 """
 from __future__ import annotations
 
