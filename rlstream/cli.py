@@ -5,16 +5,16 @@ import argparse
 import importlib
 import inspect
 import logging
-import os
 import sys
 
 from rlstream import config
 from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.config import load as settings
-from rlstream.errors import UsageError, UserError
+from rlstream.errors import MissingPackage, UsageError, UserError
 
 #: The two kinds of process ``rlstream run`` starts: a stage (decode, handle, encode) that the StageRunner drives,
-#: and a service with a loop of its own (``serve(kafka, runtime)``): the trainer, the archive, the monitor.
+#: and a service with a loop of its own (``serve(kafka, runtime)`` until ``stop()``): the trainer, the archive, the
+#: monitor. Both live by the one process lifecycle (``runtime/lifecycle.py``).
 STAGE, SERVICE = "stage", "service"
 
 #: Process name -> (kind, module, class, settings class or None). Imported lazily: torch is slow to load.
@@ -80,12 +80,24 @@ def _stage_parts(stage: str):
     return getattr(module, cls_name), settings_cls
 
 
-def cmd_run(args: argparse.Namespace) -> None:
-    from rlstream import metrics
-    from rlstream.runtime.runner import StageRunner
+def cmd_run(args: argparse.Namespace) -> int:
+    """One stage or service process, on the process lifecycle (``runtime/lifecycle.py``): its signals, its stop
+    deadline, its metrics server and its exit code."""
+    from rlstream.runtime import lifecycle
     from rlstream.runtime.settings import RuntimeSettings
-    kafka = kafka_settings(args)
     runtime = settings(RuntimeSettings, args)
+    # Before the broker wait: a Ctrl-C while waiting stops the process as it would any other time.
+    life = lifecycle.process().configure(args.stage, runtime.stop_timeout_s)
+    try:
+        _run_process(args, life, runtime)
+    except BaseException:
+        life.finish(lifecycle.EXIT_USER)  # main() says what went wrong; the exit must not hang on a thread either
+        raise
+    return life.finish()
+
+
+def _run_process(args: argparse.Namespace, life, runtime) -> None:
+    kafka = kafka_settings(args)  # waits for the broker (--broker-wait-s), then a UserError
     stage_cls, settings_cls = _stage_parts(args.stage)
     stage_settings = settings(settings_cls, args) if settings_cls else None
     loop = settings(LoopSettings, args)
@@ -94,17 +106,19 @@ def cmd_run(args: argparse.Namespace) -> None:
         stage = stage_cls(stage_settings, **extra) if settings_cls else stage_cls(**extra)
     except ValueError as exc:  # stages validate their settings on construction
         raise UsageError(str(exc)) from None
-    metrics.serve(runtime.metrics_port, runtime.metrics_addr)
+    life.serve_metrics(runtime.metrics_port, runtime.metrics_addr)
     from rlstream.runtime.profile import maybe_start
     maybe_start(args.stage)
     if STAGES[args.stage][0] == SERVICE:
-        stage.serve(kafka, runtime)
+        # A service: ``serve(kafka, runtime)`` runs its loop until ``stop()`` (or its own end).
+        forget = life.on_stop(stage.stop)
+        try:
+            stage.serve(kafka, runtime)
+        finally:
+            forget()
     else:
-        StageRunner(stage, kafka, runtime).run()
-    # The transaction is closed; a user handler still hung in a thread must not keep the process alive.
-    logging.shutdown()
-    sys.stdout.flush()
-    os._exit(0)
+        from rlstream.runtime.runner import StageRunner
+        StageRunner(stage, kafka, runtime).run()  # the runner registers its own stop with the lifecycle
 
 
 def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
@@ -161,10 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     # A stage's own flags are only known once the stage is named.
     stage = argv[argv.index("run") + 1] if "run" in argv and argv.index("run") + 1 < len(argv) else None
     try:
-        parser = build_parser(stage)
+        parser = build_parser(stage)  # imports the stage's module for its flags
     except ValueError as exc:
         print(f"rlstream: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        missing = MissingPackage.of(exc)
+        if missing is None:  # a user's module or a broken install: its traceback says where
+            raise
+        print(f"rlstream: {missing}", file=sys.stderr)
+        return 1
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -172,7 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        args.func(args)
+        code = args.func(args)
+    except ModuleNotFoundError as exc:
+        missing = MissingPackage.of(exc)
+        if missing is None:  # a user's module or a broken install: its traceback says where
+            raise
+        print(f"rlstream {args.command}: {missing}", file=sys.stderr)
+        return 1
     except UsageError as exc:
         print(f"rlstream {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -187,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlstream {args.command}: {exc}", file=sys.stderr)
             return 1
         raise
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

@@ -102,10 +102,15 @@ class LagProbe:
             log.debug("lag probe failed: %s", exc)
 
 
-def serve(port: int, addr: str = "127.0.0.1") -> int:
-    """Serve /metrics; port 0 picks a free one. Returns the port."""
+def start(port: int, addr: str = "127.0.0.1"):
+    """Serve /metrics from a daemon thread; port 0 picks a free one. Returns the server (``shutdown()`` stops it,
+    ``server_address[1]`` is its port)."""
     server, _ = start_http_server(port, addr=addr)
-    actual = server.server_address[1]
-    log.info("metrics on http://%s:%d/metrics", addr, actual)
-    return actual
+    log.info("metrics on http://%s:%d/metrics", addr, server.server_address[1])
+    return server
+
+
+def serve(port: int, addr: str = "127.0.0.1") -> int:
+    """Serve /metrics for the rest of the process; port 0 picks a free one. Returns the port."""
+    return start(port, addr).server_address[1]
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import signal
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from prometheus_client import Counter, Histogram
 
@@ -295,15 +294,12 @@ class ArchiveSink:
 
     # -- Kafka side --------------------------------------------------------------------------------------------
 
-    def request_stop(self, *_: Any) -> None:
-        """Flush what is pending, commit, and leave the loop."""
+    def stop(self) -> None:
+        """Flush what is pending, commit, and leave the loop (the process lifecycle calls it on SIGTERM/SIGINT)."""
         self._stopping.set()
 
     def serve(self, kafka: KafkaSettings, runtime=None, idle_exit_s: float | None = None) -> None:
-        """Run until SIGTERM/SIGINT (or ``idle_exit_s`` without records, for tests and benchmarks)."""
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self.request_stop)
-            signal.signal(signal.SIGINT, self.request_stop)
+        """Run until ``stop()`` (or ``idle_exit_s`` without records, for tests and benchmarks)."""
         poll_s = getattr(runtime, "poll_timeout_s", 0.2)
         self._run = kafka.run
         self.open()
@@ -353,6 +349,8 @@ class ArchiveSink:
                         oldest = time.monotonic()
                     if self.stats["first_consumed"] is None:
                         self.stats["first_consumed"] = time.monotonic()
+                        log.info("archive: first %d records consumed; inserted every --archive-flush-s %.3g s or "
+                                 "%d rows", len(fresh), flush_s, batch_rows)
                     self._pending.extend(fresh)
                     self._pending_bytes += sum(map(len, fresh))
                 if self._pending and (len(self._pending) >= batch_rows or time.monotonic() - oldest >= flush_s

@@ -13,11 +13,11 @@ cannot install both from pyproject.toml; faust itself runs fine with click 8.5
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
 from rlstream.config import KafkaSettings, knob
-from rlstream.errors import UserError
+from rlstream.errors import INSTALL_COMMANDS, UserError
 from rlstream.kafka.tail import Seen, TopicTail
 from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
@@ -245,6 +245,29 @@ def faust_app(settings: MonitorSettings, kafka: KafkaSettings):
     return app
 
 
+def faust_worker(app, stopping: threading.Event):
+    """A faust worker for ``app`` that stops once ``stopping`` is set; it owns its event loop, not the signals."""
+    import faust
+
+    class Worker(faust.Worker):
+        def install_signal_handlers(self) -> None:
+            # mode's hook for the worker's own SIGTERM/SIGINT handlers: the process lifecycle owns those
+            # (runtime/lifecycle.py), and sets ``stopping``.
+            asyncio.ensure_future(self._stop_when_asked(), loop=self.loop)
+
+        async def _stop_when_asked(self) -> None:
+            while not stopping.is_set():
+                await asyncio.sleep(0.2)
+            await self.stop()
+            # What mode's own signal handler does next (Worker._stop_on_signal): the worker's start still waits on
+            # its future; cancelled, execute_from_commandline shuts the loop down and exits (SystemExit 0).
+            if self._starting_fut is not None:
+                self._starting_fut.cancel()
+
+    # Its logging setup stays out of ours.
+    return Worker(app, loglevel="WARNING", quiet=True, override_logging=False, redirect_stdouts=False)
+
+
 def faust_available() -> bool:
     """Whether faust and the aiokafka driver it runs on import (faust alone imports without the driver)."""
     try:
@@ -260,13 +283,13 @@ def faust_available() -> bool:
 class PlainMonitor:
     """The same figures from a confluent-kafka consumer thread (reads both topics from the start, no state kept)."""
 
-    def __init__(self, settings: MonitorSettings, kafka: KafkaSettings):
+    def __init__(self, settings: MonitorSettings, kafka: KafkaSettings, stopping: threading.Event | None = None):
         self.settings, self.kafka = settings, kafka
         self.lock = threading.Lock()
         self.totals: dict[str, list] = {}
         self.windows: dict[tuple[str, int], list] = {}  # (key, window index) -> [n, sum]
         self.policies: dict[str, dict] = {}
-        self.stopping = threading.Event()
+        self.stopping = stopping or threading.Event()
 
     def _fold(self, seen: Seen) -> None:
         record = seen.record
@@ -343,11 +366,17 @@ class Monitor:
         self.settings = settings
         backend = settings.monitor_backend
         if backend == "faust" and not faust_available():
-            raise ValueError("--monitor-backend faust: faust-streaming is not installed")
+            raise ValueError("--monitor-backend faust: faust-streaming is not installed: install it with "
+                             f"{INSTALL_COMMANDS['faust']}, or use --monitor-backend plain")
         self.backend = "faust" if backend == "faust" or (backend == "auto" and faust_available()) else "plain"
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        """Leave ``serve`` (the process lifecycle calls it on SIGTERM/SIGINT)."""
+        self._stopping.set()
 
     def serve(self, kafka: KafkaSettings, runtime=None) -> None:
-        """Run until SIGTERM/SIGINT."""
+        """Serve the figures until ``stop()``."""
         if self.backend == "faust" and self.settings.monitor_backend == "auto":
             try:
                 faust_credentials(kafka.client_config())
@@ -357,15 +386,14 @@ class Monitor:
         log.info("monitor (%s) for run %s on http://%s:%d/versions/", self.backend, kafka.run,
                  self.settings.monitor_host, self.settings.monitor_port)
         if self.backend == "faust":
-            import faust
-            app = faust_app(self.settings, kafka)
-            # The worker owns the event loop and the signals; its logging setup stays out of ours.
-            faust.Worker(app, loglevel="WARNING", quiet=True, override_logging=False,
-                         redirect_stdouts=False).execute_from_commandline()
+            try:
+                faust_worker(faust_app(self.settings, kafka), self._stopping).execute_from_commandline()
+            except SystemExit as exc:  # how a mode worker returns: 0 once stopped, 1 after a crash it has logged
+                if exc.code not in (None, 0):
+                    raise UserError(f"the faust monitor failed (exit {exc.code}; its log above says why); "
+                                    "--monitor-backend plain runs without faust") from None
             return
-        plain = PlainMonitor(self.settings, kafka)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: plain.stopping.set())
+        plain = PlainMonitor(self.settings, kafka, self._stopping)
         server = plain.serve_http()
         try:
             plain.consume()

@@ -1,4 +1,5 @@
-"""The exactly-once stage runtime: the Stage API that stages implement, the runner that drives one.
+"""The exactly-once stage runtime: the Stage API that stages implement, the runner that drives one, and the process
+lifecycle (``lifecycle.py``: signals, stop deadline, exit codes) that every ``rlstream run`` process lives by.
 
 A stage decodes nothing and produces nothing itself: it receives typed input
 records and returns typed outputs. The runner reads them from an input source

@@ -7,7 +7,8 @@ poll is charged nothing, so the profile is CPU, not wall time. The native thread
 no Python stack: their CPU is the process's total minus the Python threads' and the profiler's own, one line.
 
 It rewrites ``DIR/<role>-<pid>.txt`` (top functions, self and inclusive) and ``.collapsed`` (flame-graph input)
-every few seconds rather than at exit, because stage processes leave through ``os._exit`` and may be SIGKILLed.
+every few seconds rather than at exit, because a stage process may leave without the interpreter's teardown (a
+stop deadline, a second signal: ``runtime/lifecycle.py``) or be SIGKILLed.
 """
 from __future__ import annotations
 

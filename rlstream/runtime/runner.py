@@ -16,7 +16,6 @@ Either way a transaction holds the outputs, the dead letters and the input offse
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 import uuid
@@ -32,6 +31,7 @@ from rlstream.kafka.records import Consumed, Decoder, Incoming, Rejected
 from rlstream.kafka.sources import GroupSource, InputSource, waiting
 from rlstream.kafka.topics import logical_name, topic_name
 from rlstream.kafka.transactions import Offset, TransactionalProducer
+from rlstream.runtime import lifecycle
 from rlstream.runtime.handlers import Handlers
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.runtime.stage import Output, Stage, StageContext
@@ -99,9 +99,7 @@ class StageRunner:
 
     def run(self, max_batches: int | None = None, idle_exit_s: float | None = None) -> None:
         """Run until SIGTERM/SIGINT, the source's end, or the limits (for tests and benchmarks)."""
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self.request_stop)
-            signal.signal(signal.SIGINT, self.request_stop)
+        forget = lifecycle.process().on_stop(self.request_stop)  # SIGTERM/SIGINT (runtime/lifecycle.py)
         self.txn.start()
         topics = self.source.start()
         pipelined = self.settings.pipeline and not self.handlers.batched
@@ -113,6 +111,7 @@ class StageRunner:
             else:
                 self._run_batches(max_batches, idle_exit_s)
         finally:
+            forget()
             self.close()
 
     def close(self) -> None:

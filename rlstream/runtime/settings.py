@@ -24,6 +24,10 @@ class RuntimeSettings:
     session_timeout_ms: int = knob(10000, "Consumer-group session: how long a dead worker without a stable "
                                           "--instance holds its partitions")
     transaction_timeout_ms: int = knob(30000, "Broker-side timeout of an open transaction")
+    stop_timeout_s: float = knob(60.0, "After SIGTERM/SIGINT, how long the process may take to finish what is open "
+                                       "(a step, a batch, handlers in flight) before it exits with code 124 (what "
+                                       "was not committed is read again); a second signal stops it at once; 0: no "
+                                       "limit")
     metrics_port: int = knob(0, "Prometheus /metrics port (0 picks a free port)")
     metrics_addr: str = knob("127.0.0.1", "Address /metrics listens on (0.0.0.0 in containers, for Prometheus)")
     max_record_bytes: int = knob(MAX_MESSAGE_BYTES, "Outputs larger than this are dead-lettered as oversized")

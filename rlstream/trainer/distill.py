@@ -9,6 +9,8 @@
 The form is the batch's: the top-k form where every sample carries the teacher's top-k (the exact KL over the k
 tokens, ``losses.topk_kl``), else the sampled-token form (``losses.sampled_token_kl``). Each term goes into the
 step's stats, and so into the PolicyVersion's metrics.
+
+Which samples a step may take (feedback that fits, the staleness bound per loss) is the gate's: ``trainer/gate.py``.
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from rlstream.models.logprobs import logprobs_at
-from rlstream.schemas.records import MAX_TOP_K
 from rlstream.trainer.losses import KL_DIRECTIONS, masked_mean, ppo_clip_loss, sampled_token_kl, topk_kl
 
 #: ``--loss`` values.
@@ -127,69 +128,3 @@ def distill_loss(loss: str, logits: torch.Tensor, logp: torch.Tensor, batch, cli
     if loss != "opd":
         stats["opd_coef"] = torch.tensor(coef)
     return total, {k: float(v) for k, v in stats.items()}
-
-
-# -- which feedback samples a step may take --------------------------------------------------------------------
-
-def feedback_mismatch(fb) -> str | None:
-    """Why ``fb``'s arrays do not fit its trajectory (both lengths named), or None when they do.
-
-    A record with a teacher signal must carry one log-prob per token (and k per token in the top-k form); one
-    without (a teacher that timed out) must carry none: a half-filled signal is never trained on.
-    """
-    n = len(fb.scored.trajectory.token_ids)
-    k = fb.teacher_top_k
-    if fb.status != "ok":
-        filled = len(fb.teacher_logprobs) + len(fb.teacher_topk_ids) + len(fb.teacher_topk_logprobs)
-        return (f"feedback with status {fb.status!r} carries {filled} teacher values; a sample without teacher "
-                "feedback must carry none") if filled else None
-    if len(fb.teacher_logprobs) != n:
-        return (f"teacher_logprobs has {len(fb.teacher_logprobs)} entries but the trajectory has {n} tokens "
-                f"(trajectory {fb.scored.trajectory.trajectory_id}, teacher {fb.teacher_version})")
-    if not 0 <= k <= MAX_TOP_K:
-        return f"teacher_top_k is {k}; it must be in [0, {MAX_TOP_K}]"
-    for name in ("teacher_topk_ids", "teacher_topk_logprobs"):
-        got = len(getattr(fb, name))
-        if got != n * k:
-            return (f"{name} has {got} entries but the trajectory's {n} tokens x top-k {k} make {n * k} "
-                    f"(trajectory {fb.scored.trajectory.trajectory_id}, teacher {fb.teacher_version})")
-    return None
-
-
-@dataclass(frozen=True)
-class Admission:
-    """What the trainer does with one feedback sample before the staleness check."""
-
-    action: str  # take | skip (another teacher version: not this trainer's) | dead_letter | refuse
-    reason: str = ""
-    error: str = ""
-
-
-TAKE = Admission("take")
-
-
-def admit_feedback(fb, loss: str, teacher_version: str = "") -> Admission:
-    """Whether a trainer with ``--loss`` ``loss`` (and ``--teacher-version``, '' = any) may train on ``fb``.
-
-    Arrays that do not fit the trajectory go to dead letters; a sample without teacher feedback (status not ok)
-    is refused when the loss needs the teacher, so its group completes without it.
-    """
-    if teacher_version and fb.teacher_version != teacher_version:
-        return Admission("skip")
-    problem = feedback_mismatch(fb)
-    if problem is not None:
-        return Admission("dead_letter", "invalid", problem)
-    if fb.status != "ok" and uses_teacher(loss):
-        return Admission("refuse", f"teacher_{fb.status}")
-    return TAKE
-
-
-def reverse_kl_bound_applies(fb, loss: str, cfg: DistillConfig) -> bool:
-    """Whether ``fb`` is held to the reverse KL's own staleness bound (``--opd-reverse-eta``).
-
-    Reverse KL on the sampled-token form takes ``log q(y) - log p(y)`` as the KL, which holds only when ``y`` was
-    drawn from the current student: a stale sample biases it (AsyncOPD). Forward KL is weighted by the teacher
-    over the behaviour policy, which corrects a stale sample; and the top-k form's reverse KL is recomputed over
-    the k tokens under the current student. Those keep the loop's η.
-    """
-    return uses_teacher(loss) and cfg.kl in ("reverse", "mixed") and fb.teacher_top_k == 0

@@ -5,6 +5,8 @@ another reward or teacher version than this trainer's → ignored; the eval lane
 teacher feedback the loss cannot use → refused (or dead-lettered when malformed); a reward that is no verdict on the
 policy → refused; turn scores that do not fit the trajectory → dead-lettered; older than η → refused (or, under
 ``--stale-rule token``, its stale tokens masked). A refused sample's group completes without it.
+
+Every admission rule lives here, the feedback checks too; the loss they feed is ``trainer/distill.py``'s.
 """
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from rlstream import metrics
 from rlstream.policy.staleness import StalenessCounter, StalenessFilter, mask_stale_tokens
 from rlstream.rewards import NO_VERDICT, check_turn_scores
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.records import ScoredTrajectory, TeacherFeedback, Trajectory, is_eval
-from rlstream.trainer.distill import DistillConfig, admit_feedback, reverse_kl_bound_applies
+from rlstream.schemas.records import MAX_TOP_K, ScoredTrajectory, TeacherFeedback, Trajectory, is_eval
+from rlstream.trainer.distill import DistillConfig, uses_teacher
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class SampleGate:
         self.settings = settings  # TrainerSettings: reward_version, teacher_version, loss, stale_rule, opd_reverse_eta
         self.distill = distill
         self.filter = StalenessFilter(eta)
-        # Samples whose loss assumes the current student drew them are held to a bound of their own (distill.py).
+        # Samples whose loss assumes the current student drew them are held to a bound of their own (reverse_kl_bound_applies).
         self.reverse_filter = StalenessFilter(eta if settings.opd_reverse_eta < 0 else
                                               min(eta, settings.opd_reverse_eta))
         self.counter = StalenessCounter()
@@ -105,6 +107,72 @@ class SampleGate:
         accepted = self.counter.observe(bound, version, header_version)
         metrics.count_staleness("trainer", accepted, self.counter.stale_ratio)
         return accepted
+
+
+# -- teacher feedback: which samples a loss may take ----------------------------------------------------------
+
+def feedback_mismatch(fb) -> str | None:
+    """Why ``fb``'s arrays do not fit its trajectory (both lengths named), or None when they do.
+
+    A record with a teacher signal must carry one log-prob per token (and k per token in the top-k form); one
+    without (a teacher that timed out) must carry none: a half-filled signal is never trained on.
+    """
+    n = len(fb.scored.trajectory.token_ids)
+    k = fb.teacher_top_k
+    if fb.status != "ok":
+        filled = len(fb.teacher_logprobs) + len(fb.teacher_topk_ids) + len(fb.teacher_topk_logprobs)
+        return (f"feedback with status {fb.status!r} carries {filled} teacher values; a sample without teacher "
+                "feedback must carry none") if filled else None
+    if len(fb.teacher_logprobs) != n:
+        return (f"teacher_logprobs has {len(fb.teacher_logprobs)} entries but the trajectory has {n} tokens "
+                f"(trajectory {fb.scored.trajectory.trajectory_id}, teacher {fb.teacher_version})")
+    if not 0 <= k <= MAX_TOP_K:
+        return f"teacher_top_k is {k}; it must be in [0, {MAX_TOP_K}]"
+    for name in ("teacher_topk_ids", "teacher_topk_logprobs"):
+        got = len(getattr(fb, name))
+        if got != n * k:
+            return (f"{name} has {got} entries but the trajectory's {n} tokens x top-k {k} make {n * k} "
+                    f"(trajectory {fb.scored.trajectory.trajectory_id}, teacher {fb.teacher_version})")
+    return None
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the trainer does with one feedback sample before the staleness check."""
+
+    action: str  # take | skip (another teacher version: not this trainer's) | dead_letter | refuse
+    reason: str = ""
+    error: str = ""
+
+
+TAKE = Admission("take")
+
+
+def admit_feedback(fb, loss: str, teacher_version: str = "") -> Admission:
+    """Whether a trainer with ``--loss`` ``loss`` (and ``--teacher-version``, '' = any) may train on ``fb``.
+
+    Arrays that do not fit the trajectory go to dead letters; a sample without teacher feedback (status not ok)
+    is refused when the loss needs the teacher, so its group completes without it.
+    """
+    if teacher_version and fb.teacher_version != teacher_version:
+        return Admission("skip")
+    problem = feedback_mismatch(fb)
+    if problem is not None:
+        return Admission("dead_letter", "invalid", problem)
+    if fb.status != "ok" and uses_teacher(loss):
+        return Admission("refuse", f"teacher_{fb.status}")
+    return TAKE
+
+
+def reverse_kl_bound_applies(fb, loss: str, cfg: DistillConfig) -> bool:
+    """Whether ``fb`` is held to the reverse KL's own staleness bound (``--opd-reverse-eta``).
+
+    Reverse KL on the sampled-token form takes ``log q(y) - log p(y)`` as the KL, which holds only when ``y`` was
+    drawn from the current student: a stale sample biases it (AsyncOPD). Forward KL is weighted by the teacher
+    over the behaviour policy, which corrects a stale sample; and the top-k form's reverse KL is recomputed over
+    the k tokens under the current student. Those keep the loop's η.
+    """
+    return uses_teacher(loss) and cfg.kl in ("reverse", "mixed") and fb.teacher_top_k == 0
 
 
 @dataclass

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +44,7 @@ from rlstream.models.logprobs import check_packing
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weight_log import WeightLogWriter
 from rlstream.policy.weights import PolicyWeights, WeightStore, tokenizer_hash
+from rlstream.runtime import lifecycle
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion
@@ -118,14 +117,12 @@ class TrainerService:
     # -- lifecycle -------------------------------------------------------------------
 
     def serve(self, kafka: KafkaSettings, runtime: RuntimeSettings = RuntimeSettings()) -> None:
-        """Train until SIGTERM or max_steps; every step ends in a committed transaction."""
+        """Train until ``stop()`` (the process lifecycle calls it on SIGTERM/SIGINT) or max_steps; every step ends in
+        a committed transaction."""
         if self.ranks.world == 1 and start_ranks(self.settings.nproc, self.launched, serve_rank,
                                                  (self.settings, self.loop, kafka, runtime), self.settings.device):
             return  # the ranks ran serve_rank
         torch.set_num_threads(resolve_threads(self.settings.threads))
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_stopping", True))
-            signal.signal(signal.SIGINT, lambda *_: setattr(self, "_stopping", True))
         self.kafka = kafka
         self.group_id = f"{kafka.run}.trainer"
         # The policy is the trainer's identity: a restarted trainer fences its predecessor here, aborting any
@@ -483,5 +480,10 @@ def serve_rank(ranks: Ranks, settings: TrainerSettings, loop: LoopSettings, kafk
     if not ranks.lead:
         ranks.follow(service)
         return
-    service.serve(kafka, runtime)
+    # Rank 0 stops on the signals its launcher forwards, as a trainer of one rank does (runtime/lifecycle.py).
+    forget = lifecycle.process().configure("trainer rank 0", runtime.stop_timeout_s).on_stop(service.stop)
+    try:
+        service.serve(kafka, runtime)
+    finally:
+        forget()
     ranks.command("stop")

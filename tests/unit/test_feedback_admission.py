@@ -8,7 +8,8 @@ import torch
 from rlstream.config import LoopSettings
 from rlstream.models.tiny import build_model, build_tokenizer
 from rlstream.schemas.records import TeacherFeedback
-from rlstream.trainer.distill import DistillConfig, admit_feedback, feedback_mismatch, teacher_terms
+from rlstream.trainer.distill import DistillConfig, teacher_terms
+from rlstream.trainer.gate import admit_feedback, feedback_mismatch
 from rlstream.trainer.service import TrainerService, TrainerSettings
 from rlstream.trainer.update import build_batch
 from tests.unit.test_update import scored

@@ -62,7 +62,6 @@ def test_auto_backend_falls_back_to_plain_rather_than_connecting_without_the_set
     assert monitor.backend == "faust"
     started = []
     monkeypatch.setattr("rlstream.monitoring.monitor.PlainMonitor.consume", lambda self: started.append("consume"))
-    monkeypatch.setattr("rlstream.monitoring.monitor.signal.signal", lambda *a: None)
 
     class Server:
         def shutdown(self):

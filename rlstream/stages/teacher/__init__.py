@@ -9,7 +9,8 @@ out, on the feedback topic.
 - ``tokenizers``: teacher and student must share a tokenizer; a teacher that does not is refused at start.
 - ``replay``: ``rlstream replay --teacher-version V``, the teacher over past scored trajectories.
 
-The trainer's side of the signal (losses, admission of feedback, staleness per loss) is ``rlstream.trainer.distill``.
+The trainer's side of the signal: the losses in ``rlstream.trainer.distill``, the admission of feedback and the
+staleness bound per loss in ``rlstream.trainer.gate``.
 """
 from rlstream.stages.teacher.settings import MAX_TOP_K, TeacherSettings
 
