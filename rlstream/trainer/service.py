@@ -94,7 +94,7 @@ class TrainerService:
         self._letters: list = []  # (message, reason, error) to dead-letter in the next transaction
         # Positions trained (or evicted) beyond the committed offsets before this consumer read them (their metadata).
         self._done_ahead: set[tuple[str, int, int]] = set()
-        self._log_start = 0  # the weights log's start offset after the last truncation
+        self._log_start: dict[int, int] = {}  # each weights partition's start offset after the last truncation
         self._commit_s: float | None = None  # the last announcing transaction's seconds
         self._writer: VersionWriter | None = None  # built at the first publish, once the model is
         # Where a version's folder is written while its weights already go into the transaction (PendingVersion).
@@ -469,13 +469,15 @@ class TrainerService:
 
     def _truncate_log(self, keep_from: int) -> None:
         """Delete the weights log before the anchor that the oldest version η needs builds on (weight_log)."""
-        point = self.weight_log.truncation_point(keep_from)
-        if point is None or point[1] <= self._log_start:
-            return
-        try:
-            self._log_start = delete_before(self.kafka.client_config(), self.kafka.run, "weights", *point)
-        except Exception as exc:  # retention is housekeeping: the next publish tries again
-            log.warning("could not delete the weights log before offset %d: %s", point[1], exc)
+        for partition, offset in self.weight_log.truncation_points(keep_from).items():
+            if offset <= self._log_start.get(partition, 0):
+                continue
+            try:
+                self._log_start[partition] = delete_before(self.kafka.client_config(), self.kafka.run, "weights",
+                                                           partition, offset)
+            except Exception as exc:  # retention is housekeeping: the next publish tries again
+                log.warning("could not delete the weights log's partition %d before offset %d: %s", partition,
+                            offset, exc)
 
     def _pop_letters(self):
         letters, self._letters = self._letters, []
