@@ -11,10 +11,11 @@ what was trained (or evicted) past it is listed in the offset's metadata, commit
 (``kafka.inflight``'s done-ahead map, as the pipelined stages keep theirs), and a trainer that reads the partition
 again skips it. Kept in Kafka, it reaches a trainer on any host.
 
-With ``--weights-transport kafka`` the version's weights also go on the run's weights topic, inside that same
-transaction (``rlstream.policy.weight_log``; produced while the folder is still being written, the PolicyVersion
-only once it is there), and the PolicyVersion names them there; either way it carries the content hash every
-worker checks its load against.
+With ``--weights-transport kafka`` the version's weights also go on the run's weights topic
+(``rlstream.policy.weight_log``; produced while the folder is still being written, the PolicyVersion only once it
+is there): the chunks outside the transaction, before anything is produced in it, and the manifest that names
+them inside it, so a version of any size becomes visible with its PolicyVersion or not at all; either way the
+PolicyVersion carries the content hash every worker checks its load against.
 """
 from __future__ import annotations
 
@@ -419,8 +420,9 @@ class TrainerService:
         def body():
             weights_uri = None
             if self.weight_log is not None:
-                # The weights go in the announcing transaction: visible with their PolicyVersion or not at all. They
-                # need only the content and its hash, so they go while the folder's files are still being written.
+                # The chunks first, outside the transaction (its timer has not started: nothing is in it yet), then
+                # their manifest in it: visible with their PolicyVersion or not at all. They need only the content
+                # and its hash, so they go while the folder's files are still being written.
                 content, digest = pending.content()
                 weights_uri = self.weight_log.produce(self.txn, content, digest, version)
             # The checkpoint exists before the record that announces it.
