@@ -9,7 +9,7 @@ version before. So a delta's chain back to its anchor is at most K - 1 deltas lo
 **Visibility.** A version of any size: its chunks are produced first, outside any transaction, by the trainer's
 companion idempotent producer (``TransactionalProducer.outside``; ``rlstream.kafka.transactions`` says how that
 interacts with read_committed), each keyed by policy/version/index. Then one manifest record (``chunk`` -1: every
-chunk's partition, offset and sha256, the payload's hash, the content hash) goes in the announcing transaction
+chunk's partition, offset and BLAKE3 hash, the payload's hash, the content hash) goes in the announcing transaction
 with the PolicyVersion that names it and the offsets of the samples trained. Readers trust only chunks a committed
 manifest names, at the place it names: a chunk with no committed manifest (a trainer killed mid-upload, a step
 whose transaction aborted) is never read, and the trainer's prefix delete removes it later (``manifest``, which
