@@ -23,7 +23,17 @@ read: chunks fetched, apply, rhash: the reader's hash, rwrite: a folder written 
 engine's ``load_tensors``; generate). On the path: produce, write, commit, seen, fetch, load, generate (they add up to
 the total); wfiles, encode and rwrite overlap others.
 Then p50 / p99 per kind, and the baseline of ``safetensors.save_file`` of the bf16 tensors to one local file (what
-a store on a shared path costs the trainer). Needs a broker ($RLSTREAM_BOOTSTRAP). One process does both sides in
+a store on a shared path costs the trainer).
+
+The chunked path (the chunks outside the transaction, spread over ``--weights-partitions`` - 1 partitions, the
+manifest in it): the broker's bytes per second while an anchor's chunks are uploaded (``WeightLogWriter.last_upload_s``:
+from the first chunk produced to the last acknowledged, hashing and record encoding included) against its raw
+produce rate in the same run: the same companion producer (``TransactionalProducer.outside``) sending as many
+bytes of random 8 MiB values to the same partitions, with no encoding and no hash. Two upload figures: in the
+trainer (the anchors above, whose folder, 600 MB at 100 M parameters, is written on the same cores meanwhile), and
+alone (the last anchor's content uploaded again by a fresh writer, never announced: orphan chunks, alternating
+with the raw sends, best of two each); the goal (>= 0.7x) is the path's own, alone against raw. The transaction timeout is the
+runtime's default 30 s whatever the size: the transaction carries only the manifest. Needs a broker ($RLSTREAM_BOOTSTRAP). One process does both sides in
 turn (the worker in the watcher's thread and this one), so the latency has no queueing in it.
 ``--hidden 768 --layers 8 --vocab 16384`` is a ~100 M-parameter model.
 """
@@ -49,9 +59,10 @@ from benchmarks.harness.record import Goal, record
 from benchmarks.harness.stats import percentile
 from rlstream.config import KafkaSettings
 from rlstream.kafka import records
-from rlstream.kafka.topics import create_topics, delete_topics
-from rlstream.kafka.transactions import TransactionalProducer
+from rlstream.kafka.topics import create_topics, delete_topics, topic_name
+from rlstream.kafka.transactions import TransactionalProducer, transfer_timeout_s
 from rlstream.policy import weight_log
+from rlstream.policy.manifest import place
 from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weight_log import WeightLogWriter, parse_uri
 from rlstream.policy.weights import PolicyWeights, WeightStore
@@ -124,12 +135,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--weights-partitions", type=int, default=4,
+                    help="the weights topic's partitions (one for the manifests, the rest share the chunks)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # one line per version, not a bar per save
     bootstrap = os.environ.get("RLSTREAM_BOOTSTRAP", "127.0.0.1:9092")
     run = "bench-wl-" + uuid.uuid4().hex[:8]
-    create_topics({"bootstrap.servers": bootstrap}, run)
+    create_topics({"bootstrap.servers": bootstrap}, run, overrides={"weights": args.weights_partitions})
     # Its weights topic holds 2 GB or more at 100 M parameters: left behind, runs fill the broker's disk.
     atexit.register(delete_topics, {"bootstrap.servers": bootstrap}, run)
     kafka = KafkaSettings(bootstrap=bootstrap, run=run)
@@ -142,7 +155,7 @@ def main() -> None:
     model = build_model(args.hidden, args.layers, args.vocab)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    txn = TransactionalProducer(kafka, f"{run}.bench", who="bench", transaction_timeout_ms=120000)
+    txn = TransactionalProducer(kafka, f"{run}.bench", who="bench", transaction_timeout_ms=30000)
     txn.start()
     work = Path(tempfile.mkdtemp(prefix="weight-log-bench-"))
     # 2-3 GB a run at 100 M parameters (the store, the worker's cache): left behind, a few runs fill a disk.
@@ -234,14 +247,40 @@ def main() -> None:
         t0 = time.perf_counter()
         save_file(bf16, str(work / "plain.safetensors"))
         plain = time.perf_counter() - t0
+        if ref.anchor == version:
+            anchor_content = written["content"]
         rows.append({"version": version, "kind": "anchor" if ref.anchor == version else "delta",
-                     "bytes": log_writer.last_payload_bytes, "total": done - created, "plain": plain, **hops})
+                     "bytes": log_writer.last_payload_bytes, "total": done - created, "plain": plain,
+                     "upload_s": log_writer.last_upload_s, **hops})
         store.prune(POLICY, keep_from=version - 2, keep={0})
     watcher.close()
-    report_rows(rows)
+    last_anchor = next(r for r in reversed(rows) if r["kind"] == "anchor")
+    raw, alone = alone_rates(txn, run, anchor_content, last_anchor["bytes"], args.weights_partitions)
+    report_rows(rows, raw, alone, args.weights_partitions)
 
 
-def report_rows(rows: list[dict]) -> None:
+def alone_rates(txn: TransactionalProducer, run: str, content, nbytes: int, partitions: int) -> tuple[float, float]:
+    """(raw, chunked) bytes per second the broker takes, best of two each, alternating. Raw: the companion producer
+    sending ``nbytes`` of random 8 MiB values round the chunk partitions as ``manifest.place`` puts them, unencoded
+    and unhashed. Chunked: ``content`` (an anchor) uploaded by a fresh writer (``WeightLogWriter.upload``, never
+    announced), timed as ``last_upload_s`` (hashes and record encoding included, the payload's encoding not)."""
+    from rlstream.policy.deltas import content_hash
+    value, producer = os.urandom(weight_log.CHUNK_BYTES), txn.outside()
+    where = place(partitions, 0, -(-nbytes // weight_log.CHUNK_BYTES))
+    writer, digest = WeightLogWriter(run, POLICY + "-alone"), content_hash(content)
+    raw = chunked = 0.0
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for p in where:
+            producer.produce(topic_name(run, "weights"), value, partition=p)
+        producer.flush(transfer_timeout_s(nbytes))
+        raw = max(raw, len(where) * len(value) / (time.perf_counter() - t0))
+        writer.upload(txn, content, digest, 0)  # a fresh writer's first version: an anchor, every time
+        chunked = max(chunked, writer.last_payload_bytes / writer.last_upload_s)
+    return raw, chunked
+
+
+def report_rows(rows: list[dict], raw_bytes_per_s: float, alone_bytes_per_s: float, partitions: int) -> None:
     anchor_bytes = sum(r["bytes"] for r in rows if r["kind"] == "anchor") / \
         max(1, sum(1 for r in rows if r["kind"] == "anchor"))
     print(f"{'version':>7} {'kind':>6} {'MB':>7} {'of anchor':>9} {'total s':>7} " +
@@ -263,6 +302,11 @@ def report_rows(rows: list[dict]) -> None:
     plain = [r["plain"] for r in rows]
     print(f"baseline: save_file of the bf16 tensors to a local file p50 {percentile(plain, 50):.3f} s "
           f"p99 {percentile(plain, 99):.3f} s")
+    uploads = [r["bytes"] / r["upload_s"] for r in measured if r["kind"] == "anchor" and r["upload_s"] > 0]
+    upload = percentile(uploads, 50) if uploads else float("nan")
+    print(f"chunked upload of anchors over {partitions - 1} partitions: in the trainer p50 {upload / 1e6:.1f} MB/s "
+          f"({upload / raw_bytes_per_s:.2f}x raw), alone {alone_bytes_per_s / 1e6:.1f} MB/s; the broker's raw produce "
+          f"rate in this run {raw_bytes_per_s / 1e6:.1f} MB/s; alone / raw {alone_bytes_per_s / raw_bytes_per_s:.2f}")
     deltas = [r["bytes"] for r in measured if r["kind"] == "delta"]
     lat = [r["total"] for r in measured]
     record("weight_log", dict(
@@ -271,9 +315,13 @@ def report_rows(rows: list[dict]) -> None:
         generating_p50_s=percentile(lat, 50), generating_p99_s=percentile(lat, 99),
         delta_p99_s=percentile([r["total"] for r in measured if r["kind"] == "delta"] or [float("nan")], 99),
         anchor_p99_s=percentile([r["total"] for r in measured if r["kind"] == "anchor"] or [float("nan")], 99),
-        save_file_p50_s=percentile(plain, 50)),
-        # The goal is set for 100 M parameters (--hidden 768 --layers 8 --vocab 16384); smaller models too.
-        [Goal("delta_p99_s", "<=", 2.0), Goal("anchor_p99_s", "<=", 2.0)])
+        save_file_p50_s=percentile(plain, 50), weights_partitions=partitions,
+        upload_in_trainer_mb_per_s=upload / 1e6, upload_alone_mb_per_s=alone_bytes_per_s / 1e6,
+        raw_produce_mb_per_s=raw_bytes_per_s / 1e6, in_trainer_vs_raw_ratio=upload / raw_bytes_per_s,
+        upload_vs_raw_ratio=alone_bytes_per_s / raw_bytes_per_s),
+        # The latency goals are set for 100 M parameters (--hidden 768 --layers 8 --vocab 16384); smaller models too.
+        # The issue's goals at 1 B parameters are 8 s (anchors) and 3 s (deltas).
+        [Goal("delta_p99_s", "<=", 2.0), Goal("anchor_p99_s", "<=", 2.0), Goal("upload_vs_raw_ratio", ">=", 0.7)])
 
 
 if __name__ == "__main__":

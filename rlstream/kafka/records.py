@@ -4,7 +4,7 @@ record type), and a record becomes a value and headers to produce. Every process
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
@@ -15,7 +15,7 @@ from rlstream.schemas.codec import DecodeError, default_codec
 from rlstream.schemas.records import RECORD_TYPES, Record
 
 __all__ = ["Consumed", "Decoder", "Incoming", "Message", "Rejected", "TypedProducer", "check_headers", "decode", "encode",
-           "produce"]
+           "produce", "produce_located", "produce_placed"]
 
 
 class Rejected(Exception):
@@ -49,12 +49,15 @@ class Incoming:
 
 
 def produce_waiting(producer: Producer, topic: str, value: bytes | None, key: Any = None,
-                    headers: list | None = None, on_delivery: Any = None) -> None:
+                    headers: list | None = None, on_delivery: Any = None, partition: int | None = None) -> None:
     """Produce, waiting for deliveries while librdkafka's local queue is full (its BufferError is backpressure).
 
     ``on_delivery(err, msg)``: called from a later poll or flush with the record's partition and offset (a
-    transactional producer learns them before the commit, so one record can name another's place)."""
+    transactional producer learns them before the commit, so one record can name another's place). ``partition``:
+    that one, not the key's."""
     extra = {"on_delivery": on_delivery} if on_delivery is not None else {}
+    if partition is not None:
+        extra["partition"] = partition
     while True:
         try:
             producer.produce(topic, value=value, key=key, headers=headers, **extra)
@@ -177,16 +180,19 @@ def encode(logical: str, record: Record) -> bytes:
 
 
 def produce(producer: Any, run: str, logical: str, key: Any, record: Record, policy_version: int,
-            traceparent: str | None = None, reward_version: str | None = None, on_delivery: Any = None) -> None:
+            traceparent: str | None = None, reward_version: str | None = None, on_delivery: Any = None,
+            partition: int | None = None) -> None:
     """Produce a typed record with the loop's headers, through a plain Producer or a TransactionalProducer
-    (``on_delivery``: see ``produce_waiting``)."""
+    (``on_delivery``, ``partition``: see ``produce_waiting``)."""
     headers = hdr.build(policy_version, traceparent or hdr.new_traceparent(), reward_version)
     extra = {"on_delivery": on_delivery} if on_delivery is not None else {}
+    if partition is not None:
+        extra["partition"] = partition
     producer.produce(topic_name(run, logical), value=encode(logical, record), key=key, headers=headers, **extra)
 
 
 def produce_located(producer: Any, run: str, logical: str, key: Any, items: list[Record], policy_version: int,
-                    timeout: float = 300.0) -> tuple[int, int]:
+                    timeout: float = 300.0, partition: int | None = None) -> tuple[int, int]:
     """Produce ``items`` in order under one key and flush; return (partition, offset) of the first.
 
     Every item must be delivered within ``timeout``: a delivery error, or one still undelivered, raises
@@ -203,12 +209,41 @@ def produce_located(producer: Any, run: str, logical: str, key: Any, items: list
 
     for i, record in enumerate(items):
         # One key, one partition: the items stay in order after the first, so its place locates them all.
-        produce(producer, run, logical, key, record, policy_version, on_delivery=report if i == 0 else None)
+        produce(producer, run, logical, key, record, policy_version, on_delivery=report if i == 0 else None,
+                partition=partition)
     left = producer.flush(timeout)
     if errors or left or "at" not in first:
         raise KafkaException(errors[0] if errors else KafkaError(
             KafkaError._TIMED_OUT, f"{logical}: {left} of {len(items)} records undelivered", txn_requires_abort=True))
     return first["at"]
+
+
+def produce_placed(producer: Any, run: str, logical: str, items: Iterable[tuple[Any, Record, int | None]],
+                   policy_version: int, timeout: float) -> list[tuple[int, int]]:
+    """Produce each (key, record, partition or None) of ``items`` (taken as they come: the caller may prepare the next
+    while the ones before are sent) and flush; return each one's (partition, offset), in order. A delivery error,
+    or a record still undelivered after ``timeout`` seconds, raises KafkaException."""
+    places: list = []
+    errors: list = []
+
+    def delivered(i: int):
+        def report(err, msg):
+            if err is not None:
+                errors.append(err)
+            else:
+                places[i] = (msg.partition(), msg.offset())
+        return report
+
+    for i, (key, record, partition) in enumerate(items):
+        places.append(None)
+        produce(producer, run, logical, key, record, policy_version, on_delivery=delivered(i), partition=partition)
+    flusher = getattr(producer, "producer", producer)  # a TypedProducer's flush raises on its own; its producer's not
+    left = flusher.flush(timeout)
+    if errors or left or None in places:
+        raise KafkaException(errors[0] if errors else KafkaError(
+            KafkaError._TIMED_OUT, f"{logical}: {left} of {len(places)} records undelivered within {timeout:.0f}s",
+            txn_requires_abort=True))
+    return places
 
 
 class TypedProducer:
@@ -219,9 +254,9 @@ class TypedProducer:
         self.producer = Producer({**kafka.client_config(), "linger.ms": 20, "enable.idempotence": True, **overrides})
 
     def produce(self, topic: str, value: bytes | None, key: Any = None, headers: list | None = None,
-                on_delivery: Any = None) -> None:
+                on_delivery: Any = None, partition: int | None = None) -> None:
         """Produce raw bytes."""
-        produce_waiting(self.producer, topic, value, key, headers, on_delivery)
+        produce_waiting(self.producer, topic, value, key, headers, on_delivery, partition)
 
     def send(self, logical: str, key: Any, record: Record, policy_version: int, traceparent: str | None = None,
              reward_version: str | None = None) -> None:

@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from rlstream.kafka.topics import TOPICS, topic_name
+from rlstream.kafka.topics import MAX_MESSAGE_BYTES, TOPICS, topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import RECORD_TYPES, Record
@@ -65,7 +65,10 @@ class _Reader:
                                    "isolation.level": "read_committed", "enable.partition.eof": True,
                                    # A failed lookup of the beginning falls back to this: the end would skip records.
                                    "auto.offset.reset": "earliest",
-                                   "fetch.max.bytes": 64 * 1024 * 1024})
+                                   "fetch.max.bytes": 64 * 1024 * 1024,
+                                   # Two of the largest records a partition can hold per fetch (a weights chunk is
+                                   # one): the default 1 MiB would fetch them one request at a time.
+                                   "max.partition.fetch.bytes": 2 * (MAX_MESSAGE_BYTES + 65536)})
         self.eof: dict[tuple[str, int], bool] = {}
         self.next: dict[tuple[str, int], int] = {}  # offset after the last record read
         self.ends: dict[tuple[str, int], int] = {}  # high watermarks when the reader began (``ends`` only)

@@ -48,10 +48,11 @@ TOPICS: dict[str, TopicSpec] = {t.name: t for t in (
     # Compacted: the newest version of each policy is always readable.
     TopicSpec("policy-versions", "PolicyVersion", 1, {"cleanup.policy": "compact", "retention.ms": "-1"}),
     TopicSpec("dead-letters", "DeadLetter", 4, _FOREVER),
-    # Keyed by policy, so one policy's chunks are one ordered log (rlstream.policy.weight_log). Kept until the
-    # trainer deletes the prefix before the anchor its oldest needed version builds on (never by age: time
-    # retention could delete an anchor and keep the deltas that need it).
-    TopicSpec("weights", "WeightChunk", 1, _FOREVER, archived=False),
+    # Manifests in partition 0 (the ordered log of versions), chunks spread over the others, so several brokers
+    # share a version's bytes (rlstream.policy.manifest). Kept until the trainer deletes the prefix before the
+    # anchor its oldest needed version builds on (never by age: time retention could delete an anchor and keep the
+    # deltas that need it).
+    TopicSpec("weights", "WeightChunk", 4, _FOREVER, archived=False),
 )}
 
 

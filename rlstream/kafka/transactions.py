@@ -15,6 +15,17 @@ become visible together or not at all. What can go wrong, and what this module d
   replaced, and the new one waits for the broker in ``init_transactions``.
 - A producer fenced by a newer instance of its own transactional id is the zombie: it raises and the process
   exits, because replacing it would fence the live instance in turn.
+
+**Bulk bytes outside the transaction** (a weights version larger than a transaction can carry): ``outside()`` is
+the process's companion producer, idempotent and not transactional (librdkafka's transactional producer cannot
+produce outside a transaction, and its ``message.timeout.ms`` is capped by the transaction timeout). Its records
+are committed as soon as they are acknowledged, so a ``read_committed`` reader sees them at once, whether or not a
+transaction ever names them: they are trusted only through a record the transaction commits (the weights log's
+manifest). Idempotence dedupes librdkafka's own retries within one producer session (producer id and sequence
+numbers); a process killed mid-upload leaves what was acknowledged behind, and its successor writes new records
+rather than completing those. While the bulk records are produced the transaction has produced nothing, so the
+coordinator's transaction timer (which starts at the first partition added to it) does not run: the transaction
+carries only the small records that name them, and its timeout stays the runtime's.
 """
 from __future__ import annotations
 
@@ -29,7 +40,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer, Topic
 from rlstream import metrics
 from rlstream.config import KafkaSettings
 from rlstream.kafka.dead_letters import dead_letter
-from rlstream.kafka.records import produce_waiting
+from rlstream.kafka.records import TypedProducer, produce_waiting
 from rlstream.kafka.topics import MAX_MESSAGE_BYTES, topic_name
 
 log = logging.getLogger(__name__)
@@ -83,6 +94,23 @@ class Caller:
         return result.get("value")
 
 
+#: The slowest rate at which a broker is taken to accept (or serve) bulk bytes before a transfer counts as failed:
+#: about 1/20 of what one broker took on the loaded 2-core dev machine (benchmarks/weight_log.py, ~150 MB/s).
+FLOOR_BYTES_PER_S = 8 * 1024 * 1024
+#: What any transfer may take besides its bytes: a broker's leader moving, a connection set up again.
+TRANSFER_SLACK_S = 60.0
+#: The companion producer's local queue: bounds the bytes ahead of any record, so its delivery timeout is sized.
+OUTSIDE_QUEUE_BYTES = 256 * 1024 * 1024
+
+
+def transfer_timeout_s(nbytes: int) -> float:
+    """How long moving ``nbytes`` of bulk records through the broker may take, either way: ``TRANSFER_SLACK_S`` plus
+    the bytes at ``FLOOR_BYTES_PER_S``. The one sizing rule for bulk transfers: the companion producer's delivery
+    timeout (the most bytes queued ahead of a record), an upload's flush, a reader's read of a version. Never a
+    fixed number: a 14 GB anchor takes minutes where a delta takes a second."""
+    return TRANSFER_SLACK_S + max(0, nbytes) / FLOOR_BYTES_PER_S
+
+
 def producer_config(kafka: KafkaSettings, transactional_id: str, transaction_timeout_ms: int = 30000,
                     **overrides: Any) -> dict[str, Any]:
     """librdkafka settings of a transactional producer of this loop."""
@@ -111,6 +139,24 @@ class TransactionalProducer:
         self._wedged: list[Producer] = []  # stuck producers, kept so that no destructor waits on them
         self.producer = Producer(self._config)
         self._bounded = Caller()
+        self._kafka = kafka
+        self._outside: TypedProducer | None = None
+
+    @property
+    def transaction_timeout_s(self) -> float:
+        return self._transaction_timeout_s
+
+    def outside(self) -> TypedProducer:
+        """The companion idempotent producer for bulk records outside the transaction (module docstring), made on
+        first use: records up to the topics' message limit, no compression (weights payloads are packed already,
+        and lz4 would take a core), a local queue of ``OUTSIDE_QUEUE_BYTES``, and a delivery timeout sized from it
+        (``transfer_timeout_s``)."""
+        if self._outside is None:
+            self._outside = TypedProducer(self._kafka, **{
+                "linger.ms": 5, "compression.type": "none", "message.max.bytes": MAX_MESSAGE_BYTES + 65536,
+                "queue.buffering.max.kbytes": OUTSIDE_QUEUE_BYTES // 1024,
+                "message.timeout.ms": int(transfer_timeout_s(OUTSIDE_QUEUE_BYTES) * 1000)})
+        return self._outside
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -165,9 +211,9 @@ class TransactionalProducer:
         return True
 
     def produce(self, topic: str, value: bytes | None, key: Any = None, headers: list | None = None,
-                on_delivery: Any = None) -> None:
-        """Produce into the open transaction (``on_delivery``: see ``records.produce_waiting``)."""
-        produce_waiting(self.producer, topic, value, key, headers, on_delivery)
+                on_delivery: Any = None, partition: int | None = None) -> None:
+        """Produce into the open transaction (``on_delivery``, ``partition``: see ``records.produce_waiting``)."""
+        produce_waiting(self.producer, topic, value, key, headers, on_delivery, partition)
 
     def dead_letter(self, stage: str, msg: Message, reason: str, error: str,
                     max_bytes: int = MAX_MESSAGE_BYTES) -> None:

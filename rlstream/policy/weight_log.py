@@ -6,22 +6,24 @@ makes the payload): version 0, the first version a trainer process publishes, an
 multiple of ``--weights-anchor-every`` K are anchors (the whole folder); the rest are deltas against the
 version before. So a delta's chain back to its anchor is at most K - 1 deltas long.
 
-**Visibility.** A version's chunks are produced in the same transaction as its PolicyVersion record and the
-offsets of the samples it was trained on. No PolicyVersion is visible to a read_committed reader before every
-chunk of its weights is, and a step that aborts leaves no chunks behind (a redone step cannot leave two
-committed payloads for one version). The chunks are flushed inside the transaction first: their delivery
-reports give their offsets, which the PolicyVersion's URI then names. The cost is a longer transaction: the
-payload's bytes are written while it is open (a few hundred MB take seconds on one broker; the trainer's
-``--transaction-timeout-ms`` must cover it, and the broker's ``transaction.max.timeout.ms`` caps that).
-Readers of policy-versions see the record only at the commit, as before. Models too large for that belong in
-an object store (``--weights s3://...``, ``rlstream.policy.weights``).
+**Visibility.** A version of any size: its chunks are produced first, outside any transaction, by the trainer's
+companion idempotent producer (``TransactionalProducer.outside``; ``rlstream.kafka.transactions`` says how that
+interacts with read_committed), each keyed by policy/version/index. Then one manifest record (``chunk`` -1: every
+chunk's partition, offset and BLAKE3 hash, the payload's hash, the content hash) goes in the announcing transaction
+with the PolicyVersion that names it and the offsets of the samples trained. Readers trust only chunks a committed
+manifest names, at the place it names: a chunk with no committed manifest (a trainer killed mid-upload, a step
+whose transaction aborted) is never read, and the trainer's prefix delete removes it later (``manifest``, which
+says when). The transaction carries no payload bytes, so its timeout does not grow with the model; the upload's
+and the read's do (``transfer_timeout_s``, the one sizing rule).
 
-**Order.** Chunks are keyed by policy, so one policy's versions are one ordered log in one partition, and a
-version's chunks are contiguous among that policy's records.
+**Order.** Manifests have partition 0 to themselves: one ordered log of every policy's versions, read without a byte
+of payload. Chunks go round the other partitions (``manifest.place``), so several brokers share a version's bytes;
+a reader puts a version's chunks in index order and applies versions in their manifests' order. A log written
+before manifests (no ``layout=manifest`` in its URIs) is still read: one partition, chunks in the transaction.
 
-**URI.** ``kafka:weights?policy=P&version=N&partition=p&offset=O&anchor=A&anchor_offset=AO``: version N's first
-chunk is at offset O of partition p, its anchor A's first chunk at AO. A worker holding N - 1 reads from O;
-one holding a version between A and N reads from where that version's chunks began; any other reads from AO,
+**URI.** ``kafka:weights?policy=P&version=N&partition=0&offset=O&anchor=A&anchor_offset=AO&layout=manifest``:
+version N's manifest is at offset O, its anchor A's at AO. A worker holding N - 1 reads from O;
+one holding a version between A and N reads from that version's manifest on; any other reads from AO,
 and says in its log that it rebuilds from the anchor because the delta's base is not held.
 
 **Checks.** Each rebuilt version must hash to the ``content_hash`` its chunks carry, and the version asked for to
@@ -33,10 +35,9 @@ PolicyVersion's hash is compared with that digest. An engine is handed a version
 both checks passed. Chunks no longer in the log, or not found, raise OSError.
 Either way the rollout keeps generating with (and stamping) its current version.
 
-**Retention.** The topic keeps records until the trainer deletes a prefix, and it deletes only up to the first
-chunk of the newest anchor at or below ``version - η - 1``: every retained delta keeps its anchor, and every
-version η can still need stays readable. Audit copies of every Nth version belong in the store
-(``--keep-every``).
+**Retention.** The topic keeps records until the trainer deletes a prefix of each partition, and only below the
+newest anchor at or below ``version - η - 1`` and every version after it (``manifest.Positions``): every retained
+delta keeps its anchor, every version η can still need stays readable, and orphan chunks go with what lies below.
 
 **Resume.** A restarted trainer resumes from its own store (with the optimizer state). A trainer on a new host,
 whose store lacks the announced version, rebuilds it from the log as a worker does (the anchor and the deltas after
@@ -53,39 +54,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
-from urllib.parse import parse_qs, urlencode, urlparse
 
 import torch
 
 from rlstream import metrics
 from rlstream.kafka import records
 from rlstream.kafka.tail import read_from
+from rlstream.kafka.topics import MAX_MESSAGE_BYTES, topic_name
+from rlstream.kafka.transactions import transfer_timeout_s
 from rlstream.policy.deltas import ANCHOR, DELTA, Content, apply, content_hash, encode, split, write_folder
+from rlstream.policy.manifest import (MANIFEST, MANIFEST_PARTITION, SCHEME, LogRef, Placed, Positions, Upload,
+                                      chunk_hash, is_log_uri, parse_uri, payload_hash, place)
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import PolicyVersion, WeightChunk
 
 log = logging.getLogger(__name__)
 
-SCHEME = "kafka"
 #: Payload bytes per record: below the topics' 16 MiB message limit with room for the record around it.
 CHUNK_BYTES = 8 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class LogRef:
-    """Where a version's chunks are on the weights topic (what its URI says)."""
-
-    policy: str
-    version: int
-    partition: int
-    offset: int
-    anchor: int
-    anchor_offset: int
-
-    def uri(self) -> str:
-        return f"{SCHEME}:weights?" + urlencode({
-            "policy": self.policy, "version": self.version, "partition": self.partition, "offset": self.offset,
-            "anchor": self.anchor, "anchor_offset": self.anchor_offset})
 
 
 def _join(parts: list[bytes], into: bytearray | None) -> bytearray:
@@ -99,42 +85,28 @@ def _join(parts: list[bytes], into: bytearray | None) -> bytearray:
     return out
 
 
-def is_log_uri(uri: str) -> bool:
-    return uri.startswith(f"{SCHEME}:")
-
-
-def parse_uri(uri: str) -> LogRef:
-    """The LogRef a ``kafka:weights?...`` URI names; ValueError when it is not one."""
-    parsed = urlparse(uri)
-    if parsed.scheme != SCHEME or parsed.path != "weights":
-        raise ValueError(f"{uri!r} is not a weights-log URI (kafka:weights?...)")
-    q = {k: v[0] for k, v in parse_qs(parsed.query).items()}
-    try:
-        ref = LogRef(q["policy"], int(q["version"]), int(q["partition"]), int(q["offset"]), int(q["anchor"]),
-                     int(q["anchor_offset"]))
-    except (KeyError, ValueError) as exc:
-        raise ValueError(f"weights-log URI {uri!r} lacks or garbles {exc}") from None
-    if not 0 <= ref.anchor <= ref.version or (ref.anchor == ref.version) != (ref.anchor_offset == ref.offset):
-        raise ValueError(f"weights-log URI {uri!r}: inconsistent anchor")
-    return ref
-
-
 class WeightLogWriter:
-    """The trainer's side: puts each version on the topic inside the announcing transaction (module docstring)."""
+    """The trainer's side: uploads each version's chunks outside the transaction, then announces it with a manifest
+    inside the transaction (module docstring)."""
 
     def __init__(self, run: str, policy: str, anchor_every: int = 10, chunk_bytes: int = CHUNK_BYTES):
         if anchor_every < 1:
             raise ValueError("--weights-anchor-every must be at least 1 (1: every version is an anchor)")
+        if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 65536:
+            raise ValueError(f"a weights chunk must be 1 to {MAX_MESSAGE_BYTES - 65536} bytes (the topic's message "
+                             f"limit less the record around it), not {chunk_bytes}")
         self.run, self.policy = run, policy
         self.anchor_every, self.chunk_bytes = anchor_every, chunk_bytes
         self._base: tuple[int, Content] | None = None  # the last committed version, what the next delta is against
-        self._anchors: list[tuple[int, int, int]] = []  # committed anchors: (version, partition, first offset)
+        self._positions = Positions()  # the committed versions' records, for retention
+        self._partitions: int | None = None  # the weights topic's, read once
         self._pending = None
         self._prepared = None  # (version, content, anchor, the payload's future): prepare's
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-encode")
         # The last anchor's payload once produced (its records are encoded copies): the next anchor is built in it.
         self._spare: bytearray | None = None
         self.last_payload_bytes = 0  # of the last version produced (benchmarks)
+        self.last_upload_s = 0.0  # the last upload's seconds, from its first chunk produced to its last delivered
 
     def _anchor(self, version: int) -> bool:
         base = self._base
@@ -153,10 +125,18 @@ class WeightLogWriter:
         into, self._spare = self._spare, None
         return content, None, into
 
-    def produce(self, txn, content: Content, digest: str, version: int, flush_timeout_s: float = 300.0) -> str:
-        """Produce version ``version`` (its content, ``deltas.read_folder`` of the written checkpoint, and its
-        ``content_hash``) into ``txn``'s open transaction; return its URI. A delivery error raises KafkaException,
-        which aborts the transaction."""
+    def produce(self, txn, content: Content, digest: str, version: int) -> str:
+        """Put version ``version`` (its content, ``deltas.read_folder`` of the written checkpoint, and its
+        ``content_hash``) on the topic: ``upload``, then ``announce`` in ``txn``'s open transaction; its URI. Called
+        in the transaction's body before anything else is produced in it, the upload does not run on the
+        transaction's clock (``rlstream.kafka.transactions``). A delivery error raises KafkaException, which aborts
+        the transaction."""
+        return self.announce(txn, self.upload(txn, content, digest, version))
+
+    def upload(self, txn, content: Content, digest: str, version: int) -> Upload:
+        """Produce the version's chunks through ``txn``'s companion idempotent producer, outside any transaction,
+        and wait until every one is acknowledged (within ``transfer_timeout_s`` of the payload). No reader trusts
+        them before ``announce`` commits their manifest."""
         base, prepared, self._prepared = self._base, self._prepared, None
         if prepared is not None and prepared[0] == version and prepared[1] is content and \
                 prepared[2] == self._anchor(version):
@@ -165,40 +145,56 @@ class WeightLogWriter:
             anchor = self._anchor(version)
             payload = encode(*self._encoding(anchor, content))
         parts = split(payload, self.chunk_bytes)
-        created, files = now_ms(), content.names()
-        chunks = [WeightChunk(policy=self.policy, version=version, kind=ANCHOR if anchor else DELTA,
-                              base_version=-1 if anchor else base[0], chunk=i, chunks=len(parts), files=files,
-                              payload=part, content_hash=digest, created_at=created)
-                  for i, part in enumerate(parts)]
-        partition, offset = records.produce_located(txn, self.run, "weights", self.policy.encode(), chunks, version,
-                                                    flush_timeout_s)
+        topic = topic_name(self.run, "weights")
+        if self._partitions is None:
+            self._partitions = len(txn.outside().producer.list_topics(topic, timeout=30).topics[topic].partitions)
+        where = place(self._partitions, version, len(parts))
+        created, files, hashes = now_ms(), content.names(), []
+
+        def chunks():
+            for i, part in enumerate(parts):
+                hashes.append(chunk_hash(part))  # hashlib lets go of the GIL: the chunks before it go out meanwhile
+                # Keyed by what the chunk is (policy, version, index); placed by ``place``, not by the key.
+                yield (f"{self.policy}/{version}/{i}".encode(),
+                       WeightChunk(policy=self.policy, version=version, kind=ANCHOR if anchor else DELTA,
+                                   base_version=-1 if anchor else base[0], chunk=i, chunks=len(parts), files=files,
+                                   payload=part, content_hash=digest, created_at=created), where[i])
+
+        started = time.monotonic()
+        places = records.produce_placed(txn.outside(), self.run, "weights", chunks(), version,
+                                        transfer_timeout_s(len(payload)))
+        self.last_upload_s = time.monotonic() - started
         if anchor:
             self._spare = payload
-        if anchor:
-            ref = LogRef(self.policy, version, partition, offset, version, offset)
-        else:
-            last = self._anchors[-1]
-            ref = LogRef(self.policy, version, partition, offset, last[0], last[2])
-        self._pending = (version, content, (version, partition, offset) if anchor else None)
         self.last_payload_bytes = len(payload)
         metrics.WEIGHTS_BYTES.labels(ANCHOR if anchor else DELTA).inc(len(payload))
+        return Upload(self.policy, version, ANCHOR if anchor else DELTA, -1 if anchor else base[0], files, digest, places, hashes,
+                      [len(p) for p in parts], content)
+
+    def announce(self, txn, upload: Upload) -> str:
+        """Produce ``upload``'s manifest into ``txn``'s open transaction (the PolicyVersion that names the URI
+        returned goes in the same one); the version exists for readers once it commits."""
+        partition, offset = records.produce_located(txn, self.run, "weights", self.policy.encode(),
+                                                    [upload.manifest(now_ms())],
+                                                    upload.version, txn.transaction_timeout_s,
+                                                    partition=MANIFEST_PARTITION)
+        anchor = upload.kind == ANCHOR
+        base = None if anchor else self._positions.anchor_of(upload.version - 1)
+        ref = LogRef(self.policy, upload.version, partition, offset, upload.version if anchor else base.version,
+                     offset if anchor else base.manifest_offset, manifest=True)
+        self._pending = (upload.version, upload.content, Placed(upload.version, anchor, offset, upload.places))
         return ref.uri()
 
     def committed(self) -> None:
         """The transaction with the last produced version committed: the next delta builds on it."""
-        version, content, anchor = self._pending
+        version, content, placed = self._pending
         self._base, self._pending = (version, content), None
-        if anchor is not None:
-            self._anchors.append(anchor)
+        self._positions.add(placed)
 
-    def truncation_point(self, keep_from: int) -> tuple[int, int] | None:
-        """(partition, offset) before which no record is needed when versions from ``keep_from`` on must stay
-        readable: the first chunk of the newest anchor at or below ``keep_from``; None when none is known."""
-        below = [a for a in self._anchors if a[0] <= keep_from]
-        if not below:
-            return None
-        self._anchors = [a for a in self._anchors if a[0] >= below[-1][0]]
-        return below[-1][1], below[-1][2]
+    def truncation_points(self, keep_from: int) -> dict[int, int]:
+        """partition -> offset before which no record is needed when versions from ``keep_from`` on must stay
+        readable (``manifest.Positions``); empty when no anchor at or below it is known."""
+        return self._positions.truncation_points(keep_from)
 
 
 @dataclass
@@ -304,7 +300,8 @@ class WeightLogReader:
         """Apply the policy's versions from offset ``start`` on to ``base`` (version, content, its anchor's buffer;
         its tensors changed in place) until ``ref.version``; that version, its content, its hash (checked against its
         chunks') and its anchor's buffer. ``beside(content)`` runs in a thread while the version asked for is hashed
-        (and is done when this returns or raises)."""
+        (and is done when this returns or raises). With manifests, ``start`` is a manifest's offset, and only the
+        chunks a committed manifest names are read; else (a log written before them) the chunks follow ``start``."""
         version, content, buffer = base if base is not None else (-1, None, None)
         parts: list[bytes] = []
         first = True
@@ -319,11 +316,17 @@ class WeightLogReader:
                 continue  # another policy's, or versions the base already holds
             if c.version > ref.version:
                 break
-            if c.chunk != len(parts):
-                raise ValueError(f"weights of {ref.policy} v{c.version}: chunk {c.chunk} where {len(parts)} was due")
-            parts.append(c.payload)
-            if len(parts) < c.chunks:
-                continue
+            if ref.manifest:
+                if c.chunk != MANIFEST:
+                    continue  # a chunk (with one partition): read where its manifest says, once it is read
+                parts = self._chunks(c)
+            else:
+                if c.chunk != len(parts):
+                    raise ValueError(f"weights of {ref.policy} v{c.version}: chunk {c.chunk} where {len(parts)} "
+                                     "was due")
+                parts.append(c.payload)
+                if len(parts) < c.chunks:
+                    continue
             if c.kind == DELTA and c.base_version != version:
                 raise ValueError(f"v{c.version} is a delta on v{c.base_version}, but v{version} came before it")
             if c.kind == ANCHOR:  # one copy, which the anchor's tensors are then views of
@@ -345,6 +348,54 @@ class WeightLogReader:
             if version == ref.version:
                 return version, content, digest, buffer
         raise OSError(f"weights of {ref.policy} v{ref.version} not found in the log from offset {start}")
+
+    def _chunks(self, m: WeightChunk) -> list[bytes]:
+        """The payloads of the chunks manifest ``m`` names, in index order, each checked against its hash and all of
+        them against the manifest's payload hash (ValueError); OSError when one is no longer (or not) in the log.
+        Each partition is read in its own thread, from the first of the version's chunks there to its last; the
+        records in between that the manifest does not name (an upload killed before its manifest, another
+        policy's) are passed over."""
+        n = m.chunks
+        if not (len(m.chunk_partitions) == len(m.chunk_offsets) == len(m.chunk_hashes) == n):
+            raise ValueError(f"the manifest of {m.policy} v{m.version} lists {n} chunks but not a place and hash each")
+        wanted: dict[int, dict[int, int]] = {}  # partition -> offset -> chunk index
+        for i, (p, o) in enumerate(zip(m.chunk_partitions, m.chunk_offsets)):
+            wanted.setdefault(p, {})[o] = i
+        # Sized from the payload: a chunk record is at most the topics' message limit.
+        timeout = max(self.timeout_s, transfer_timeout_s(n * MAX_MESSAGE_BYTES))
+        out: list = [None] * n
+
+        def read(partition: int, at: dict[int, int]) -> None:
+            start, left = min(at), dict(at)
+            for seen in read_from(self.client_config, self.run, "weights", partition, start, timeout=timeout,
+                                  name=f"weights-{m.policy}-{partition}"):
+                if seen.offset > start and start in left:
+                    raise OSError(f"chunk at {partition}@{start} is no longer in the log (it starts at {seen.offset})")
+                i = left.pop(seen.offset, None)
+                if i is None:
+                    continue
+                c = seen.record
+                if not isinstance(c, WeightChunk) or (c.policy, c.version, c.chunk) != (m.policy, m.version, i):
+                    raise ValueError(f"the manifest of {m.policy} v{m.version} names {partition}@{seen.offset} as "
+                                     f"its chunk {i}, which it is not")
+                if chunk_hash(c.payload) != m.chunk_hashes[i]:
+                    raise ValueError(f"chunk {i} of {m.policy} v{m.version} does not match its manifest's hash")
+                out[i] = c.payload
+                if not left:
+                    return
+            raise OSError(f"chunks {sorted(left.values())} of {m.policy} v{m.version} not found in partition "
+                          f"{partition}")
+
+        groups = list(wanted.items())
+        if len(groups) == 1:
+            read(*groups[0])
+        else:
+            with ThreadPoolExecutor(len(groups), thread_name_prefix="weights-read") as pool:
+                for f in [pool.submit(read, p, at) for p, at in groups]:
+                    f.result()
+        if payload_hash([len(x) for x in out], m.chunk_hashes) != m.payload_hash:
+            raise ValueError(f"the chunks of {m.policy} v{m.version} do not match its manifest's payload hash")
+        return out
 
     def _check(self, pv: PolicyVersion, digest: str) -> None:
         """``digest``: the hash of the content, computed from its tensors when it was rebuilt (once: it is the

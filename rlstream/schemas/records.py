@@ -271,6 +271,10 @@ class WeightChunk(Record):
     base_version: int = -1
     files: list[str] = field(default_factory=list)
     created_at: int = 0
+    chunk_partitions: list[int] = field(default_factory=list)
+    chunk_offsets: list[int] = field(default_factory=list)
+    chunk_hashes: list[str] = field(default_factory=list)
+    payload_hash: str = ""
 
 
 @dataclass(slots=True)

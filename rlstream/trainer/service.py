@@ -11,10 +11,11 @@ what was trained (or evicted) past it is listed in the offset's metadata, commit
 (``kafka.inflight``'s done-ahead map, as the pipelined stages keep theirs), and a trainer that reads the partition
 again skips it. Kept in Kafka, it reaches a trainer on any host.
 
-With ``--weights-transport kafka`` the version's weights also go on the run's weights topic, inside that same
-transaction (``rlstream.policy.weight_log``; produced while the folder is still being written, the PolicyVersion
-only once it is there), and the PolicyVersion names them there; either way it carries the content hash every
-worker checks its load against.
+With ``--weights-transport kafka`` the version's weights also go on the run's weights topic
+(``rlstream.policy.weight_log``; produced while the folder is still being written, the PolicyVersion only once it
+is there): the chunks outside the transaction, before anything is produced in it, and the manifest that names
+them inside it, so a version of any size becomes visible with its PolicyVersion or not at all; either way the
+PolicyVersion carries the content hash every worker checks its load against.
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ class TrainerService:
         self._letters: list = []  # (message, reason, error) to dead-letter in the next transaction
         # Positions trained (or evicted) beyond the committed offsets before this consumer read them (their metadata).
         self._done_ahead: set[tuple[str, int, int]] = set()
-        self._log_start = 0  # the weights log's start offset after the last truncation
+        self._log_start: dict[int, int] = {}  # each weights partition's start offset after the last truncation
         self._commit_s: float | None = None  # the last announcing transaction's seconds
         self._writer: VersionWriter | None = None  # built at the first publish, once the model is
         # Where a version's folder is written while its weights already go into the transaction (PendingVersion).
@@ -407,8 +408,9 @@ class TrainerService:
         def body():
             weights_uri = None
             if self.weight_log is not None:
-                # The weights go in the announcing transaction: visible with their PolicyVersion or not at all. They
-                # need only the content and its hash, so they go while the folder's files are still being written.
+                # The chunks first, outside the transaction (its timer has not started: nothing is in it yet), then
+                # their manifest in it: visible with their PolicyVersion or not at all. They need only the content
+                # and its hash, so they go while the folder's files are still being written.
                 content, digest = pending.content()
                 weights_uri = self.weight_log.produce(self.txn, content, digest, version)
             # The checkpoint exists before the record that announces it.
@@ -457,13 +459,15 @@ class TrainerService:
 
     def _truncate_log(self, keep_from: int) -> None:
         """Delete the weights log before the anchor that the oldest version η needs builds on (weight_log)."""
-        point = self.weight_log.truncation_point(keep_from)
-        if point is None or point[1] <= self._log_start:
-            return
-        try:
-            self._log_start = delete_before(self.kafka.client_config(), self.kafka.run, "weights", *point)
-        except Exception as exc:  # retention is housekeeping: the next publish tries again
-            log.warning("could not delete the weights log before offset %d: %s", point[1], exc)
+        for partition, offset in self.weight_log.truncation_points(keep_from).items():
+            if offset <= self._log_start.get(partition, 0):
+                continue
+            try:
+                self._log_start[partition] = delete_before(self.kafka.client_config(), self.kafka.run, "weights",
+                                                           partition, offset)
+            except Exception as exc:  # retention is housekeeping: the next publish tries again
+                log.warning("could not delete the weights log's partition %d before offset %d: %s", partition,
+                            offset, exc)
 
     def _pop_letters(self):
         letters, self._letters = self._letters, []
