@@ -45,8 +45,7 @@ def settings_classes(command: str) -> dict[type, tuple[str, ...] | None]:
         return {**dict.fromkeys(SHARED), **({settings_cls: None} if settings_cls else {})}
     if command == "gateway":
         from rlstream.gateway.server import GatewaySettings
-        return {LoopSettings: ("run", "policy", "home"), KafkaSettings: None,
-                RuntimeSettings: ("metrics_port", "metrics_addr"), GatewaySettings: None}
+        return {**dict.fromkeys(SHARED), GatewaySettings: None}  # flags for a few, but every variable is read
     if command == "prompts":
         from rlstream.sources.prompts import PromptSettings
         return {LoopSettings: None, KafkaSettings: None, PromptSettings: None}
