@@ -72,6 +72,8 @@ def test_topics_and_partitions_are_the_codes():
         assert chart.get("cleanupPolicy") == spec.config.get("cleanup.policy"), name
 
 
+# Parsing rollout's flags imports it, and torch with it: seconds alone, minutes on a loaded machine.
+@pytest.mark.timeout(300)
 def test_each_scaled_stage_is_a_stage_with_those_inputs():
     """The KEDA triggers' topics and groups come from topology.inputs: each key a stage (group <run>.<name>), each
     list that stage's input topics."""
@@ -96,6 +98,8 @@ def test_every_variable_the_chart_names_is_read_by_the_code():
     assert len(named) > 10  # the scan found the chart's variables
 
 
+# Parsing rollout's flags imports it, and torch with it: seconds alone, minutes on a loaded machine.
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", VALUES_FILES, ids=lambda p: p.name)
 def test_each_workloads_values_are_its_processes_flags_and_variables(path, monkeypatch):
     """Per shape: each workload's `args` parse with its own command's parser, and each of its `env` variables is one
