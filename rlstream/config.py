@@ -138,6 +138,16 @@ def load(cls: type[T], args: argparse.Namespace | dict | None = None, **override
 
 DEFAULT_ARCHIVE = "chdb://.rlstream/archive"
 
+#: librdkafka settings that also arrive as variables of their own, so secrets stay out of process listings (and
+#: deploy/helm fills them from Kubernetes Secrets).
+KAFKA_SECRET_ENV = {"RLSTREAM_KAFKA_SASL_USERNAME": "sasl.username",
+                    "RLSTREAM_KAFKA_SASL_PASSWORD": "sasl.password",
+                    "RLSTREAM_KAFKA_SECURITY_PROTOCOL": "security.protocol",
+                    "RLSTREAM_KAFKA_SASL_MECHANISM": "sasl.mechanism",
+                    "RLSTREAM_KAFKA_SSL_CA_LOCATION": "ssl.ca.location"}
+#: A ClickHouse server archive's user and password: read from these variables only, never from a flag or the URL.
+CLICKHOUSE_USER_ENV, CLICKHOUSE_PASSWORD_ENV = "RLSTREAM_CLICKHOUSE_USER", "RLSTREAM_CLICKHOUSE_PASSWORD"
+
 
 @dataclass(frozen=True)
 class LoopSettings:
@@ -188,12 +198,7 @@ class KafkaSettings:
                 raise ValueError(f"--kafka-config expects k=v pairs; item {n} has no '=' (a secret with a comma "
                                  "belongs in RLSTREAM_KAFKA_SASL_PASSWORD)")
             conf[key.strip()] = value.strip()
-        # Secrets also arrive as their own variables so they stay out of process listings.
-        for env, key in (("RLSTREAM_KAFKA_SASL_USERNAME", "sasl.username"),
-                         ("RLSTREAM_KAFKA_SASL_PASSWORD", "sasl.password"),
-                         ("RLSTREAM_KAFKA_SECURITY_PROTOCOL", "security.protocol"),
-                         ("RLSTREAM_KAFKA_SASL_MECHANISM", "sasl.mechanism"),
-                         ("RLSTREAM_KAFKA_SSL_CA_LOCATION", "ssl.ca.location")):
+        for env, key in KAFKA_SECRET_ENV.items():
             if os.environ.get(env):
                 conf[key] = os.environ[env]
         return conf

@@ -25,7 +25,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from rlstream.config import DEFAULT_ARCHIVE, LoopSettings, add_arguments, knob, load
+from rlstream.config import (CLICKHOUSE_PASSWORD_ENV, CLICKHOUSE_USER_ENV, DEFAULT_ARCHIVE, LoopSettings, add_arguments,
+                             knob, load)
 from rlstream.errors import UserError
 
 ENDPOINT_FILE = "archive-endpoint.json"
@@ -52,7 +53,7 @@ def resolve(url: str | None) -> tuple[str, str]:
         from urllib.parse import urlsplit
         parts = urlsplit(url)
         if parts.username or parts.password:
-            raise ValueError("put ClickHouse credentials in RLSTREAM_CLICKHOUSE_USER / RLSTREAM_CLICKHOUSE_PASSWORD, "
+            raise ValueError(f"put ClickHouse credentials in {CLICKHOUSE_USER_ENV} / {CLICKHOUSE_PASSWORD_ENV}, "
                              "not in the archive URL")
         return "http", url
     raise ValueError(f"archive must be chdb://PATH, http://HOST:PORT or https://HOST:PORT, got {url!r}")
@@ -73,8 +74,8 @@ def connect(url: str | None, create: bool = False):
         secure = parts.scheme == "https"
         return clickhouse_connect.get_client(
             host=parts.hostname, port=parts.port or (8443 if secure else 8123), secure=secure,
-            username=os.environ.get("RLSTREAM_CLICKHOUSE_USER", "default"),
-            password=os.environ.get("RLSTREAM_CLICKHOUSE_PASSWORD", ""))
+            username=os.environ.get(CLICKHOUSE_USER_ENV, "default"),
+            password=os.environ.get(CLICKHOUSE_PASSWORD_ENV, ""))
     except ArchiveError:
         raise
     except Exception as exc:
