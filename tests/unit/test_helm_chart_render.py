@@ -2,7 +2,8 @@
 rlstream.kafka.topics.partition_counts', each KEDA trigger is the stage's group over its inputs and stays within
 their partitions, every rlstream container's variables are read by its process and its arguments parse; values the
 run could not use are refused with a message that says what to do. helm: $RLSTREAM_HELM or on PATH (.ci/helm
-installs one); skipped without it, failed instead under CI=true."""
+installs one); skipped without it, failed instead under CI=true. Marked `helm`: `make test` leaves them out and .ci/helm
+runs them once it has built helm (pyproject.toml's addopts)."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,8 @@ import yaml
 from rlstream import cli
 from rlstream.kafka.topics import TOPICS, partition_counts, topic_name
 from tests.unit.test_helm_chart import CHART, EXTRA_ENV, ROOT, VALUES_FILES, env_names, merged, settings_classes
+
+pytestmark = pytest.mark.helm
 
 KUBE_VERSION = "1.34.0"  # helm built by `go install` carries no default of its own (it says v1.20)
 
