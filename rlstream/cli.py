@@ -169,6 +169,16 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _missing_package(exc: ModuleNotFoundError, who: str) -> int:
+    """Exit code 1 with the install command when an optional package is missing; any other module (a user's own, or
+    a broken install) raises on, since its traceback says where."""
+    missing = MissingPackage.of(exc)
+    if missing is None:
+        raise exc
+    print(f"{who}: {missing}", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rlstream`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -180,11 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlstream: {exc}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
-        missing = MissingPackage.of(exc)
-        if missing is None:  # a user's module or a broken install: its traceback says where
-            raise
-        print(f"rlstream: {missing}", file=sys.stderr)
-        return 1
+        return _missing_package(exc, "rlstream")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -194,11 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = args.func(args)
     except ModuleNotFoundError as exc:
-        missing = MissingPackage.of(exc)
-        if missing is None:  # a user's module or a broken install: its traceback says where
-            raise
-        print(f"rlstream {args.command}: {missing}", file=sys.stderr)
-        return 1
+        return _missing_package(exc, f"rlstream {args.command}")
     except UsageError as exc:
         print(f"rlstream {args.command}: {exc}", file=sys.stderr)
         return 2
