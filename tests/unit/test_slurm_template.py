@@ -24,8 +24,16 @@ SLURM_PROCID=0 exec "$@"
 SCONTROL = """#!/bin/bash
 printf 'node%s\\n' 1 2 3 4 5
 """
+# The script ends the job when its first step ends and stops the rest, so a stand-in step that ended at once could
+# stop the others before they record themselves (it did on a loaded CI machine). Each step waits until all
+# $STEPS have recorded (or 60 s pass), as real steps run side by side; the topics command, run before any step, does not.
 PYTHON = """#!/bin/bash
 python3 -c 'import json,sys; print(json.dumps(sys.argv[1:]))' python "$@" >> "$LOG"
+[[ " $* " == *" topics "* ]] && exit 0
+for _ in $(seq 600); do
+  (( $(grep -c '"rlstream.cli", "run"' "$LOG") >= STEPS )) && exit 0
+  sleep 0.1
+done
 """
 
 
@@ -42,7 +50,7 @@ def slurm(tmp_path):
         full = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log), "SLURM_JOB_ID": "77",
                 "SLURM_JOB_NODELIST": "node[1-5]", "SLURM_JOB_NUM_NODES": "5", "RLSTREAM_BOOTSTRAP": "k1:9092",
                 "STORE": "/shared/store", "RLSTREAM_PYTHON": str(bin_dir / "fakepython"), "GPUS_PER_NODE": "8",
-                "TRAINER_NODES": "1", "ROLLOUT_NODES": "4", **env}
+                "TRAINER_NODES": "1", "ROLLOUT_NODES": "4", "STEPS": "4", **env}
         done = subprocess.run(["bash", str(SCRIPT), "--", "--lr", "1e-6", "--max-steps", "5"], env=full,
                               capture_output=True, text=True, timeout=60)
         lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
