@@ -1,5 +1,5 @@
-"""The inference engines, one package that rollout, the gateway and the teacher use, behind one interface: token ids in, sampled token ids, their log-probs and each token's
-policy version out.
+"""The inference engines, one package that rollout, the gateway and the teacher use, behind one interface: token ids
+in, sampled token ids, their log-probs and each token's policy version out.
 
 - ``base``: the interface (``InferenceBackend``, ``Generation``).
 - ``local``: engines in the rollout process (transformers, vLLM).
@@ -10,6 +10,10 @@ policy version out.
 - ``limits``: per-server rate limits for hosted endpoints.
 - ``vllm_worker``: code run inside vLLM's worker (a tied output head refreshed after each reload).
 - ``factory``: ``make_backend`` by name.
+- ``settings``: the engine's knobs, declared once (``EngineSettings``, ``DeviceSettings``) and composed by rollout's,
+  the gateway's and the teacher's settings; ``build_backend`` from them.
+- ``follower``: ``PolicyFollower``, how every engine follows the policy (watch, first, prefetch, load, confirm,
+  retry: one rule).
 """
 from rlstream.engine.base import BetweenSteps, Generation, InferenceBackend
 from rlstream.engine.factory import KINDS, make_backend, server_urls

@@ -3,14 +3,13 @@
 The same backends as rollout (``rlstream.engine``): transformers or vLLM in this process, or a fleet of
 vLLM / SGLang servers that each version is pushed to. One engine thread runs the calls: those waiting together
 with equal sampling parameters go to the backend as one batch (many agents at once keep the engine busy). New
-versions go in between batches (a follower thread loads an announced version while the engine is idle, and each
-batch checks before it starts), so every token carries the version whose weights sampled it, as the backend
-reports it.
+versions go in between batches (``rlstream.engine.follower``: its thread loads an announced version while the
+engine is idle, and each batch checks before it starts), so every token carries the version whose weights sampled
+it, as the backend reports it.
 """
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -19,12 +18,12 @@ from typing import Callable
 
 from rlstream import metrics
 from rlstream.config import KafkaSettings, LoopSettings
-from rlstream.errors import UserError
+from rlstream.engine.base import Generation
+from rlstream.engine.follower import PolicyFollower
+from rlstream.engine.settings import build_backend
 from rlstream.models.loading import context_limit, load_tokenizer
-from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import PolicyWeights
 from rlstream.schemas.records import SamplingParams
-from rlstream.engine import FleetOptions, Generation, make_backend, server_urls
 
 log = logging.getLogger(__name__)
 
@@ -38,82 +37,40 @@ class PolicyEngine:
         self.s, self.loop, self.kafka = settings, loop, kafka
         self.backend = None
         self.tokenizer = None
-        self.version = -1
         self.max_context = settings.max_context
-        self.watcher: PolicyWatcher | None = None
-        self.weights = PolicyWeights(loop.home_path / "weights-cache")
+        self.follower = PolicyFollower(self.name, loop.policy, PolicyWeights(loop.home_path / "weights-cache"),
+                                       settings.retry_load_s)
         self._lock = threading.Lock()
-        self._failed = -1  # a version that did not load (tried again on the next announcement only)
         self._stop = threading.Event()
         self._follower = threading.Thread(target=self._follow, name="gateway-swap", daemon=True)
         self._calls: queue.Queue = queue.Queue()
         self._engine = threading.Thread(target=self._batches, name="gateway-engine", daemon=True)
 
+    @property
+    def version(self) -> int:
+        """The policy version the engine holds, as it confirmed it."""
+        return self.follower.version
+
     def start(self) -> None:
         """Wait for the first loadable announced version and load it (UserError when none comes in time)."""
-        self.weights.bind(self.kafka.client_config(), self.kafka.run)
-        self.watcher = PolicyWatcher(self.kafka.client_config(), self.kafka.run, self.loop.policy)
-        deadline = time.monotonic() + self.s.wait_policy_s
-        version = 0
-        while self.watcher.wait_for(version, max(0.0, deadline - time.monotonic())):
-            pv = self.watcher.latest
-            try:
-                folder = self.weights.engine_folder(pv)  # a LoRA version's base
-                break
-            except (OSError, ValueError) as exc:
-                log.warning("gateway: could not load v%d: %s", pv.version, exc)
-                version = pv.version + 1
-        else:
-            raise UserError(f"no loadable {self.loop.policy} policy announced on run {self.kafka.run!r} within "
-                            f"{self.s.wait_policy_s}s; is the trainer running (or give --wait-policy-s)?")
-        self.max_context = self.s.max_context or context_limit(folder)
-        s = self.s
-        remote = s.backend in ("vllm-server", "sglang", "openai")
-        self.tokenizer = load_tokenizer(folder, flag="policy folder")
-        self.backend = make_backend(s.backend, folder, threads=s.threads,
-                                    urls=server_urls(s.engine_url, s.engine_urls_file), model=s.engine_model,
-                                    version=pv.version, dtype=s.dtype, max_context=self.max_context,
-                                    fleet=FleetOptions(request_timeout_s=s.request_timeout_s),
-                                    tokenizer=self.tokenizer if remote else None, device=s.device,
-                                    api_key=os.environ.get("RLSTREAM_GATEWAY_API_KEY", ""),
-                                    enforce_eager=s.enforce_eager, attn_implementation=s.attn_implementation)
+        self.follower.connect(self.kafka.client_config(), self.kafka.run)
+        self.backend = self.follower.start(self.s.wait_policy_s, self._make_backend)
         self.tokenizer = getattr(self.backend, "tokenizer", None) or self.tokenizer
-        self.weights.adopt(pv, self.backend)
-        self.weights.verify_first(pv, self.backend)
-        self.version = self.backend.version
-        metrics.POLICY_VERSION.labels(self.name).set(self.version)
-        log.info("gateway serving %s v%d on %s", pv.policy, pv.version, self.backend.name)
         self._follower.start()
         self._engine.start()
 
+    def _make_backend(self, pv, folder):
+        self.max_context = self.s.max_context or context_limit(folder)
+        self.tokenizer = load_tokenizer(folder, flag="policy folder")
+        return build_backend(self.s, folder, pv.version, self.max_context, self.tokenizer if self.s.remote else None,
+                             api_key_env="RLSTREAM_GATEWAY_API_KEY")
+
     def _follow(self) -> None:
-        """Load each announced version as soon as the engine is free, so the next call starts on it."""
-        while not self._stop.is_set():
-            if not self.watcher.wait_for(max(self.version, self._failed) + 1, 0.5):
-                continue
-            if self._lock.acquire(timeout=0.05):
-                try:
-                    self._swap_to_latest()
-                except Exception:  # the engine's error surfaces on the next call; keep following
-                    log.exception("gateway: loading new weights failed")
-                finally:
-                    self._lock.release()
+        self.follower.follow(self._lock, self._stop, self.backend)
 
     def _swap_to_latest(self) -> None:
         """Load the newest announced version if newer (the caller holds the engine); a failed load keeps the old."""
-        latest = self.watcher.latest
-        if latest is None or latest.version <= self.version or latest.version == self._failed \
-                or not getattr(self.backend, "follows_policy", True):
-            return
-        try:
-            self.weights.load(latest, self.backend)
-        except (OSError, ValueError) as exc:
-            self._failed = latest.version
-            log.warning("gateway: could not load v%d: %s", latest.version, exc)
-            return
-        log.info("gateway: now serving v%d", latest.version)
-        self.version = self.backend.version
-        metrics.POLICY_VERSION.labels(self.name).set(self.version)
+        self.follower.swap(self.backend)
 
     def generate(self, prompt: list[int], params: SamplingParams, key: str,
                  on_tokens: Callable[[list[int]], None] | None = None) -> tuple[Generation, int]:
@@ -181,7 +138,6 @@ class PolicyEngine:
         for thread in (self._follower, self._engine):
             if thread.is_alive():
                 thread.join(5)
-        if self.watcher is not None:
-            self.watcher.close()
+        self.follower.close()
         if self.backend is not None:
             self.backend.close()

@@ -30,8 +30,7 @@ from rlstream.config import load as load_settings
 from rlstream.errors import UsageError
 from rlstream.gateway.sessions import SessionBook, SessionError
 from rlstream.gateway.streaming import stream
-from rlstream.engine import KINDS
-from rlstream.models.loading import ATTENTION
+from rlstream.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -39,29 +38,13 @@ SESSION_HEADER = "X-Session-Id"
 
 
 @dataclass(frozen=True)
-class GatewaySettings:
-    """The gateway's knobs."""
+class GatewaySettings(EngineSettings):
+    """The gateway's knobs: the engine's (``rlstream.engine.settings``, as rollout's), and these."""
 
     ROLE: ClassVar[str] = "GATEWAY"
 
     host: str = knob("127.0.0.1", "Address to listen on (0.0.0.0: every interface)")
     port: int = knob(8780, "Port to listen on (0: any free port, printed at start)")
-    backend: str = knob("auto", "Inference engine, as rollout's --backend: auto, transformers, vllm (in this "
-                                "process), vllm-server, sglang, openai (servers)", choices=KINDS)
-    engine_url: tuple[str, ...] = knob((), "Server backends: base URL of an inference server (repeatable)")
-    engine_urls_file: str = knob("", "Server backends: a file listing server URLs, one per line")
-    engine_model: str = knob("", "Server backends: the model name to send (default: the one each server lists)")
-    request_timeout_s: float = knob(300.0, "Server backends: most seconds one generation may take")
-    threads: int = knob(0, "Torch / engine threads of an in-process engine (0: OMP_NUM_THREADS when set, else "
-                           "this process's cores)")
-    dtype: str = knob("auto", "In-process engine dtype", choices=("auto", "bf16", "fp16", "fp32"))
-    device: str = knob("auto", "In-process engine: auto, cpu, cuda or cuda:N (in-process vLLM takes the first "
-                               "visible GPU: place it with CUDA_VISIBLE_DEVICES)")
-    enforce_eager: str = knob("auto", "In-process vLLM: on (no CUDA graphs), off, or auto (off on CUDA, on for the "
-                                      "CPU)", choices=("auto", "on", "off"))
-    attn_implementation: str = knob("auto", "Transformers engine's attention: auto (transformers' choice, sdpa), "
-                                            "sdpa, flash_attention_2, eager", choices=ATTENTION)
-    max_context: int = knob(0, "Longest episode (prompt and every call's tokens) in tokens (0: the model's own)")
     max_tokens: int = knob(256, "New tokens of a call that names no max_tokens")
     session_timeout_s: float = knob(600.0, "A session without a call or a close for this long is written as failed "
                                            "(gateway_timeout)")
@@ -70,7 +53,6 @@ class GatewaySettings:
                               "gateway with the same id aborts what a killed one left open (several gateways of "
                               "one run: give each its own, or the newest fences the others)")
     commit_pause_s: float = knob(0.0, "Seconds each transaction waits before its commit (tests kill inside it)")
-    wait_policy_s: float = knob(600.0, "How long to wait at start for the first announced policy")
     workers: int = knob(64, "Calls handled at once (threads); the engine batches those that wait together")
     max_batch: int = knob(32, "Most calls generated together in one engine batch")
     batch_wait_s: float = knob(0.005, "How long the engine waits for more calls to join a batch")

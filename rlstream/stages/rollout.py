@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import ClassVar
@@ -44,76 +42,35 @@ from typing import ClassVar
 from rlstream import metrics
 from rlstream.config import LoopSettings, knob
 from rlstream.errors import UserError
-from rlstream.models.loading import ATTENTION, ModelError, chat_prompt_ids, chat_turn_ids, context_limit, load_tokenizer
+from rlstream.models.loading import ModelError, chat_prompt_ids, chat_turn_ids, context_limit, load_tokenizer
 from rlstream.policy.staleness import rollout_should_pause
-from rlstream.policy.watcher import PolicyWatcher
 from rlstream.policy.weights import PolicyWeights
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Episode, Failure, SamplingParams, Task, Turn, episode_key, is_eval
-from rlstream.engine import KINDS, FleetOptions, Generation, make_backend, server_urls
-
-#: Backends that are fleets of servers: the stage is pipelined on them (``RolloutStage.batched``).
-SERVER_KINDS = ("vllm-server", "sglang", "openai")
+from rlstream.engine import Generation
+from rlstream.engine.follower import PolicyFollower
+from rlstream.engine.settings import EngineSettings, build_backend
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class RolloutSettings:
-    """The rollout stage's knobs."""
+class RolloutSettings(EngineSettings):
+    """The rollout stage's knobs: the engine's (``rlstream.engine.settings``), and these."""
 
     ROLE: ClassVar[str] = "ROLLOUT"
 
-    backend: str = knob("auto", "Inference engine: auto (vLLM if installed, else transformers; transformers for a "
-                                "model under 10 M parameters on the CPU), transformers, vllm (in this process); "
-                                "vllm-server, sglang (servers rlstream pushes each version to), openai (any "
-                                "OpenAI-compatible endpoint; serving only, version pinned)", choices=KINDS)
-    engine_url: tuple[str, ...] = knob((), "Base URL of an inference server (server backends); repeat the flag, or "
-                                           "comma-separate, for several")
-    engine_urls_file: str = knob("", "File listing inference server URLs, one per line (# comments)")
-    engine_model: str = knob("", "Model name to send to the servers (default: the name each server lists first)")
     engine_version: int = knob(-1, "Backend openai: the policy version its tokens are stamped with (the operator "
                                    "pins it; -1: the first announced version)")
     allow_unversioned: bool = knob(False, "Let the openai backend (no weight push, pinned version) feed training")
-    request_timeout_s: float = knob(300.0, "Server backends: most seconds a request may take, waiting included")
-    request_retries: int = knob(3, "Server backends: times a request is re-sent to another server after a "
-                                   "server-side failure")
-    push_timeout_s: float = knob(600.0, "Server backends: most seconds a server may take to load a version")
-    retry_push_s: float = knob(10.0, "Server backends: a server that failed to load the current version is pushed it "
-                                     "again after this long")
-    health_interval_s: float = knob(2.0, "Server backends: seconds between health checks of each server")
-    max_concurrency: int = knob(0, "Server backends: most requests in flight per server (0: unlimited)")
-    requests_per_min: float = knob(0.0, "Server backends: most requests per minute per server (0: unlimited)")
-    tokens_per_min: float = knob(0.0, "Server backends: most prompt + completion tokens per minute per server "
-                                      "(0: unlimited)")
-    hedge: bool = knob(False, "Backends vllm-server and sglang: a server left idle before its batch ends also takes "
-                              "the batch's unfinished requests from the others; the first reply is kept, the other "
-                              "cancelled, both sampled with one seed")
-    threads: int = knob(0, "Torch / engine threads for this process (0: OMP_NUM_THREADS when set, as the demo's "
-                           "placement sets it, else this process's cores; small machines: give each stage a budget)")
-    dtype: str = knob("auto", "Engine dtype: auto (the checkpoint's own), bf16, fp16, fp32",
-                      choices=("auto", "bf16", "fp16", "fp32"))
-    max_context: int = knob(0, "Longest prompt + response the engine takes (0: the model's max_position_embeddings); "
-                               "a longer prompt is dead-lettered with its length, a longer episode ends as "
-                               "context_exhausted")
-    gpu_memory_utilization: float = knob(0.9, "In-process vLLM on a GPU: the share of the GPU's memory it may take for "
-                                               "weights and KV cache (lower it to share the GPU with a trainer)")
-    device: str = knob("auto", "In-process engine: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N "
-                               "(in-process vLLM takes the first visible GPU: place it with CUDA_VISIBLE_DEVICES)")
-    enforce_eager: str = knob("auto", "In-process vLLM: on (no CUDA graphs), off, or auto (off on CUDA: graphs "
-                                      "capture the decode steps; on for the CPU)", choices=("auto", "on", "off"))
-    attn_implementation: str = knob("auto", "Transformers backend's attention: auto (transformers' choice, sdpa), "
-                                            "sdpa, flash_attention_2, eager", choices=ATTENTION)
     max_new_tokens: int = knob(0, "Most new tokens per turn: a task asking for more is cut to this "
                                   "(0: as the task asks)")
-    wait_policy_s: float = knob(600.0, "How long to wait at start for the first announced policy")
     eval_share: float = knob(0.5, "While eval-lane prompts wait, the most share of this worker's polls they go "
                                   "first in (training prompts paused); the rest serve both (1: always first)")
     swap: str = knob("step", "When new weights go in: step (as soon as announced; between engine steps of a "
                              "generation in progress where the backend can, vLLM) or batch (only between batches)",
                      choices=("step", "batch"))
-    retry_load_s: float = knob(1.0, "After a failed load of a version, wait this long before trying it again")
 
 #: Prefix of the stage_times stamp a turn gets when newer weights took over during it (``rollout.swap.v<N>``).
 SWAP_STAMP = "rollout.swap.v"
@@ -147,35 +104,36 @@ class RolloutStage(Stage):
 
     def __init__(self, settings: RolloutSettings = RolloutSettings(), loop: LoopSettings = LoopSettings()):
         self.loop = loop
-        if not 0 < settings.gpu_memory_utilization <= 1:
-            raise ValueError("--gpu-memory-utilization must be in (0, 1]: a share of the GPU's memory")
         if not 0 < settings.eval_share <= 1:
             raise ValueError(f"--eval-share {settings.eval_share}: must be in (0, 1], a share of the polls")
         self.settings = settings
         self.backend = None
-        self.version = -1
         self.max_context = settings.max_context  # 0 until the first version's folder says the model's own
-        self.watcher: PolicyWatcher | None = None
+        # Each version's local folder, checked against its hash: from the store, or rebuilt from the weights log
+        # under this worker's own home (it may share no path with the trainer).
+        self.follower = PolicyFollower(self.name, loop.policy, PolicyWeights(loop.home_path / "weights-cache"),
+                                       settings.retry_load_s)
         # An in-process engine is used by one thread at a time: the batch handler (a pool thread), the swapper thread
         # and before_poll (the main thread). A handler that outlived its timeout still holds it. Pipelined handlers
         # (a fleet) do not take it: the fleet itself keeps pushes and requests apart.
         self._engine_lock = threading.Lock()
         # Pipelined handlers run in many threads; HF tokenizers are not safe to call from several at once.
         self._tokenizer_lock = threading.Lock()
-        self._failed: tuple[int, float] = (-1, 0.0)  # (version, monotonic time) of the last failed load
         self._eval_polls = (0, 0)  # (polls the eval lane went first in, polls it waited through)
         self._stop = threading.Event()
         self._swapper: threading.Thread | None = None
-        # Each version's local folder, checked against its hash: from the store, or rebuilt from the weights log
-        # under this worker's own home (it may share no path with the trainer).
-        self.weights = PolicyWeights(loop.home_path / "weights-cache")
+
+    @property
+    def version(self) -> int:
+        """The policy version the engine holds, as it confirmed it."""
+        return self.follower.version
 
     # -- how the runtime drives it --------------------------------------------------------
 
     @property
     def batched(self) -> bool:
         """One batch per transaction on an in-process engine; pipelined per record on a server fleet."""
-        return self.settings.backend not in SERVER_KINDS
+        return not self.settings.remote
 
     @property
     def handler_timeout_s(self) -> float | None:
@@ -197,30 +155,31 @@ class RolloutStage(Stage):
         generating at once: past 64 request slots with one sample a record, raise it to the slots."""
         if self.batched or self.settings.max_concurrency <= 0:
             return None
-        urls = server_urls(self.settings.engine_url, self.settings.engine_urls_file)
-        return self.settings.max_concurrency * max(1, len(urls))
+        return self.settings.max_concurrency * max(1, len(self.settings.urls()))
 
-    # -- policy following ----------------------------------------------------------------
+    # -- policy following (rlstream.engine.follower: one rule for every engine) ----------
 
     def _ensure_started(self, ctx: StageContext) -> None:
-        if self.watcher is not None:
+        if self.backend is not None:
             return
-        kafka = ctx.kafka
-        self.weights.bind(kafka.client_config(), kafka.run)
-        self.watcher = PolicyWatcher(kafka.client_config(), kafka.run, self.loop.policy)
+        self.follower.connect(ctx.kafka.client_config(), ctx.kafka.run)
         log.info("rollout waiting for the first %s policy version", self.loop.policy)
-        pv, folder = self._first_version()
-        self.max_context = self.settings.max_context or context_limit(folder)
-        self.backend = self._make_backend(folder, pv.version)
-        self.weights.adopt(pv, self.backend)  # a LoRA version's adapter over the base the engine was built from
-        self.weights.verify_first(pv, self.backend)
-        self.tokenizer = getattr(self.backend, "tokenizer", None) or load_tokenizer(folder, flag="policy folder")
-        self.version = self.backend.version
-        metrics.POLICY_VERSION.labels(self.name).set(self.version)
-        log.info("rollout generating with %s v%d on %s", pv.policy, pv.version, self.backend.name)
+        folders = []
+
+        def build(pv, folder):
+            folders.append(folder)
+            self.max_context = self.settings.max_context or context_limit(folder)
+            return self._make_backend(folder, pv.version)
+        self.backend = self.follower.start(self.settings.wait_policy_s, build)
+        self.tokenizer = getattr(self.backend, "tokenizer", None) or load_tokenizer(folders[0], flag="policy folder")
         if self.settings.swap == "step":
-            self._swapper = threading.Thread(target=self._follow, name="rollout-swap", daemon=True)
-            self._swapper.start()
+            self._start_swapper()
+
+    def _start_swapper(self) -> None:
+        """The thread that loads each announced version while the engine is idle (``PolicyFollower.follow``)."""
+        self._swapper = threading.Thread(target=self.follower.follow, name="rollout-swap", daemon=True,
+                                         args=(self._engine_lock, self._stop, self.backend))
+        self._swapper.start()
 
     def _make_backend(self, folder, version: int):
         """The engine, holding ``version`` (the weights in ``folder``); server backends are checked and pushed it."""
@@ -231,32 +190,8 @@ class RolloutStage(Stage):
                                 "version no server confirmed; give --allow-unversioned to train on it anyway "
                                 "(tokens carry --engine-version), or use --backend vllm-server / sglang")
             version = s.engine_version if s.engine_version >= 0 else version
-        tokenizer = load_tokenizer(folder, flag="policy folder") if s.backend in ("vllm-server", "sglang",
-                                                                                 "openai") else None
-        options = FleetOptions(request_timeout_s=s.request_timeout_s, retries=s.request_retries,
-                               health_interval_s=s.health_interval_s, retry_push_s=s.retry_push_s,
-                               concurrency=s.max_concurrency, requests_per_min=s.requests_per_min,
-                               tokens_per_min=s.tokens_per_min, hedge=s.hedge)
-        return make_backend(s.backend, folder, threads=s.threads, urls=server_urls(s.engine_url, s.engine_urls_file),
-                            model=s.engine_model, version=version, dtype=s.dtype, max_context=self.max_context,
-                            fleet=options, tokenizer=tokenizer, push_timeout_s=s.push_timeout_s,
-                            api_key=os.environ.get("RLSTREAM_ROLLOUT_API_KEY", ""), device=s.device,
-                            gpu_memory_utilization=s.gpu_memory_utilization, enforce_eager=s.enforce_eager,
-                            attn_implementation=s.attn_implementation)
-
-    def _first_version(self):
-        """The newest announced version that loads, and the folder an engine is built from (a LoRA version's base)."""
-        deadline = time.monotonic() + self.settings.wait_policy_s
-        version = 0
-        while self.watcher.wait_for(version, max(0.0, deadline - time.monotonic())):
-            pv = self.watcher.latest
-            try:
-                return pv, self.weights.engine_folder(pv)
-            except (OSError, ValueError) as exc:
-                log.warning("could not load v%d: %s", pv.version, exc)
-                version = pv.version + 1
-        raise UserError(f"no loadable {self.loop.policy} policy announced within {self.settings.wait_policy_s}s; "
-                        "is the trainer running for this run?")
+        tokenizer = load_tokenizer(folder, flag="policy folder") if s.remote else None
+        return build_backend(s, folder, version, self.max_context, tokenizer, api_key_env="RLSTREAM_ROLLOUT_API_KEY")
 
     def _swap_to_latest(self) -> bool:
         """Load the newest announced version if it is newer than the engine's; True if it loaded one.
@@ -264,66 +199,11 @@ class RolloutStage(Stage):
         The caller holds the engine lock. Called between batches, by the swapper thread while the engine
         is idle, and by the backend between engine steps of a generation in progress.
         """
-        if not getattr(self.backend, "follows_policy", True):
-            return False  # a pinned endpoint: its weights are not ours to change
-        latest = self.watcher.latest
-        if latest is None or latest.version <= self.version:
-            return False
-        failed_version, failed_at = self._failed
-        if latest.version == failed_version and time.monotonic() - failed_at < self.settings.retry_load_s:
-            return False  # not on every engine step: a load that failed is retried now and then
-        try:
-            self.weights.load(latest, self.backend)
-        except (OSError, ValueError) as exc:
-            # Weights not readable (pruned, not in the log) or refused (hash mismatch): keep the old ones, and the
-            # tokens keep their version; η decides.
-            self._failed = (latest.version, time.monotonic())
-            log.warning("could not load v%d: %s", latest.version, exc)
-            return False
-        # The backend's own word: a fleet moves only once a server confirmed the version.
-        self.version = self.backend.version
-        metrics.POLICY_VERSION.labels(self.name).set(self.version)
-        metrics.PUBLISH_LATENCY.observe(max(0, now_ms() - latest.published_at) / 1000)
-        return True
+        return self.follower.swap(self.backend)
 
     def _between_steps(self) -> None:
         """The backend's hook between engine steps: new weights, if any, go in now (the lock is ours)."""
         self._swap_to_latest()
-
-    def _follow(self) -> None:
-        """Swapper thread: load each new version as soon as it is announced, whenever the engine is free.
-
-        While a generation runs it holds the engine lock and swaps between steps itself; this thread only
-        covers the idle engine, so the first batch after an announcement starts on the new weights.
-        """
-        while not self._stop.is_set():
-            if not self.watcher.wait_for(self.version + 1, 0.5):
-                continue
-            self._prefetch(self.watcher.latest)
-            if not self._engine_lock.acquire(timeout=0.05):
-                continue  # a generation holds the engine and takes the new weights between its steps
-            try:
-                loaded = not self._stop.is_set() and self._swap_to_latest()
-            except Exception:  # an engine error surfaces on the next generation; keep following
-                log.exception("rollout: loading new weights failed")
-                loaded = False
-            finally:
-                self._engine_lock.release()
-            if not loaded and self.watcher.version > self.version:
-                # Unloadable for now: wait for a newer announcement or the retry interval, not spin.
-                self.watcher.wait_for(self.watcher.version + 1, self.settings.retry_load_s)
-
-    def _prefetch(self, pv) -> None:
-        """Fetch (and check) a version before taking the engine: a generation in progress does not wait for the
-        weights log between its steps. Its folder only where the engine loads from one (from the weights log, an
-        in-process engine takes the tensors in memory). Failures are left to the load, which logs and retries them."""
-        failed_version, failed_at = self._failed
-        if pv.version == failed_version and time.monotonic() - failed_at < self.settings.retry_load_s:
-            return
-        try:
-            self.weights.prefetch(pv, folder=not getattr(self.backend, "loads_tensors", False))
-        except (OSError, ValueError):
-            pass
 
     def before_poll(self, ctx: StageContext) -> None:
         self._ensure_started(ctx)
@@ -345,7 +225,7 @@ class RolloutStage(Stage):
         # trained on, so the rule does not hold them back). A pinned endpoint never catches up; pausing for it would
         # stop the stage for good.
         following = getattr(self.backend, "follows_policy", True)
-        stale = following and rollout_should_pause(self.watcher.version, self.version, self.loop.eta)
+        stale = following and rollout_should_pause(self.follower.watcher.version, self.version, self.loop.eta)
         for topic, pause in (("prompts", stale or evals_waiting), ("observations", evals_waiting)):
             if pause:
                 ctx.pause(topic)
@@ -488,8 +368,7 @@ class RolloutStage(Stage):
         self._stop.set()
         if self._swapper is not None:
             self._swapper.join(5)
-        if self.watcher is not None:
-            self.watcher.close()
+        self.follower.close()
         if self.backend is not None:
             self.backend.close()
 

@@ -186,7 +186,7 @@ def test_rollout_stage_on_vllm_labels_a_turn_spanning_a_swap_with_its_oldest_ver
             pass
 
     stage = RolloutStage(RolloutSettings(swap="step", max_context=64))
-    stage.watcher, stage.backend, stage.version = Watcher(), VLLMBackend(v0), 0
+    stage.follower.watcher, stage.backend, stage.follower.version = Watcher(), VLLMBackend(v0), 0
     stage.backend.version = 0
     stage.tokenizer = stage.backend.tokenizer
     task = Task(task_id="t", group_id="g", task_name="reverse", env_name="e", env_version="1", prompt="abc>",

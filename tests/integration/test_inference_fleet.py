@@ -56,10 +56,10 @@ def fleet_stage(urls, v0, **knobs) -> RolloutStage:
     stage = RolloutStage(RolloutSettings(backend="vllm-server", engine_url=tuple(urls), max_context=64, swap="step",
                                          health_interval_s=0.5, **knobs))
     stage.max_context = 64
-    stage.watcher = FakeWatcher(policy(0, v0))
+    stage.follower.watcher = FakeWatcher(policy(0, v0))
     stage.backend = stage._make_backend(v0, 0)
     stage.tokenizer = chat_tokenizer()
-    stage.version = stage.backend.version
+    stage.follower.version = stage.backend.version
     return stage
 
 
@@ -91,7 +91,7 @@ def test_a_push_reaches_every_server_and_later_tokens_carry_the_version_they_con
         assert_made_by(before, 0, v0)
         # Least-loaded routing spread the group over both servers.
         assert {stage.backend._affinity[o.record.episode_id].url for o in before} == {s.url for s in servers}
-        stage.watcher.announce(policy(1, v1))
+        stage.follower.watcher.announce(policy(1, v1))
         [after] = stage.handle_batch(batch("after", 8))
         assert stage.version == 1
         assert_made_by(after, 1, v1)  # fails if v1 were stamped on tokens the servers made with v0's weights
@@ -123,14 +123,13 @@ def test_pipelined_records_across_a_push_carry_the_version_their_server_confirme
             threads.append(threading.Thread(target=handle, args=(name,), daemon=True))
             threads[-1].start()
     try:
-        stage._swapper = threading.Thread(target=stage._follow, daemon=True)  # as _ensure_started does (--swap step)
-        stage._swapper.start()
+        stage._start_swapper()  # as _ensure_started does (--swap step)
         start(f"early{i}" for i in range(4))
         deadline = time.monotonic() + 120
         while sum(s.inflight for s in stage.backend.servers) < 4 and time.monotonic() < deadline:
             time.sleep(0.001)
         assert all(s.inflight for s in stage.backend.servers), "no requests in flight on both servers"
-        stage.watcher.announce(policy(1, v1))
+        stage.follower.watcher.announce(policy(1, v1))
         # Every server is either loading v1 (it waits for its requests in flight) or holds it, unused until all do.
         while not all(s.loading or s.version == 1 for s in stage.backend.servers) and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -156,7 +155,7 @@ def test_a_server_killed_mid_request_has_its_requests_finished_by_the_other_exac
     episode reaches ``actions`` once (the record's transaction is committed only when all its requests answered)."""
     _, v0, v1 = models
     stage = fleet_stage([s.url for s in servers], v0, max_concurrency=4)
-    stage.watcher.announce(policy(1, v1))
+    stage.follower.watcher.announce(policy(1, v1))
     assert stage._swap_to_latest() and stage.version == 1
     victim = stage.backend.servers[1]
     killed = threading.Event()
@@ -212,7 +211,7 @@ def test_a_server_that_refuses_a_push_is_quarantined_and_nothing_is_mislabelled(
             assert quarantined.version == -1 and "VLLM_SERVER_DEV_MODE" in quarantined.why
             [outputs] = stage.handle_batch(batch("q0", 4))
             assert_made_by(outputs, 0, v0)
-            stage.watcher.announce(policy(1, v1))
+            stage.follower.watcher.announce(policy(1, v1))
             [outputs] = stage.handle_batch(batch("q1", 8))
             assert_made_by(outputs, 1, v1)
             assert {stage.backend._affinity[o.record.episode_id].url for o in outputs} == {servers[0].url}

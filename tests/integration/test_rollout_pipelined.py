@@ -41,8 +41,8 @@ def test_an_eval_prompt_behind_a_backlog_is_served_first_when_pipelined(bootstra
     # so the backlog waits in Kafka, where the eval lane's pause holds it back.
     stage = RolloutStage(RolloutSettings(backend="vllm-server", engine_url=("http://127.0.0.1:1",),
                                          max_concurrency=1, max_context=64))
-    stage.watcher, stage.backend, stage.tokenizer = FakeWatcher(pv(0)), SlowServer(False), chat_tokenizer()
-    stage.max_context, stage.version = 64, 0
+    stage.follower.watcher, stage.backend, stage.tokenizer = FakeWatcher(pv(0)), SlowServer(False), chat_tokenizer()
+    stage.max_context, stage.follower.version = 64, 0
     runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run_name),
                          RuntimeSettings(instance=f"{run_name}-rollout"))
     assert not stage.batched and runner.in_flight_limit() == 1

@@ -105,7 +105,7 @@ def test_workers_without_a_shared_path_load_versions_from_the_log_and_refuse_a_b
             records.produce(txn, run_name, "policy-versions", b"policy", pv, 4)
         assert txn.transact(body)
         for stage in (a, b):
-            wait_for(lambda: stage._failed[0] == 4, 60, "the forged v4 to be refused")
+            wait_for(lambda: stage.follower.failed[0] == 4, 60, "the forged v4 to be refused")
             assert stage.version == 3 and held_hash(stage, truth[3]) == content_hash(truth[3])
         assert "refusing policy v4" in caplog.text
         # And generation goes on, stamped with the version the engines hold.

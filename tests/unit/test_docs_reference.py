@@ -16,8 +16,10 @@ from tests.helpers import ROOT
 
 
 def _declared_knobs() -> dict[str, tuple[str, list[tuple[str, bool]]]]:
-    """Class name -> (its ROLE, [(field, is a flag)]) for every class in rlstream/ with knob() fields."""
-    found = {}
+    """Class name -> (its ROLE, [(field, is a flag)]) for every class in rlstream/ with knob() fields, its bases'
+    included (``rlstream.engine.settings``' classes are composed by inheritance); a class that is only a base of
+    others is checked through them, under their ROLE."""
+    found, bases = {}, {}
     for path in sorted((ROOT / "rlstream").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ClassDef):
@@ -35,7 +37,12 @@ def _declared_knobs() -> dict[str, tuple[str, list[tuple[str, bool]]]]:
             if knobs:
                 assert node.name not in found, f"two settings classes named {node.name}"
                 found[node.name] = (role, knobs)
-    return found
+                bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+
+    def every_knob(name: str) -> list[tuple[str, bool]]:
+        return [k for base in bases[name] if base in found for k in every_knob(base)] + found[name][1]
+    only_bases = {b for name in found for b in bases[name]}
+    return {name: (role, every_knob(name)) for name, (role, _) in found.items() if name not in only_bases}
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,8 @@ class ScriptedBackend(FakeBackend):
 def chat_stage(answers: list[str], max_context: int = 512) -> tuple[RolloutStage, object]:
     tok = chat_tokenizer()
     stage = RolloutStage(RolloutSettings(swap="batch", max_context=max_context))
-    stage.watcher = FakeWatcher(pv(0))
-    stage.backend, stage.tokenizer, stage.version = ScriptedBackend(tok, answers), tok, 0
+    stage.follower.watcher = FakeWatcher(pv(0))
+    stage.backend, stage.tokenizer, stage.follower.version = ScriptedBackend(tok, answers), tok, 0
     return stage, tok
 
 

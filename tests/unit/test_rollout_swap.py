@@ -1,7 +1,6 @@
 """Rollout's weight swaps, on a fake engine: when versions go in, and how a turn that spans two is labelled."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -22,9 +21,9 @@ class FakeTokenizer:
 
 def stage_with(backend: FakeBackend, swap: str = "step") -> tuple[RolloutStage, FakeWatcher]:
     stage = RolloutStage(RolloutSettings(swap=swap, retry_load_s=60, max_context=64))
-    stage.watcher = FakeWatcher(pv(0))
-    stage.backend, stage.tokenizer, stage.version = backend, FakeTokenizer(), 0
-    return stage, stage.watcher
+    stage.follower.watcher = FakeWatcher(pv(0))
+    stage.backend, stage.tokenizer, stage.follower.version = backend, FakeTokenizer(), 0
+    return stage, stage.follower.watcher
 
 
 def prompt_item(group: str = "g") -> Incoming:
@@ -81,8 +80,7 @@ def test_an_unloadable_version_is_not_retried_on_every_engine_step():
 
 def test_the_swapper_thread_loads_a_new_version_while_the_engine_is_idle():
     stage, watcher = stage_with(FakeBackend(mid_generation=True))
-    swapper = threading.Thread(target=stage._follow, daemon=True)
-    swapper.start()
+    stage._start_swapper()
     try:
         watcher.announce(pv(1))
         deadline = time.monotonic() + 5
@@ -91,8 +89,8 @@ def test_the_swapper_thread_loads_a_new_version_while_the_engine_is_idle():
         assert stage.version == 1 and stage.backend.loads == [1]
     finally:
         stage._stop.set()
-        swapper.join(5)
-    assert not swapper.is_alive()
+        stage._swapper.join(5)
+    assert not stage._swapper.is_alive()
 
 
 @pytest.mark.parametrize("swap", ["step", "batch"])

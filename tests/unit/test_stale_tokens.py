@@ -29,9 +29,9 @@ def test_run_lengths():
 @pytest.mark.parametrize("mid_generation, segments", [(True, ([0, 1], [2, 2])), (False, ([0], [4]))])
 def test_rollout_records_the_version_segments_the_engine_reports(mid_generation, segments):
     stage = RolloutStage(RolloutSettings(swap="step", retry_load_s=60, max_context=64))
-    stage.watcher = FakeWatcher(pv(0))
-    stage.backend, stage.tokenizer, stage.version = FakeBackend(mid_generation=mid_generation), FakeTokenizer(), 0
-    stage.watcher.pending = [(3, pv(1))]  # announced after two engine steps
+    stage.follower.watcher = FakeWatcher(pv(0))
+    stage.backend, stage.tokenizer, stage.follower.version = FakeBackend(mid_generation=mid_generation), FakeTokenizer(), 0
+    stage.follower.watcher.pending = [(3, pv(1))]  # announced after two engine steps
     task = Task(task_id="g", group_id="g", task_name="t", env_name="e", env_version="1", prompt="abc>",
                 sampling=SamplingParams(temperature=1.0, max_tokens=4), created_at=0, group_size=1)
     [[out]] = stage.handle_batch([Incoming("prompts", 0, 0, None, {}, -1, task)])

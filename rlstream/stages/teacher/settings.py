@@ -5,19 +5,19 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from rlstream.config import knob
+from rlstream.engine.settings import DeviceSettings
 from rlstream.schemas.records import MAX_TOP_K
 
 
 @dataclass(frozen=True)
-class TeacherSettings:
-    """The teacher stage's knobs."""
+class TeacherSettings(DeviceSettings):
+    """The teacher stage's knobs: where its engine runs and how it follows the policy
+    (``rlstream.engine.settings``), and these."""
 
     ROLE: ClassVar[str] = "TEACHER"
 
     teacher: str = knob("", "Teacher model: a Hugging Face folder or hub id, loaded like --model; '' follows the "
                             "policy itself, reloading on each PolicyVersion")
-    dtype: str = knob("auto", "Teacher dtype: auto (the checkpoint's own), bf16, fp16, fp32",
-                      choices=("auto", "bf16", "fp16", "fp32"))
     teacher_version: str = knob("", "Version label written on feedback ('' = the folder's name; a teacher that "
                                     "follows the policy adds -v<policy version>)")
     top_k: int = knob(0, f"Also send the teacher's k most likely tokens and their log-probs at every student token "
@@ -30,19 +30,10 @@ class TeacherSettings:
                                 "be the student's")
     teacher_served_model: str = knob("", "--teacher-url: the model name requests carry ('' = the one it serves)")
     teacher_in_flight: int = knob(32, "--teacher-url: most requests in flight to the server at once")
-    gpu_memory_utilization: float = knob(0.9, "--backend vllm: the share of GPU memory vLLM may take")
     align_tokenizers: bool = knob(False, "A teacher with another tokenizer: score each student token by the teacher "
                                          "tokens that spell its text (character offsets; sampled-token feedback "
                                          "only); a sample that cannot be aligned goes on without feedback, status "
                                          "alignment_failed and its failure class")
-    device: str = knob("auto", "Where the teacher runs: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N "
-                               "(--backend vllm takes the first visible GPU: place it with CUDA_VISIBLE_DEVICES)")
-    attn_implementation: str = knob("auto", "--backend transformers: the attention kernel, auto (transformers' "
-                                            "choice, sdpa), sdpa, flash_attention_2, eager",
-                                    choices=("auto", "sdpa", "flash_attention_2", "eager"))
     timeout_s: float = knob(20.0, "A batch's time budget: samples not scored within it go on without teacher "
                                   "feedback (status timeout); keep it under --handler-timeout-s")
     batch_tokens: int = knob(8192, "Most padded tokens in one teacher forward (a batch is scored in such chunks)")
-    threads: int = knob(0, "Torch threads for this process (0: OMP_NUM_THREADS when set, else this process's "
-                           "cores)")
-    wait_policy_s: float = knob(600.0, "How long to wait at start for the student's first policy version")

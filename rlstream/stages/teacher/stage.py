@@ -19,7 +19,7 @@ from rlstream.config import LoopSettings
 from rlstream.errors import UserError
 from rlstream.models.devices import check_vllm_device, resolve_device, resolve_threads
 from rlstream.models.loading import check_folder, flash_attn_installed, load_model, resolve_attention
-from rlstream.policy.watcher import PolicyWatcher
+from rlstream.engine.follower import PolicyFollower
 from rlstream.policy.weights import PolicyWeights, tokenizer_hash
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
 from rlstream.schemas import headers as hdr
@@ -46,8 +46,9 @@ class TeacherStage(Stage):
         self.loop = loop
         self.settings = settings
         self.scorer: TorchScorer | VllmScorer | None = None
-        self.watcher: PolicyWatcher | None = None
-        self.loaded = -1  # the policy version a following teacher holds
+        # The student's announcements; a following teacher also loads each version by them.
+        self.follower = PolicyFollower(self.name, loop.policy, PolicyWeights(loop.home_path / "weights-cache"),
+                                       settings.retry_load_s)
         self.aligner: Aligner | None = None  # a teacher with another tokenizer (--align-tokenizers)
         self.version = ""
 
@@ -61,22 +62,20 @@ class TeacherStage(Stage):
     def before_poll(self, ctx: StageContext) -> None:
         if self.scorer is None:
             self._start(ctx)
-        elif self.following and self.watcher.version > self.loaded:
-            self._follow(self.watcher.latest)
+        elif self.following:
+            self.follower.advance(self._follow)  # between batches: a version that will not load keeps the one held
 
     def _start(self, ctx: StageContext) -> None:
         import torch
         torch.set_num_threads(resolve_threads(self.settings.threads))
         self.device = resolve_device(self.settings.device)
-        self.watcher = PolicyWatcher(ctx.kafka.client_config(), ctx.kafka.run, self.loop.policy)
-        if not self.watcher.wait_for(0, self.settings.wait_policy_s):
-            raise UserError(f"no {self.loop.policy} policy announced within {self.settings.wait_policy_s}s; "
-                            "is the trainer running for this run?")
-        self.weights = PolicyWeights(self.loop.home_path / "weights-cache", ctx.kafka.client_config(), ctx.kafka.run)
-        student = self.watcher.latest
+        self.follower.connect(ctx.kafka.client_config(), ctx.kafka.run)
+        self.weights = self.follower.weights
         if self.following:
-            self._follow(student, first=True)
+            pv, _ = self.follower.first(self.settings.wait_policy_s, base=False)
+            self.follower.held(self._follow(pv))
             return
+        student = self.follower.announced(self.settings.wait_policy_s)
         if self.settings.teacher_url:
             self._connect(student)
             return
@@ -109,23 +108,16 @@ class TeacherStage(Stage):
         self.version = s.teacher_version or scorer.served
         log.info("teacher %s served at %s", self.version, s.teacher_url)
 
-    def _follow(self, pv: PolicyVersion, first: bool = False) -> None:
-        """Load the policy's version ``pv`` as the teacher; a version that cannot be loaded now keeps the one held
-        (tried again before the next batch), except the first, without which there is no teacher."""
+    def _follow(self, pv: PolicyVersion) -> int:
+        """Load the policy's version ``pv`` as the teacher, and return it; a load error is the follower's to retry
+        (``rlstream.engine.follower``: the teacher keeps the version it holds meanwhile)."""
         if pv.base_hash:  # rlstream.policy.adapters: this stage loads whole checkpoints only
             raise UserError(f"the teacher follows {pv.policy}, whose v{pv.version} is a LoRA adapter; the teacher "
                             "cannot serve adapters yet: give it --teacher FOLDER (e.g. the base), or train without "
                             "--lora-rank")
-        try:
-            folder = self.weights.folder(pv)
-        except (OSError, ValueError) as exc:
-            if first:
-                raise UserError(f"the teacher cannot load {pv.policy} v{pv.version}: {exc}") from None
-            log.warning("teacher keeps %s: cannot load %s v%d yet: %s", self.version, pv.policy, pv.version, exc)
-            return
         label = self.settings.teacher_version or pv.policy
-        self._load(folder, f"{label}-v{pv.version}")
-        self.loaded = pv.version
+        self._load(self.weights.folder(pv), f"{label}-v{pv.version}")
+        return pv.version
 
     def _load(self, folder, version: str) -> None:
         s = self.settings
@@ -226,8 +218,7 @@ class TeacherStage(Stage):
                                teacher_topk_logprobs=arrays.topk_logprobs, **common)
 
     def close(self) -> None:
-        if self.watcher is not None:
-            self.watcher.close()
+        self.follower.close()
         if hasattr(self.scorer, "close"):
             self.scorer.close()
 
