@@ -96,16 +96,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     return life.finish()
 
 
-def _run_process(args: argparse.Namespace, life, runtime) -> None:
-    kafka = kafka_settings(args)  # waits for the broker (--broker-wait-s), then a UserError
-    stage_cls, settings_cls = _stage_parts(args.stage)
+def _make_stage(name: str, args: argparse.Namespace):
+    stage_cls, settings_cls = _stage_parts(name)
     stage_settings = settings(settings_cls, args) if settings_cls else None
     loop = settings(LoopSettings, args)
     extra = {"loop": loop} if "loop" in inspect.signature(stage_cls).parameters else {}
     try:
-        stage = stage_cls(stage_settings, **extra) if settings_cls else stage_cls(**extra)
+        return stage_cls(stage_settings, **extra) if settings_cls else stage_cls(**extra)
     except ValueError as exc:  # stages validate their settings on construction
         raise UsageError(str(exc)) from None
+
+
+def _run_process(args: argparse.Namespace, life, runtime) -> None:
+    kafka = kafka_settings(args)  # waits for the broker (--broker-wait-s), then a UserError
+    from rlstream.runtime.chain import CHAINS
+    if args.stage in CHAINS:  # two stages, one process, one transaction each batch (runtime/chain.py)
+        first, second = (_make_stage(name, args) for name in CHAINS[args.stage])
+        life.serve_metrics(runtime.metrics_port, runtime.metrics_addr)
+        from rlstream.runtime.runner import StageRunner
+        StageRunner(first, kafka, runtime, then=second).run()
+        return
+    stage = _make_stage(args.stage, args)
     life.serve_metrics(runtime.metrics_port, runtime.metrics_addr)
     from rlstream.runtime.profile import maybe_start
     maybe_start(args.stage)
@@ -150,14 +161,17 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
                         "must stay equal")
     p.set_defaults(func=cmd_topics)
 
-    p = sub.add_parser("run", help="run one stage process: " + ", ".join(STAGES))
-    p.add_argument("stage", choices=sorted(STAGES), metavar="STAGE", help="one of " + ", ".join(STAGES))
+    from rlstream.runtime.chain import CHAINS
+    p = sub.add_parser("run", help="run one stage process: " + ", ".join([*STAGES, *CHAINS]))
+    p.add_argument("stage", choices=sorted([*STAGES, *CHAINS]), metavar="STAGE",
+                   help="one of " + ", ".join(STAGES) + "; or " + ", ".join(CHAINS) + ": both stages in one process "
+                        "and one transaction, every topic kept (rlstream/runtime/chain.py)")
     config.add_arguments(p, LoopSettings)
     config.add_arguments(p, KafkaSettings)
     from rlstream.runtime.settings import RuntimeSettings
     config.add_arguments(p, RuntimeSettings)
-    if stage in STAGES:
-        _, settings_cls = _stage_parts(stage)
+    for name in CHAINS.get(stage, (stage,) if stage in STAGES else ()):
+        _, settings_cls = _stage_parts(name)
         if settings_cls:
             config.add_arguments(p, settings_cls)
     p.set_defaults(func=cmd_run)

@@ -35,6 +35,12 @@ def picky(trajectory):
     return exact_match(trajectory)
 
 
+def slow_picky(trajectory):
+    """``picky`` after a short sleep, so a SIGKILL lands while judgements are in flight."""
+    time.sleep(0.05)
+    return picky(trajectory)
+
+
 def partial_credit(trajectory):
     """The 'new reward' of the replay tests: the share of answer characters in the right place (exact match gave 0
     or 1)."""

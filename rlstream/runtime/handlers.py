@@ -21,14 +21,18 @@ Result = "list[Output] | Rejected"
 class Handlers:
     """Runs one stage's ``handle``/``handle_batch`` with timeouts; owns the pool and the event loop they use."""
 
-    def __init__(self, stage: Stage, settings: RuntimeSettings):
+    def __init__(self, stage: Stage, settings: RuntimeSettings, loop: asyncio.AbstractEventLoop | None = None,
+                 pool: ThreadPoolExecutor | None = None):
+        """``loop`` and ``pool``: another stage's, shared (a chain, ``runtime.chain``); that stage closes them."""
         self.stage = stage
         self.settings = settings
-        self.pool = ThreadPoolExecutor(max_workers=max(1, settings.concurrency),
-                                       thread_name_prefix=f"{stage.name}-handler")
-        self.loop = asyncio.new_event_loop()
-        # asyncio.to_thread (sync reward functions) uses the default executor: make it ours, sized by concurrency.
-        self.loop.set_default_executor(self.pool)
+        self.pool = pool or ThreadPoolExecutor(max_workers=max(1, settings.concurrency),
+                                               thread_name_prefix=f"{stage.name}-handler")
+        if loop is None:
+            loop = asyncio.new_event_loop()
+            # asyncio.to_thread (sync reward functions) uses the default executor: make it ours, sized by concurrency.
+            loop.set_default_executor(self.pool)
+        self.loop = loop
         self._running: asyncio.Semaphore | None = None
         # A stage may need longer than the generic knob (rollout on a fleet: a request's own timeout and retries).
         self.timeout_s = max(settings.handler_timeout_s, stage.handler_timeout_s or 0.0)
@@ -83,15 +87,16 @@ class Handlers:
 
         async def one(item: Incoming):
             async with sem:
-                return await self._handle_one(item)
+                return await self.handle_one(item)
 
         return list(await asyncio.gather(*(one(it) for it in items)))
 
     # -- pipelined: records submitted to the loop running in its own thread ---------------------------------------
 
-    def submit(self, items: list[Incoming]) -> list[Future]:
+    def submit(self, items: list[Incoming], run=None) -> list[Future]:
         """Start these records' handlers on the running loop; each future resolves to outputs or a rejection, and
-        cancelling it cancels its handler.
+        cancelling it cancels its handler. ``run``: the coroutine function a record goes through instead of
+        ``handle_when_free`` (a chain's: both stages).
 
         One wake-up of the loop for all of them: a wake-up per record (``run_coroutine_threadsafe``) cost a
         self-pipe write and a loop turn each, 6-7 ms of env's and reward's CPU per 128-record version."""
@@ -100,23 +105,24 @@ class Handlers:
         futures = [Future() for _ in items]
         if not futures:
             return futures
+        run = run or self.handle_when_free
 
         def start() -> None:
             for item, future in zip(items, futures):
                 if future.cancelled():
                     continue
-                task = self.loop.create_task(self._handle_when_free(item))
+                task = self.loop.create_task(run(item))
                 task.add_done_callback(lambda t, f=future: _settle(f, t))
                 future.add_done_callback(lambda f, t=task: f.cancelled() and self.loop.call_soon_threadsafe(t.cancel))
         self.loop.call_soon_threadsafe(start)
         return futures
 
-    async def _handle_when_free(self, item: Incoming) -> Result:
+    async def handle_when_free(self, item: Incoming) -> Result:
         # The handler timeout starts once a handler slot is free, not while the record queues for one.
         async with self._running:
-            return await self._handle_one(item)
+            return await self.handle_one(item)
 
-    async def _handle_one(self, item: Incoming) -> Result:
+    async def handle_one(self, item: Incoming) -> Result:
         """One record through the stage's handler (async, or sync in the pool), with its timeout."""
         handler = self.stage.handle
         started = time.monotonic()

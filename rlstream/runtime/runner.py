@@ -32,6 +32,7 @@ from rlstream.kafka.sources import GroupSource, InputSource, waiting
 from rlstream.kafka.topics import logical_name, topic_name
 from rlstream.kafka.transactions import Offset, TransactionalProducer
 from rlstream.runtime import lifecycle
+from rlstream.runtime.chain import HANDLED_BY, ChainHandlers, Chained
 from rlstream.runtime.handlers import Handlers
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.runtime.stage import Output, Stage, StageContext
@@ -51,9 +52,12 @@ class StageRunner:
     """
 
     def __init__(self, stage: Stage, kafka: KafkaSettings, settings: RuntimeSettings = RuntimeSettings(),
-                 source: InputSource | None = None, *, on_consumed: Counter | None = None,
-                 on_committed: Counter | None = None):
+                 source: InputSource | None = None, *, then: Stage | None = None,
+                 on_consumed: Counter | None = None, on_committed: Counter | None = None):
+        """``then``: a second stage chained after this one, in this process and its transactions
+        (``runtime.chain``)."""
         self.stage = stage
+        self.then = then
         self.kafka = kafka
         self.settings = settings
         self.paused_topics: set[str] = set()
@@ -73,7 +77,11 @@ class StageRunner:
         self.txn = TransactionalProducer(kafka, f"{self.group_id}.{instance}", who=stage.name,
                                          transaction_timeout_ms=settings.transaction_timeout_ms,
                                          stopping=lambda: self._stopping)
-        self.handlers = Handlers(stage, settings)
+        self.handlers = (ChainHandlers(stage, then, settings, kafka.run, self._encode) if then is not None
+                         else Handlers(stage, settings))
+        # What a chain that handed a record over in process marks it with, when this runner is that chain's second
+        # stage running on its own: such records are committed past, not handled twice (runtime.chain).
+        self._handled_mark = self.group_id.encode()
         self.ctx = StageContext(kafka, self.set_paused, self.paused_topics, self.backlog)
         self._assigned: list = []
         self._starts: dict[tuple[str, int], int] = {}  # where each assigned partition's reading began
@@ -82,8 +90,8 @@ class StageRunner:
         self._lag = metrics.LagProbe(stage.name, kafka.run)  # consumer lag gauge, refreshed every few seconds
         self._on_consumed = on_consumed or (lambda n: None)
         self._on_committed = on_committed or (lambda n: None)
-        self._records_out: dict[str, Any] = {}  # logical topic -> its RECORDS_OUT child (a labels() call per record
-        # cost more than producing it)
+        self._records_out: dict[tuple, Any] = {}  # (stage, logical topic) -> its RECORDS_OUT child (a labels()
+        # call per record cost more than producing it)
         self._queue_delay = metrics.QUEUE_DELAY.labels(stage.name)
 
     @property
@@ -117,6 +125,8 @@ class StageRunner:
     def close(self) -> None:
         self._closing = True  # a close may still deliver an assignment; it needs no committed offsets then
         self.stage.close()
+        if self.then is not None:
+            self.then.close()
         try:
             self.source.close()
         finally:
@@ -125,7 +135,7 @@ class StageRunner:
     def _run_batches(self, max_batches: int | None, idle_exit_s: float | None) -> None:
         batches, idle_since = 0, time.monotonic()
         while not self._stopping and not self.source.exhausted():
-            self.stage.before_poll(self.ctx)
+            self._before_poll()
             msgs = self.source.consume(self.settings.batch_size, self.settings.poll_timeout_s)
             self._lag.maybe_update(self.consumer, self._assigned)
             if not msgs:
@@ -149,7 +159,7 @@ class StageRunner:
         limit = self.in_flight_limit()
         try:
             while not self._stopping and not self.source.exhausted():
-                self.stage.before_poll(self.ctx)
+                self._before_poll()
                 busy = window.size > 0
                 room = limit - window.size
                 msgs = self.source.consume(min(room, self.settings.batch_size),
@@ -191,6 +201,11 @@ class StageRunner:
             loop.call_soon_threadsafe(loop.stop)
             worker.join(5)
 
+    def _before_poll(self) -> None:
+        self.stage.before_poll(self.ctx)
+        if self.then is not None:
+            self.then.before_poll(self.ctx)
+
     def in_flight_limit(self) -> int:
         """Most records a pipelined run keeps in flight: the runtime's knobs, capped by the stage's own wish."""
         limit = max(1, self.settings.concurrency, self.settings.max_in_flight)
@@ -214,8 +229,15 @@ class StageRunner:
         if c.rejected is not None:
             slot.resolve(c.rejected)
             return None
+        if self._handled_before(c):
+            slot.resolve([])
+            return None
         slot.item = c.item
         return slot
+
+    def _handled_before(self, c: Consumed) -> bool:
+        """Handed to this stage in process by a chain, which produced its outputs then (``runtime.chain``)."""
+        return c.item.headers.get(HANDLED_BY) == self._handled_mark
 
     def _commit_ready(self) -> None:
         ready = self._window.ready()
@@ -279,7 +301,7 @@ class StageRunner:
                 continue  # a pipelined worker finished it before this one took the partition over
             if c.rejected is not None:
                 self._dead_letter(c, c.rejected.reason, str(c.rejected))
-            else:
+            elif not self._handled_before(c):
                 items.append(c.item)
                 sources.append(c)
         for msg, item, result in zip(sources, items, self.handlers.handle_all(items)):
@@ -303,23 +325,35 @@ class StageRunner:
         for physical, n in per_topic.items():
             metrics.RECORDS_IN.labels(self.stage.name, logical_name(self.kafka.run, physical)).inc(n)
 
-    def _emit(self, msg: Consumed, item: Incoming | None, result: "list[Output] | Rejected") -> None:
+    def _emit(self, msg: Consumed, item: Incoming | None, result: "list[Output] | Chained | Rejected") -> None:
         """Produce a record's outputs, or its dead letter, into the open transaction."""
         if isinstance(result, Rejected):
             self._dead_letter(msg, result.reason, str(result))
             return
+        if isinstance(result, Chained):  # encoded already, both stages' (runtime.chain)
+            self._produce(self.stage.name, result.first)
+            for handed, outcome in result.handed:
+                if isinstance(outcome, Rejected):
+                    self.txn.dead_letter(self.then.name, handed, outcome.reason, str(outcome),
+                                         self.settings.max_record_bytes)
+                else:
+                    self._produce(self.then.name, outcome)
+            return
         try:
-            encoded = [self._encode(item, out) for out in result]
+            encoded = [(out, self._encode(item, out)) for out in result]
         except Rejected as rej:
             self._dead_letter(msg, rej.reason, str(rej))
             return
-        for out, (topic, key, value, headers) in zip(result, encoded):
+        self._produce(self.stage.name, encoded)
+
+    def _produce(self, stage: str, encoded: list) -> None:
+        for out, (topic, key, value, headers) in encoded:
             self.txn.produce(topic, value, key, headers)
-            counter = self._records_out.get(out.topic)
+            counter = self._records_out.get((stage, out.topic))
             if counter is None:
-                counter = self._records_out[out.topic] = metrics.RECORDS_OUT.labels(self.stage.name, out.topic)
+                counter = self._records_out[(stage, out.topic)] = metrics.RECORDS_OUT.labels(stage, out.topic)
             counter.inc()
-            metrics.count_output(self.stage.name, out.topic, out.record)
+            metrics.count_output(stage, out.topic, out.record)
 
     def _encode(self, item: Incoming, out: Output) -> tuple[str, Any, bytes, list]:
         try:
