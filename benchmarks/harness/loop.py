@@ -30,7 +30,7 @@ from rlstream.sources.prompts import PromptProducer, make_task, task_items
 #: The repository root: stage processes start there, so ``benchmarks.harness.workloads:...`` loads in them.
 ROOT = Path(__file__).resolve().parents[2]
 #: Stop order: the source is already stopped; upstream first so each stage finishes what it holds.
-STOP_ORDER = ["rollout", "rollout1", "env", "reward", "teacher", "trainer"]
+STOP_ORDER = ["rollout", "rollout1", "env", "env+reward", "reward", "teacher", "trainer"]
 
 
 def log(tag: str, msg: str) -> None:
@@ -76,7 +76,7 @@ class Loop:
         port = free_port()
         self.metrics_ports[name] = port
         proc = StageProc(name, [*argv, "--metrics-port", str(port)], self.env, self.workdir / "logs" / f"{name}.log",
-                         group=f"{self.run}.{argv[1]}", cwd=ROOT)
+                         group=f"{self.run}.{argv[1].split('+')[0]}", cwd=ROOT)  # a chain: its first stage's
         return self.sup.add(proc)
 
     def trainer(self, *, eta: int, groups_per_step: int = 16, lr: float = 1e-4, warmup_steps: int = 300,
@@ -96,6 +96,11 @@ class Loop:
     def env_stage(self) -> StageProc:
         """The env stage, tools in subprocess sandboxes."""
         return self.add("env", ["run", "env", "--instance", "0", "--sandbox", "subprocess"])
+
+    def env_reward(self, fn: str, *, concurrency: int = 256, batch_size: int = 256) -> StageProc:
+        """env and reward chained in one process and one transaction (``rlstream run env+reward``)."""
+        return self.add("env+reward", ["run", "env+reward", "--instance", "0", "--sandbox", "subprocess", "--reward",
+                                       fn, "--concurrency", str(concurrency), "--batch-size", str(batch_size)])
 
     def reward(self, fn: str, *, instance: int = 0, concurrency: int = 256, batch_size: int = 256) -> StageProc:
         """A reward worker with reward function ``fn`` (a dotted path)."""

@@ -103,5 +103,6 @@ def test_only_the_engine_package_builds_backends_or_follows_the_policy():
                        "rlstream/stages/teacher/stage.py"}
     for name in ("rlstream/stages/rollout.py", "rlstream/gateway/engine.py", "rlstream/stages/teacher/stage.py"):
         assert set(built_here.findall((ROOT / name).read_text())) == {"PolicyFollower"}, name
-    followers = [p for p in (ROOT / "rlstream").rglob("*.py") if re.search(r"^class \w*Follower\b", p.read_text(), re.M)]
+    followers = [p for p in (ROOT / "rlstream").rglob("*.py")
+                 if re.search(r"^class \w*Follower\b", p.read_text(), re.M)]
     assert [str(p.relative_to(ROOT)) for p in followers] == ["rlstream/engine/follower.py"]
