@@ -2,7 +2,8 @@
 
     python -m benchmarks.chaos [--kills 20] [--run R] [--seed 0] [--tasks 160] [--bootstrap HOST:PORT]
 
-Runs trainer, rollout, env, reward and archive, each its own ``rlstream run`` process, and a
+Runs trainer, rollout, env, reward and archive, each its own ``rlstream run`` process (``--fused``: env and reward
+chained in one, ``rlstream run env+reward``, killed as one), and a
 prompt source of a fixed number of tasks (G samples each): one share at the start and one at
 each kill, so that the killed stage always has work waiting for it. Every ``--interval`` seconds
 (jittered) it SIGKILLs one stage (each stage once per round, in a random order) and starts it
@@ -58,6 +59,8 @@ from rlstream.schemas.records import RECORD_TYPES, SamplingParams
 from rlstream.sources.prompts import PromptProducer, make_task, task_items
 
 STAGES = ("rollout", "env", "reward", "trainer", "archive")
+#: With --fused: env and reward chained in one process (rlstream run env+reward), killed as one.
+FUSED_STAGES = ("rollout", "env+reward", "trainer", "archive")
 #: Stop order: upstream first, so each stage finishes what it was given; the archive last.
 STOP_ORDER = ["rollout", "env", "reward", "trainer", "archive"]
 #: Archive table -> the topics archived into it.
@@ -80,7 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=4, help="samples per task (G)")
     p.add_argument("--groups-per-step", type=int, default=2, help="trainer groups per update")
     p.add_argument("--interval", type=float, default=3.0, help="seconds between a recovery and the next kill")
-    p.add_argument("--stages", default=",".join(STAGES), help="stages that may be killed (comma-separated)")
+    p.add_argument("--stages", default="", help="stages that may be killed (comma-separated; default: every one)")
+    p.add_argument("--fused", action="store_true", help="env and reward chained in one process and one transaction "
+                                                        "(rlstream run env+reward): the same accounting must hold")
     p.add_argument("--backend", default="transformers", choices=("auto", "transformers", "vllm"),
                    help="rollout engine (transformers restarts fastest)")
     p.add_argument("--eta", type=int, default=2,
@@ -149,9 +154,12 @@ def start_loop(args, bootstrap: str, run: str, workdir: Path, archive: str) -> S
         "reward": ["run", "reward", "--instance", "0"],
         "archive": ["run", "archive", "--archive", archive, "--instance", "0"],
     }
+    if args.fused:
+        del plan["env"], plan["reward"]
+        plan["env+reward"] = ["run", "env+reward", "--instance", "0", "--sandbox", "subprocess"]
     sup = Supervisor()
-    for name, argv in plan.items():
-        sup.add(StageProc(name, argv, env, logs / f"{name}.log", group=f"{run}.{name}", cwd=ROOT))
+    for name, argv in plan.items():  # a chain's progress is its first stage's group's
+        sup.add(StageProc(name, argv, env, logs / f"{name}.log", group=f"{run}.{name.split('+')[0]}", cwd=ROOT))
     return sup
 
 
@@ -319,9 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the stage processes are stopped rather than left running.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rng = random.Random(args.seed)
-    killable = [s.strip() for s in args.stages.split(",") if s.strip()]
-    if unknown := set(killable) - set(STAGES):
-        raise SystemExit(f"--stages: unknown {sorted(unknown)}; choose from {', '.join(STAGES)}")
+    stages = FUSED_STAGES if args.fused else STAGES
+    killable = [s.strip() for s in args.stages.split(",") if s.strip()] or list(stages)
+    if unknown := set(killable) - set(stages):
+        raise SystemExit(f"--stages: unknown {sorted(unknown)}; choose from {', '.join(stages)}")
     bootstrap = args.bootstrap
     if not bootstrap:
         from rlstream.infra import broker
@@ -353,8 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         sup.procs["trainer"].start()
         wait_until(lambda: supervise() or tail.count("policy-versions"), args.warmup_timeout, 0.5,
                    f"the trainer's first policy version (see {sup.procs['trainer'].log_path})")
-        for name in ("archive", "reward", "env", "rollout"):
-            sup.procs[name].start()
+        for name in ("archive", "reward", "env", "env+reward", "rollout"):
+            if name in sup.procs:
+                sup.procs[name].start()
         source.start()
         source.release(share)
         # Warm: every stage has committed once, so the first kill does not hit a process still starting.

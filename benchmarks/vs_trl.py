@@ -119,8 +119,17 @@ def trl_worker(args) -> dict:
             "cpu_s_per_update": {"trl": cpu / max(1, len(clock.steps))}}
 
 
-def run_trl(latency: str, args, sync_reward: bool = False) -> dict:
-    """TRL in its venv (installed on first use); its curve. ``sync_reward``: a few steps with a synchronous judge."""
+def ensure_trl() -> Path:
+    """TRL's venv, installed on first use (``--install-trl`` alone: CI installs it beside its tests); its Python.
+    Two processes at once take turns on a lock file: the second finds it installed."""
+    import fcntl
+    TRL_VENV.parent.mkdir(parents=True, exist_ok=True)
+    with open(TRL_VENV.parent / "trl-venv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _install_trl()
+
+
+def _install_trl() -> Path:
     python = TRL_VENV / "bin" / "python"
     if not python.exists():
         # TRL beside this environment, not in it (rlstream pins every package it installs): a venv of its own that
@@ -136,6 +145,12 @@ def run_trl(latency: str, args, sync_reward: bool = False) -> dict:
                         "-c", str(TRL_CONSTRAINTS), "trl"], check=True)
         subprocess.run([str(python), str(ROOT / "infra" / "check_pins.py"), str(ROOT / "constraints.txt"),
                         str(TRL_CONSTRAINTS)], check=True)
+    return python
+
+
+def run_trl(latency: str, args, sync_reward: bool = False) -> dict:
+    """TRL in its venv (installed on first use); its curve. ``sync_reward``: a few steps with a synchronous judge."""
+    python = ensure_trl()
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = dict(os.environ, BENCH_REWARD_LATENCY_S=latency if latency != "heavy" else "0",
                    OMP_NUM_THREADS=str(args.threads),
@@ -265,6 +280,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--startup-timeout", type=float, default=600, help="warm-up and engine start, seconds")
     ap.add_argument("--max-steps", type=int, default=5000)
     ap.add_argument("--json", default="")
+    ap.add_argument("--install-trl", action="store_true", help="only install TRL's venv (.rlstream/trl-venv); exit")
     ap.add_argument("--trl-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--latency", default="0", help=argparse.SUPPRESS)
     ap.add_argument("--sync-reward", action="store_true", help=argparse.SUPPRESS)
@@ -275,6 +291,9 @@ def main(argv=None) -> dict:
         args.targets = sorted(float(t) for t in args.target.split(","))
     except ValueError:
         raise SystemExit(f"--target: {args.target!r} is not a comma-separated list of numbers") from None
+    if args.install_trl:
+        print(f"TRL {TRL_VERSION} in {ensure_trl().parent.parent}")
+        return {}
     if args.trl_worker:
         Path(args.trl_worker).write_text(json.dumps(trl_worker(args)))
         return {}
