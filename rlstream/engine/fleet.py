@@ -10,7 +10,8 @@ fails the version's load probe (``rlstream.policy.probe``: its log-probs are not
 version, and takes no work until a push confirms. The health thread pushes the target to such servers again every
 ``retry_push_s`` until they confirm, but not while a fleet-wide push is under way (it covers every server). Where
 the server names the version of each reply (SGLang), that is checked against the recorded one, and a mismatch is
-never stamped.
+never stamped. A LoRA version (``load_adapter``) moves the same way, pushed to each server as an adapter over the
+base it was started on (``ServerAPI.push_adapter``), and confirmed by the same load probe.
 
 Routing. Each request goes to an eligible server (healthy, on the target, within its rate limits): the server its
 key (the episode) went to before if that one is eligible, since it holds the episode's prefix in cache, else the
@@ -120,10 +121,12 @@ class ServerFleet(InferenceBackend):
         self.options = options
         self.name = apis[0].kind
         self.follows_policy = apis[0].pushes
+        self.serves_adapters = apis[0].serves_adapters  # LoRA versions as adapters (``load_adapter``)
         self.servers = [Server(api, RateLimits(options.concurrency, options.requests_per_min,
                                                options.tokens_per_min, options.clock)) for api in apis]
         self.version = pinned_version
         self.folder: Path | None = None
+        self.adapter = False  # whether the fleet's version is a LoRA adapter over the servers' base
         if not self.follows_policy:  # the operator's pinned version is all the fleet can say about its weights
             for s in self.servers:
                 s.version = pinned_version
@@ -150,17 +153,17 @@ class ServerFleet(InferenceBackend):
             for old in sorted(self._probes)[:-4]:  # the fleet's version, and a few a catch-up may still push
                 del self._probes[old]
 
-    def load_weights(self, folder: Path, version: int) -> None:
+    def load_weights(self, folder: Path, version: int, adapter: bool = False) -> None:
         """Push ``version`` to every server and wait for each to confirm or refuse. The fleet moves to it as soon as
         one server confirmed (that one takes work again at once, while others still wait for their requests in
         flight to end); the others are quarantined until they catch up. OSError if none did (the fleet, and every
-        server, keep the old version)."""
+        server, keep the old version). ``adapter``: ``folder`` is a LoRA adapter over the servers' base."""
         if not self.follows_policy:
             return  # serving only: the pinned version stays
         with self._cond:
             self._pushing = version
         try:
-            results = list(self._pool.map(lambda s: self._push(s, folder, version), self.servers))
+            results = list(self._pool.map(lambda s: self._push(s, folder, version, adapter), self.servers))
         finally:
             with self._cond:
                 self._pushing = -1
@@ -168,11 +171,15 @@ class ServerFleet(InferenceBackend):
         if not confirmed:
             raise OSError(f"no server confirmed v{version}: " + "; ".join(s.why for s in self.servers))
         with self._cond:
-            self.version, self.folder = version, Path(folder)
+            self.version, self.folder, self.adapter = version, Path(folder), adapter
             self._cond.notify_all()
         self._publish()
 
-    def _push(self, server: Server, folder: Path, version: int) -> bool:
+    def load_adapter(self, folder: Path, version: int) -> None:
+        """A LoRA version: its adapter pushed to every server as ``load_weights`` pushes weights."""
+        self.load_weights(folder, version, adapter=True)
+
+    def _push(self, server: Server, folder: Path, version: int, adapter: bool = False) -> bool:
         """One server loads ``version``: after its in-flight requests finish, with no new ones meanwhile."""
         with self._cond:
             if not server.up:
@@ -184,7 +191,7 @@ class ServerFleet(InferenceBackend):
             self._cond.wait_for(lambda: server.inflight == 0)
         loaded = False
         try:
-            server.api.push(folder, version)
+            (server.api.push_adapter if adapter else server.api.push)(folder, version)
             loaded = True
             self._probe(server, version)
             ok, why = True, ""
@@ -197,7 +204,8 @@ class ServerFleet(InferenceBackend):
             if ok:
                 server.version, server.why = version, ""
                 if version == self._pushing and version != self.version:
-                    self.version, self.folder = version, Path(folder)  # the first to confirm moves the fleet
+                    # the first to confirm moves the fleet
+                    self.version, self.folder, self.adapter = version, Path(folder), adapter
             else:
                 server.failed_push, server.why = (version, self.options.clock()), why
             self._cond.notify_all()
@@ -274,9 +282,9 @@ class ServerFleet(InferenceBackend):
             if behind and failed_version == self.version and \
                     self.options.clock() - failed_at < self.options.retry_push_s:
                 behind = False
-            target, folder = self.version, self.folder
+            target, folder, adapter = self.version, self.folder, self.adapter
         if behind:
-            self._push(server, folder, target)
+            self._push(server, folder, target, adapter)
         self._publish()
 
     def _publish(self) -> None:

@@ -8,7 +8,12 @@ are pushed to it, and how its health and its tokenizer are checked.
   ``POST /update_weight_version`` (the server then names the version it holds, ``GET /weight_info``).
   These are vLLM's dev-mode routes: start the server with ``VLLM_SERVER_DEV_MODE=1``. A model with tied embeddings
   needs ``--worker-extension-cls rlstream.engine.vllm_worker.RLStreamWorker`` too: after each reload the push calls
-  its ``rlstream_refresh_tied_head`` (``engine.vllm_worker``).
+  its ``rlstream_refresh_tied_head`` (``engine.vllm_worker``). A LoRA version (``rlstream.policy.adapters``) goes
+  in as an adapter over the base the server was started on: ``POST /v1/load_lora_adapter`` under a name of its own
+  per version (``rlstream-v<N>``, never reused: the prefix cache is keyed by the adapter's name, so a reused name
+  could mix two versions' KV), after which requests and the load probe name it as their model; the oldest beyond
+  ``ADAPTERS_KEPT`` are unloaded. Start the server with ``--enable-lora --max-lora-rank R`` (R at least the
+  trainer's ``--lora-rank``) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
 - Every kind that takes weights answers the load probe (``probe_logprobs``: the prompt's own log-probs, vLLM's
   ``echo`` or SGLang's ``input_token_logprobs``), which the fleet checks after each push (``policy.probe``).
 - ``sglang``: SGLang's native ``/generate`` with ``input_ids`` and ``return_logprob``; tokens and log-probs come
@@ -116,9 +121,9 @@ def _opener(call: Call) -> urllib.request.OpenerDirector:
 
 
 def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0, headers: dict | None = None,
-              call: Call | None = None) -> Any:
+              call: Call | None = None, text: bool = False) -> Any:
     """One JSON request; ServerError on an HTTP error status or no connection; None for an empty reply. ``call``:
-    a handle that can cancel it from another thread."""
+    a handle that can cancel it from another thread. ``text``: the reply is text, not JSON (vLLM's LoRA routes)."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method,
                                  headers={"Content-Type": "application/json", **(headers or {})})
@@ -130,10 +135,16 @@ def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0, he
         raise ServerError(url, exc.code, exc.read().decode(errors="replace")[:500]) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, reset, cut short, timeout
         raise ServerError(url, 0, str(getattr(exc, "reason", exc)) or type(exc).__name__) from None
+    if text:
+        return raw.decode(errors="replace")
     try:
         return json.loads(raw) if raw.strip() else None
     except ValueError:  # a reply cut off mid-body by a dying server
         raise ServerError(url, 0, f"unreadable reply: {raw[:200]!r}") from None
+
+
+#: LoRA adapters a server keeps loaded: the version it serves and two before it (catch-ups of a fleet, retries).
+ADAPTERS_KEPT = 3
 
 
 class ServerAPI:
@@ -142,6 +153,8 @@ class ServerAPI:
     kind = "server"
     #: Whether rlstream can push weights to it (and so confirm the version of its tokens).
     pushes = True
+    #: Whether it takes a LoRA version as an adapter over the base it holds (``push_adapter``).
+    serves_adapters = False
 
     def __init__(self, url: str, model: str = "", timeout_s: float = 300.0, push_timeout_s: float = 600.0,
                  api_key: str = ""):
@@ -152,8 +165,8 @@ class ServerAPI:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None,
-              call: Call | None = None) -> Any:
-        return http_json(method, self.url + path, body, timeout or self.timeout_s, self.headers, call)
+              call: Call | None = None, text: bool = False) -> Any:
+        return http_json(method, self.url + path, body, timeout or self.timeout_s, self.headers, call, text)
 
     # -- generation -------------------------------------------------------------------------
 
@@ -177,6 +190,11 @@ class ServerAPI:
     def push(self, folder: Path, version: int) -> None:
         """Load ``folder`` as ``version``; returns only once the server has loaded it. PushRejected if it refused."""
         raise PushRejected(f"{self.url}: a {self.kind} endpoint takes no weights from rlstream")
+
+    def push_adapter(self, folder: Path, version: int) -> None:
+        """Serve ``version``, a LoRA adapter folder, over the base the server holds; returns once it is loaded.
+        PushRejected if it refused."""
+        raise PushRejected(f"{self.url}: a {self.kind} server takes no LoRA adapters from rlstream")
 
     def probe_logprobs(self, token_ids: list[int]) -> list[float] | None:
         """The server's log-prob of each of ``token_ids[1:]`` after the tokens before it (the load probe); None
@@ -269,10 +287,36 @@ class VLLMServerAPI(OpenAICompletionsAPI):
 
     kind = "vllm-server"
     pushes = True
+    serves_adapters = True
     #: Whether the server has rlstream's worker extension (``engine.vllm_worker``); False once it said it has not.
     refreshes = True
+    #: The adapters it holds, oldest first (``push_adapter``); the model name of its base, while one is served.
+    adapters: tuple[str, ...] = ()
+    base_model = ""
+
+    def push_adapter(self, folder, version):
+        name = f"rlstream-v{version}"
+        try:
+            if name not in self.adapters:
+                self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)},
+                           timeout=self.push_timeout_s, text=True)  # it answers in text: "Success: ..."
+        except ServerError as exc:
+            raise PushRejected(f"{self.url} did not load the adapter of v{version} from {folder}: {exc.message[:300]} "
+                               "(start vLLM with --enable-lora --max-lora-rank R, R at least the trainer's "
+                               "--lora-rank, and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)") from None
+        self.base_model = self.base_model or self.model
+        self.model = name  # every request, and the load probe, go to this version's adapter from now on
+        self.adapters = (*(a for a in self.adapters if a != name), name)
+        while len(self.adapters) > ADAPTERS_KEPT:
+            old, self.adapters = self.adapters[0], self.adapters[1:]
+            try:
+                self._call("POST", "/v1/unload_lora_adapter", {"lora_name": old}, timeout=60, text=True)
+            except ServerError as exc:  # it only holds one more adapter than it needs
+                log.warning("%s did not unload adapter %s: %s", self.url, old, exc.message[:200])
 
     def push(self, folder, version):
+        if self.base_model:  # whole weights again: requests go to the base model, no adapter
+            self.model, self.base_model = self.base_model, ""
         try:
             self._call("POST", "/collective_rpc", {"method": "reload_weights",
                                                    "kwargs": {"weights_path": str(folder)}},

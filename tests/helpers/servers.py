@@ -46,11 +46,12 @@ class VLLMServer:
 
 
 def start_vllm_server(folder: Path, log: Path, dev_mode: bool = True, max_model_len: int = 64,
-                      extra: tuple[str, ...] = ()) -> VLLMServer:
+                      extra: tuple[str, ...] = (), env_extra: dict | None = None) -> VLLMServer:
     """Start a server for ``folder`` (its weight routes on with ``dev_mode``; ``extra`` arguments after the usual
-    ones); call ``wait_ready`` before use."""
+    ones, ``env_extra`` variables); call ``wait_ready`` before use."""
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               **(env_extra or {}))
     env.pop("VLLM_SERVER_DEV_MODE", None)
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
