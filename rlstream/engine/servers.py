@@ -20,7 +20,8 @@ are pushed to it, and how its health and its tokenizer are checked.
   from ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` per token). Weights:
   ``POST /update_weights_from_disk`` ``{"model_path": FOLDER, "weight_version": "N"}`` (``success`` and
   ``message`` in the reply); each response's ``meta_info.weight_version`` is checked against the version recorded
-  at dispatch. Untested against a live server here (no CPU build): the mapping follows SGLang's documented API.
+  at dispatch. A LoRA version: ``POST /load_lora_adapter`` under its own name, which each ``/generate`` then names
+  in ``lora_path``. Untested against a live server here (no CPU build): the mapping follows SGLang's documented API.
 - ``openai``: any OpenAI-compatible ``/v1/completions`` endpoint that returns token ids and log-probs, for serving
   only: rlstream cannot push weights to it, so its tokens carry the version the operator pins.
 
@@ -364,9 +365,15 @@ class VLLMServerAPI(OpenAICompletionsAPI):
 
 
 class SGLangAPI(ServerAPI):
-    """SGLang's native API (``/generate``, ``/update_weights_from_disk``, ``/get_model_info``)."""
+    """SGLang's native API (``/generate``, ``/update_weights_from_disk``, ``/get_model_info``; LoRA versions through
+    ``/load_lora_adapter``, each request naming its adapter in ``lora_path``)."""
 
     kind = "sglang"
+    serves_adapters = True
+    adapters: tuple[str, ...] = ()  # oldest first; the last is the one requests name
+
+    def _with_adapter(self, body: dict) -> dict:
+        return {**body, "lora_path": self.adapters[-1]} if self.adapters else body
 
     def request(self, prompt, params):
         sampling = {"max_new_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
@@ -374,8 +381,30 @@ class SGLangAPI(ServerAPI):
             sampling["top_k"] = params.top_k
         if params.seed is not None:
             sampling["sampling_seed"] = params.seed
-        return "/generate", {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True,
-                             "logprob_start_len": -1}
+        return "/generate", self._with_adapter({"input_ids": prompt, "sampling_params": sampling,
+                                                "return_logprob": True, "logprob_start_len": -1})
+
+    def push_adapter(self, folder, version):
+        # Untested against a live server (no CPU build here): SGLang's documented /load_lora_adapter, which answers
+        # success and error_message; start SGLang with --enable-lora --max-lora-rank R --lora-target-modules all.
+        name = f"rlstream-v{version}"
+        if name not in self.adapters:
+            try:
+                reply = self._call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)},
+                                   timeout=self.push_timeout_s) or {}
+            except ServerError as exc:
+                raise PushRejected(f"{self.url} did not load the adapter of v{version} from {folder}: "
+                                   f"{exc.message[:300]} (start SGLang with --enable-lora)") from None
+            if not reply.get("success"):
+                raise PushRejected(f"{self.url} did not load the adapter of v{version} from {folder}: "
+                                   f"{reply.get('error_message')!r}")
+        self.adapters = (*(a for a in self.adapters if a != name), name)
+        while len(self.adapters) > ADAPTERS_KEPT:
+            old, self.adapters = self.adapters[0], self.adapters[1:]
+            try:
+                self._call("POST", "/unload_lora_adapter", {"lora_name": old}, timeout=60)
+            except ServerError as exc:
+                log.warning("%s did not unload adapter %s: %s", self.url, old, exc.message[:200])
 
     def parse(self, reply):
         if isinstance(reply, list):  # a batch reply; we send one prompt per request
@@ -388,11 +417,13 @@ class SGLangAPI(ServerAPI):
         if "output_ids" in reply and list(reply["output_ids"]) != ids:
             raise ValueError(f"{self.url}: output_ids and output_token_logprobs disagree")
         finish = (meta.get("finish_reason") or {}).get("type")
-        version = meta.get("weight_version")
+        # Its weight_version names the base's weights; under an adapter it says nothing of the version served.
+        version = None if self.adapters else meta.get("weight_version")
         return (Generation(ids, [_finite(p[0]) for p in pairs], "stop" if finish == "stop" else "length"),
                 None if version is None else str(version))
 
     def push(self, folder, version):
+        self.adapters = ()  # whole weights: requests name no adapter
         try:
             reply = self._call("POST", "/update_weights_from_disk",
                                {"model_path": str(folder), "weight_version": str(version)},
@@ -405,9 +436,9 @@ class SGLangAPI(ServerAPI):
     def probe_logprobs(self, token_ids):
         # Untested against a live server (no CPU build here): SGLang's documented input_token_logprobs, from
         # logprob_start_len 0, as [logprob, token_id, text] per prompt token (the first has none).
-        reply = self._call("POST", "/generate", {
+        reply = self._call("POST", "/generate", self._with_adapter({
             "input_ids": list(token_ids), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            "return_logprob": True, "logprob_start_len": 0}, timeout=60)
+            "return_logprob": True, "logprob_start_len": 0}), timeout=60)
         if isinstance(reply, list):
             reply = reply[0]
         pairs = (reply.get("meta_info") or {}).get("input_token_logprobs") or []

@@ -1,7 +1,7 @@
 """SGLang's native API mapped to rlstream's Generation and weight pushes.
 
 SGLang has no CPU build, so no server runs here: these tests check the request and response mapping against
-SGLang's documented API (docs/basic_usage/native_api and sampling_params: ``/generate`` with ``input_ids``,
+SGLang's documented API (docs/basic_usage/native_api, sampling_params and lora: ``/generate`` with ``input_ids``,
 ``sampling_params`` and ``return_logprob``; ``meta_info.output_token_logprobs`` as ``[logprob, token_id, text]``;
 ``meta_info.finish_reason.type``; ``/update_weights_from_disk`` answering ``success`` and ``message``;
 ``/get_model_info`` with ``model_path`` and ``weight_version``). The HTTP call is replaced by a recorder that
@@ -81,3 +81,24 @@ def test_a_reply_made_by_other_weights_than_confirmed_is_never_stamped():
         assert fleet.servers[0].version == -1  # it must confirm again before it gets work
     finally:
         fleet.close()
+
+
+def test_a_lora_version_is_an_adapter_of_its_own_name_that_each_request_names():
+    """SGLang's /load_lora_adapter (success, error_message) and /unload_lora_adapter; /generate names the adapter in
+    lora_path. Three are kept; a refusal says why and keeps what the server serves."""
+    api = Recorded({"/load_lora_adapter": {"success": True, "error_message": ""},
+                    "/unload_lora_adapter": {"success": True, "error_message": ""},
+                    "/generate": generate_reply([[-0.5, 11, None]], version="0")})
+    for version in range(4):
+        api.push_adapter(f"/weights/v{version}", version)
+    loads = [body for _, path, body in api.calls if path == "/load_lora_adapter"]
+    assert loads == [{"lora_name": f"rlstream-v{v}", "lora_path": f"/weights/v{v}"} for v in range(4)]
+    assert [body for _, path, body in api.calls if path == "/unload_lora_adapter"] == [{"lora_name": "rlstream-v0"}]
+    gen, named = api.generate([1, 2], SamplingParams(max_tokens=1))
+    assert api.calls[-1][2]["lora_path"] == "rlstream-v3" and gen.token_ids == [11]
+    assert named is None  # weight_version names the base: no word on the adapter's version
+    api.replies["/load_lora_adapter"] = {"success": False, "error_message": "LoRA is not enabled"}
+    with pytest.raises(PushRejected, match="LoRA is not enabled"):
+        api.push_adapter("/weights/v4", 4)
+    api.generate([1, 2], SamplingParams(max_tokens=1))
+    assert api.calls[-1][2]["lora_path"] == "rlstream-v3"
