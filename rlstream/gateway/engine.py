@@ -42,7 +42,7 @@ class PolicyEngine:
                                        settings.retry_load_s)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._follower = threading.Thread(target=self._follow, name="gateway-swap", daemon=True)
+        self._swapper = threading.Thread(target=self._follow, name="gateway-swap", daemon=True)
         self._calls: queue.Queue = queue.Queue()
         self._engine = threading.Thread(target=self._batches, name="gateway-engine", daemon=True)
 
@@ -56,7 +56,7 @@ class PolicyEngine:
         self.follower.connect(self.kafka.client_config(), self.kafka.run)
         self.backend = self.follower.start(self.s.wait_policy_s, self._make_backend)
         self.tokenizer = getattr(self.backend, "tokenizer", None) or self.tokenizer
-        self._follower.start()
+        self._swapper.start()
         self._engine.start()
 
     def _make_backend(self, pv, folder):
@@ -135,7 +135,7 @@ class PolicyEngine:
 
     def close(self) -> None:
         self._stop.set()
-        for thread in (self._follower, self._engine):
+        for thread in (self._swapper, self._engine):
             if thread.is_alive():
                 thread.join(5)
         self.follower.close()
