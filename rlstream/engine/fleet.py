@@ -208,6 +208,8 @@ class ServerFleet(InferenceBackend):
                     self.version, self.folder, self.adapter = version, Path(folder), adapter
             else:
                 server.failed_push, server.why = (version, self.options.clock()), why
+                if adapter and server.version == version:
+                    server.version = -1  # it holds the base, pushed under this number before its adapter: no work
             self._cond.notify_all()
         if ok:
             log.info("%s confirmed v%d", server.url, version)

@@ -10,6 +10,7 @@ import torch
 
 from rlstream.engine import make_backend
 from rlstream.engine.servers import ADAPTERS_KEPT, http_json
+from rlstream.models.loading import load_tokenizer
 from rlstream.policy.weights import PolicyWeights, WeightStore
 from rlstream.schemas.records import SamplingParams
 from rlstream.trainer.engine import TorchEngine
@@ -40,7 +41,9 @@ def test_vllm_servers_serve_each_lora_version_and_one_without_lora_gets_no_work(
     try:
         for server in servers:
             server.wait_ready()
-        fleet = make_backend("vllm-server", base, urls=[s.url for s in servers], version=0, tokenizer=tok)
+        # The tokenizer as rollout loads it, from the folder the servers serve.
+        fleet = make_backend("vllm-server", base, urls=[s.url for s in servers], version=0,
+                             tokenizer=load_tokenizer(base))
         weights.adopt(pv, fleet)  # the first version's adapter over the base both were started on
         with_lora, plain = fleet.servers
         for version in range(5):
