@@ -145,10 +145,10 @@ def defaults_check(args) -> dict:
                                   s.packed_sequences)
     eager = resolve_enforce_eager(rollout.enforce_eager, cuda)
     model = new_model(args)
-    shape = ModelShape.of_model(model) if cuda else None
+    shape = ModelShape.of_model(model)
     engine = make_engine(model, s.lr, device=device, autocast_mode=precision.autocast)
     half = precision.autocast == "bf16" or precision.dtype in ("bf16", "fp16")
-    pending = 12 * shape.params if shape else 0  # as TrainerService._budget: gradients and AdamW's moments
+    pending = 12 * shape.params  # as TrainerService._budget: gradients and AdamW's moments
     # Free memory before and after: the vLLM server, starting in the background, may take or give back some.
     free_before = torch.cuda.mem_get_info(device)[0] if cuda else 0
     budget = step_budget(s.micro_batch_tokens, device, shape, half, s.gradient_checkpointing, s.gpu_memory_fraction,
@@ -175,8 +175,9 @@ def defaults_check(args) -> dict:
                                  "every stage on the CPU")
     else:
         expected = {"dtype": "auto", "autocast": "off", "publish_dtype": "auto", "enforce_eager": True}
-        if budget.tokens != 0 or budget.room is not None:
-            raise AssertionError(f"on the CPU the default is the whole batch, not {budget.tokens} tokens")
+        if not MIN_BUDGET <= budget.tokens <= MAX_BUDGET or budget.room is not None:
+            raise AssertionError(f"on the CPU the default is a budget sized from the memory available, not "
+                                 f"{budget.tokens} tokens")
     expected["attention"] = None  # --packed-sequences is off by default: transformers' choice
     bad = [f"{k} {figures[k]!r}, expected {v!r}" for k, v in expected.items() if figures[k] != v]
     if bad:

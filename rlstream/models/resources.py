@@ -1,5 +1,5 @@
 """What a model costs in GPU memory, estimated from its shape (the trainer's state and activations per token, an
-in-process engine's weights and cache), and the cores this process has. The trainer's default micro-batch budget
+in-process engine's weights and cache), and the cores and memory this process has. The trainer's default micro-batch budget
 (``trainer/microbatch.py``) and the demo's placement (``infra/placement.py``) are sized from these, so both read
 one set of figures. Torch-free: the demo places its stages before any of them loads a model.
 
@@ -97,3 +97,19 @@ def cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def available_memory() -> int:
+    """Bytes this process could still allocate: the host's available memory (psutil), within the room its cgroup's
+    limit leaves (a container's ``--memory``; psutil reports the host's figure inside a container)."""
+    import psutil  # imported here: the demo's placement reads this module before anything heavy loads
+
+    available = psutil.virtual_memory().available
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):  # no cgroup v2 here, or not Linux
+        pass
+    return max(0, available)

@@ -9,10 +9,12 @@ gradients, so each rank's share is multiplied by the world size to make that ave
 Every rank holds the whole batch (rank 0 broadcasts it, ``trainer/distributed.py``) and plans the same split, so
 the ranks need no exchange to agree on who trains what; each trains its own micro-batches.
 
-The budget's default (``--micro-batch-tokens -1``) is 0 on the CPU (the whole batch at once, as before the knob had
-a default) and on CUDA sized from the memory this rank has left once its model is placed (``default_budget``): the
+The budget's default (``--micro-batch-tokens -1``) is sized from the memory this rank has left once its model is
+placed (``default_budget``): on CUDA the device's, on the CPU the machine's available memory (``cpu_room``). The
 first step of a real model otherwise runs its whole batch (16 groups x 8 samples, full-vocabulary logits) in one
-forward and runs out of memory. A whole-batch step (``0``) whose estimate does not fit is refused before its forward,
+forward and runs out of memory: the smollm2 recipe's first step (64 samples of about 250 tokens) took 20 GB and was
+OOM-killed on this project's 24 GB CPU machine while the CPU default was the whole batch. A model built in code (the
+demo's) gets the bound, 64k tokens, more than its steps have: for it nothing changes. A whole-batch step (``0``) whose estimate does not fit is refused before its forward,
 and an out-of-memory error in any step becomes one line naming the flag (``train_step``). The sizing is a pure
 function of the numbers it is given, unit-tested on the CPU; it has not run on a GPU in this project.
 """
@@ -25,7 +27,7 @@ import torch
 
 from rlstream.errors import UserError
 from rlstream.models.logprobs import pack_by_length
-from rlstream.models.resources import ModelShape, activation_bytes_per_token, gib
+from rlstream.models.resources import ModelShape, activation_bytes_per_token, available_memory, gib
 from rlstream.trainer.losses import reverse_kl_baseline
 from rlstream.trainer.update import Batch, UpdateConfig, batch_loss, policy_update
 
@@ -119,13 +121,14 @@ MARGIN = 0.6
 
 def default_budget(device_type: str, room: int | None, shape: ModelShape, dtype_bytes: int = 2,
                    checkpointing: bool = False) -> int:
-    """The default budget: 0 (whole batch) off CUDA; on CUDA as many tokens as ``MARGIN`` of ``room`` (bytes left
-    for activations) holds at ``activation_bytes_per_token``, in multiples of 1024 within the bounds.
+    """The default budget: as many tokens as ``MARGIN`` of ``room`` (bytes left for activations) holds at
+    ``activation_bytes_per_token``, in multiples of 1024 within the bounds; 0 (whole batch) off CUDA when the room
+    is not known (None).
 
     Sized rather than fixed: a fixed 16k would be 29 GB of logits alone for a 152k-vocabulary model (16k x 152k x
     12 bytes), past a 24 GB card, and a tenth of what a 135 M model can take on an H200.
     """
-    if device_type != "cuda":
+    if device_type != "cuda" and room is None:
         return 0
     per_token = activation_bytes_per_token(shape, dtype_bytes, checkpointing)
     tokens = int(max(0, room or 0) * MARGIN) // per_token
@@ -155,6 +158,12 @@ def cuda_room(device, fraction: float, pending: int) -> int | None:
         return None
     free, total = torch.cuda.mem_get_info(device)
     return activation_room(total, free, torch.cuda.memory_reserved(device), fraction, pending)
+
+
+def cpu_room(pending: int) -> int:
+    """Bytes a CPU trainer has for activations: the memory still available to it (which already leaves out what it
+    and every other process hold) less the state its first step allocates still (``pending``)."""
+    return available_memory() - pending
 
 
 def step_tokens(batch: Batch, packed: bool = False) -> int:
@@ -188,11 +197,18 @@ class StepBudget:
 def step_budget(requested: int, device, shape: ModelShape | None, half: bool, checkpointing: bool, fraction: float,
                 world: int = 1, pending: int = 0) -> StepBudget:
     """A trainer's ``StepBudget`` on ``device`` for ``--micro-batch-tokens`` ``requested``: activations in 16 bits
-    where ``half`` (bf16 autocast or a half dtype), room from the driver less the ``pending`` state. Off CUDA the
-    shape is not needed (None): the budget is as given, the whole batch for -1."""
-    if device.type != "cuda" or shape is None:
-        return StepBudget(max(0, resolve_budget(requested, "cpu", None, shape)), world=world)
+    where ``half`` (bf16 autocast or a half dtype), room from the driver (on the CPU: the memory available) less
+    the ``pending`` state. Without the model's shape (None) the budget is as given, the whole batch for -1. On the
+    CPU the room sizes the default only: a whole-batch step asked for (0) is not checked against it, since other
+    processes on the machine come and go."""
     dtype_bytes = 2 if half else 4
+    if shape is None:
+        return StepBudget(max(0, resolve_budget(requested, "cpu", None, shape)), world=world)
+    if device.type != "cuda":
+        # The machine's memory is shared by its ranks (CPU ranks are a host's processes): each sizes within its part.
+        room = cpu_room(pending) // max(1, world) if requested == AUTO else None
+        return StepBudget(max(0, resolve_budget(requested, "cpu", room, shape, dtype_bytes, checkpointing)),
+                          world=world)
     room = cuda_room(device, fraction, pending)
     return StepBudget(resolve_budget(requested, device.type, room, shape, dtype_bytes, checkpointing),
                       activation_bytes_per_token(shape, dtype_bytes, checkpointing), room, world)

@@ -290,6 +290,8 @@ class TrainerService:
         if budget.room is not None:
             log.info("micro-batches of %s tokens (%s left for activations, %.2f MiB a token)",
                      budget.tokens or "all the step's", gib(budget.room), budget.per_token / 2**20)
+        elif budget.tokens:
+            log.info("micro-batches of at most %d tokens (--micro-batch-tokens)", budget.tokens)
         return budget
 
     # -- consuming -------------------------------------------------------------------

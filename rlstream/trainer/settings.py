@@ -104,9 +104,9 @@ class TrainerSettings:
     gradient_checkpointing: bool = knob(False, "Recompute activations in the backward instead of keeping them")
     micro_batch_tokens: int = knob(-1, "Split each step into micro-batches of at most this many padded tokens, "
                                        "gradients accumulated into one optimizer step (0: the whole batch at once, "
-                                       "refused on a GPU when it cannot fit; -1: the whole batch on the CPU, on CUDA "
-                                       "a budget sized from the GPU memory left and the model's hidden size, layers "
-                                       "and vocabulary)")
+                                       "refused on a GPU when it cannot fit; -1: a budget sized from the memory left "
+                                       "(the GPU's on CUDA, the machine's available memory on the CPU) and the "
+                                       "model's hidden size, layers and vocabulary)")
     packed_sequences: bool = knob(False, "Padding-free: each (micro-)batch's rows packed into one sequence, attention "
                                          "kept within each row (models whose masks follow position_ids, checked at "
                                          "start); --micro-batch-tokens then counts real tokens")

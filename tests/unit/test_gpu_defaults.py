@@ -31,10 +31,14 @@ QWEN_7B = ModelShape(params=7_600_000_000, hidden=3584, layers=28, vocab=152064)
 
 # -- micro-batching -------------------------------------------------------------------------------------------------
 
-def test_the_budget_defaults_to_the_whole_batch_on_the_cpu_and_is_sized_on_cuda():
+def test_the_budget_is_sized_from_the_room_on_either_device_and_whole_without_one():
     assert TrainerSettings().micro_batch_tokens == -1
     assert default_budget("cpu", None, SMOL) == 0
     assert resolve_budget(-1, "cpu", None, SMOL) == 0
+    # On the CPU as on CUDA, from the room, in float32 there: SmolLM2 in 8 GiB gets a few thousand tokens, not the
+    # whole step (64 samples of ~250 tokens took 20 GB and were OOM-killed on a 24 GB machine).
+    cpu = default_budget("cpu", 8 * GIB, SMOL, dtype_bytes=4)
+    assert MIN_BUDGET <= cpu <= 4096 and cpu * activation_bytes_per_token(SMOL, 4) <= 0.6 * 8 * GIB
     per_token = activation_bytes_per_token(SMOL)
     # A 135 M model on a 24 GB card's 16 GiB of room: 0.6 of it at ~1.1 MB a token, in multiples of 1024.
     budget = default_budget("cuda", 16 * GIB, SMOL)
@@ -114,6 +118,29 @@ def test_the_trainer_resolves_its_device_knobs_once_on_the_cpu_as_before(monkeyp
     assert service.attention is None
     assert service._budget(None, sharded=False) == StepBudget(0)  # the whole batch, nothing to check
     assert step_budget(64, torch.device("cpu"), None, False, False, 1.0) == StepBudget(64)
+
+
+def test_a_cpu_trainer_sizes_its_default_budget_from_the_memory_available(monkeypatch):
+    import rlstream.trainer.microbatch as microbatch
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(microbatch, "available_memory", lambda: 10 * GIB)
+    pending = 12 * SMOL.params
+    sized = step_budget(-1, cpu, SMOL, False, False, 1.0, pending=pending)
+    assert sized.tokens == default_budget("cpu", 10 * GIB - pending, SMOL, 4) and sized.room is None
+    # Two ranks on the machine share it; a budget given, or the whole batch asked for, is kept as it is.
+    assert step_budget(-1, cpu, SMOL, False, False, 1.0, world=2, pending=pending).tokens == default_budget(
+        "cpu", (10 * GIB - pending) // 2, SMOL, 4) < sized.tokens
+    assert step_budget(0, cpu, SMOL, False, False, 1.0).tokens == 0
+    assert step_budget(2048, cpu, SMOL, False, False, 1.0).tokens == 2048
+    # A tiny model (the demo's) gets the bound: more than its steps have, so nothing changes for it.
+    tiny = ModelShape(params=1_000_000, hidden=64, layers=2, vocab=512)
+    assert step_budget(-1, cpu, tiny, False, False, 1.0).tokens == MAX_BUDGET
+
+
+def test_available_memory_is_within_the_hosts_and_positive():
+    import psutil
+    from rlstream.models.resources import available_memory
+    assert 0 < available_memory() <= psutil.virtual_memory().available + GIB
 
 
 # -- engines, attention, threads, devices ---------------------------------------------------------------------------
