@@ -216,15 +216,16 @@ def step_budget(requested: int, device, shape: ModelShape | None, half: bool, ch
 
 def train_step(engine, batch: Batch, cfg: UpdateConfig, ref_model=None, max_tokens: int | StepBudget = 0,
                rank: int = 0, world: int = 1) -> dict[str, float]:
-    """The step a trainer takes: one rank and no budget is the whole-batch ``policy_update`` (the CPU's default,
-    and the same to the bit as before micro-batches existed); otherwise micro-batches accumulated over the ranks.
-    Running out of GPU memory is a UserError that names the budget to set."""
+    """The step a trainer takes: on one rank, with no budget or one the whole batch fits in, the whole-batch
+    ``policy_update`` (the same to the bit as before micro-batches existed: a small model's steps under the CPU's
+    sized default are); otherwise micro-batches accumulated over the ranks. Running out of GPU memory is a UserError
+    that names the budget to set."""
     budget = max_tokens if isinstance(max_tokens, StepBudget) else StepBudget(max_tokens)
+    tokens = step_tokens(batch, cfg.packed)
     if budget.tokens <= 0:
-        check_whole_batch(step_tokens(batch, cfg.packed) // budget.world, budget.per_token, budget.room,
-                          batch.input_ids.shape[0])
+        check_whole_batch(tokens // budget.world, budget.per_token, budget.room, batch.input_ids.shape[0])
     try:
-        if budget.tokens <= 0 and world == 1:
+        if (budget.tokens <= 0 or tokens <= budget.tokens) and world == 1:
             return policy_update(engine, batch, cfg, ref_model)
         return accumulated_update(engine, batch, cfg, ref_model, budget.tokens, rank, world)
     except torch.OutOfMemoryError as exc:

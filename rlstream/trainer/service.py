@@ -270,8 +270,8 @@ class TrainerService:
         if s.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         set_attention(self.model, self.attention)
-        # Sized on CUDA only, before the engine (ZeRO-3 leaves each rank a shard of the parameters).
-        shape = ModelShape.of_model(self.model) if self.device.type == "cuda" else None
+        # Its shape read before the engine (ZeRO-3 leaves each rank a shard of the parameters).
+        shape = ModelShape.of_model(self.model)  # the default micro-batch budget is sized from it on any device
         engine = make_engine(self.model, s.lr, self.update_cfg.max_grad_norm, s.sharding,
                              device=self.device, autocast_mode=s.autocast,
                              world_size=self.ranks.world, lr_warmup_steps=s.lr_warmup_steps)

@@ -120,6 +120,16 @@ def test_the_trainer_resolves_its_device_knobs_once_on_the_cpu_as_before(monkeyp
     assert step_budget(64, torch.device("cpu"), None, False, False, 1.0) == StepBudget(64)
 
 
+def test_the_trainer_service_on_the_cpu_sizes_its_budget_from_its_model():
+    from rlstream.trainer.service import TrainerService
+    service = TrainerService(load(TrainerSettings, device="cpu"))
+    service._place()
+    service.model = build_model(build_tokenizer())
+    service._engine()
+    # The tiny model's bytes a token are few: the bound (it was the whole batch, 0, whatever the model).
+    assert service.budget == StepBudget(MAX_BUDGET)
+
+
 def test_a_cpu_trainer_sizes_its_default_budget_from_the_memory_available(monkeypatch):
     import rlstream.trainer.microbatch as microbatch
     cpu = torch.device("cpu")
