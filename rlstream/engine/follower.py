@@ -33,6 +33,14 @@ log = logging.getLogger(__name__)
 
 #: What a failed load raises: weights not readable (pruned, not in the log) or refused (hash or probe mismatch).
 LOAD_ERRORS = (OSError, ValueError)
+#: The line a worker logs once its first version serves (role, policy, version, engine): tests and operators wait
+#: on it, so it is named here rather than retyped where it is read (``serving_line``).
+SERVING = "%s serving %s v%d on %s"
+
+
+def serving_line(role: str, policy: str, version: int) -> str:
+    """The start of ``SERVING`` for a role's first version, as a log reader looks for it."""
+    return SERVING.rsplit("%s", 1)[0] % (role, policy, version)
 
 
 class PolicyFollower:
@@ -82,7 +90,7 @@ class PolicyFollower:
         self.weights.adopt(pv, backend)  # a LoRA version's adapter over the base the engine was built from
         self.weights.verify_first(pv, backend)
         self.held(backend.version)
-        log.info("%s serving %s v%d on %s", self.role, pv.policy, pv.version, backend.name)
+        log.info(SERVING, self.role, pv.policy, pv.version, backend.name)
         return backend
 
     def held(self, version: int) -> None:

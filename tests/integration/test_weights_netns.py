@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rlstream.engine.follower import serving_line
 from rlstream.infra import broker
 from rlstream.kafka.topics import create_topics
 from rlstream.policy.weight_log import parse_uri
@@ -87,7 +88,7 @@ def test_a_worker_in_its_own_network_namespace_loads_versions_through_the_broker
                  "--wait-policy-s", "120"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
         try:
-            wait_for(lambda: "rollout serving policy v0 on " in log.read_text(), 180,
+            wait_for(lambda: serving_line("rollout", "policy", 0) in log.read_text(), 180,
                      f"the worker to start on v0\n{trainer.log_tail(2000)}")
             for v in range(3):  # v1 a delta, v2 an anchor, v3 a delta: the worker takes each as it comes
                 produce(here, run, "rewards", scored_group(v + 1, v))
