@@ -90,7 +90,9 @@ def test_the_runtime_picks_batch_or_pipelined_per_stage_instance_and_takes_the_s
     assert modes(Both(True))[0] and not modes(Both(False))[0]
     from rlstream.stages.rollout import RolloutSettings, RolloutStage
     local = RolloutStage(RolloutSettings(backend="transformers"))
-    assert modes(local) == (True, 30) and local.max_in_flight is None
+    # Batched; a generation on an in-process engine gets --generation-timeout-s, not the generic 30 s.
+    assert modes(local) == (True, 600) and local.max_in_flight is None
+    assert modes(RolloutStage(RolloutSettings(backend="transformers", generation_timeout_s=5))) == (True, 30)
     fleet = RolloutStage(RolloutSettings(backend="vllm-server", engine_url=("http://a:1,http://b:2",),
                                          max_concurrency=16, request_timeout_s=100, request_retries=3))
     batched, timeout = modes(fleet)
