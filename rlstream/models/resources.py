@@ -1,7 +1,7 @@
 """What a model costs in GPU memory, estimated from its shape (the trainer's state and activations per token, an
-in-process engine's weights and cache), and the cores and memory this process has. The trainer's default micro-batch budget
-(``trainer/microbatch.py``) and the demo's placement (``infra/placement.py``) are sized from these, so both read
-one set of figures. Torch-free: the demo places its stages before any of them loads a model.
+in-process engine's weights and cache), and the cores and memory this process has. The trainer's default
+micro-batch budget (``trainer/microbatch.py``) and the demo's placement (``infra/placement.py``) are sized from
+these, so both read one set of figures. Torch-free: the demo places its stages before any of them loads a model.
 
 Estimates, not measurements: the layer term is Korthikanti et al.'s 34·h bytes per token per layer of 16-bit
 activations (attention through SDPA or flash-attention, so no sequence² term), the head term what the loss keeps

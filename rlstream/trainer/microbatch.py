@@ -14,8 +14,9 @@ placed (``default_budget``): on CUDA the device's, on the CPU the machine's avai
 first step of a real model otherwise runs its whole batch (16 groups x 8 samples, full-vocabulary logits) in one
 forward and runs out of memory: the smollm2 recipe's first step (64 samples of about 250 tokens) took 20 GB and was
 OOM-killed on this project's 24 GB CPU machine while the CPU default was the whole batch. A model built in code (the
-demo's) gets the bound, 64k tokens, more than its steps have: for it nothing changes. A whole-batch step (``0``) whose estimate does not fit is refused before its forward,
-and an out-of-memory error in any step becomes one line naming the flag (``train_step``). The sizing is a pure
+demo's) gets the bound, 64k tokens, more than its steps have: for it nothing changes. A whole-batch step (``0``)
+whose estimate does not fit is refused before its forward, and an out-of-memory error in any step becomes one line
+naming the flag (``train_step``). The sizing is a pure
 function of the numbers it is given, unit-tested on the CPU; it has not run on a GPU in this project.
 """
 from __future__ import annotations
