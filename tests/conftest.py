@@ -20,6 +20,22 @@ def bootstrap() -> str:
     return broker.up()
 
 
+@pytest.fixture(autouse=True)
+def _project_broker_alive(request):
+    """Before each test that needs the broker: the project's broker, started once for the whole session, still
+    runs. If it stopped (no test stops it: those that stop brokers start their own), every later test would fail
+    on a refused connection with the cause nowhere in sight; instead the session ends here, with the broker's
+    own last words and the free disk."""
+    if request.node.get_closest_marker("kafka") is None or os.environ.get("RLSTREAM_BOOTSTRAP"):
+        return
+    request.getfixturevalue("bootstrap")
+    from rlstream.infra import broker
+    why = broker.stopped()
+    if why:
+        pytest.exit(f"the project's Kafka broker stopped during this session, before {request.node.nodeid}; "
+                    f"every later test needs it, so the session ends here.\n{why}", returncode=1)
+
+
 @pytest.fixture
 def run_name(bootstrap) -> str:
     """A fresh run whose topics exist, so tests never see each other's records."""

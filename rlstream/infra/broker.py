@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from rlstream.infra.broker_config import (BrokerError, bootstrap_of, broker_port
                                           locked, new_cluster_id, node_ids, read_layout, resolve_host, resolve_port,
                                           write_layout)
 from rlstream.infra.broker_jars import kafka_lib
-from rlstream.infra.broker_process import node_pid, pid_file, port_open, start_nodes, stop_nodes, wait_exit, wait_ready
+from rlstream.infra.broker_process import (log_tail, node_pid, pid_file, port_open, start_nodes, stop_nodes,
+                                           wait_exit, wait_ready)
 
 START_TIMEOUT_S = 60.0  # per node: three JVMs starting on two cores take their turns
 STOP_TIMEOUT_S = 30.0
@@ -103,6 +105,23 @@ def status(home: Path | str | None = None) -> dict[int, dict]:
             out[n] = {"pid": pid, "bootstrap": f"{host_of(layout)}:{broker_port(layout['port'], n)}",
                       "controller": f"{host_of(layout)}:{controller_port(layout['port'], n)}"}
     return out
+
+
+def stopped(home: Path | str | None = None) -> str | None:
+    """None while every node of the cluster under home runs (or none was ever set up there); else why not: the
+    stopped nodes, the free disk where their data lies (a full disk is how a broker dies unseen: Kafka stops
+    itself when its log directory fails) and each one's errors and last console lines."""
+    home = _home(home)
+    layout = read_layout(home)
+    if layout is None:
+        return None
+    down_ = [n for n in node_ids(layout) if node_pid(home, n) is None]
+    if not down_:
+        return None
+    free_gb = shutil.disk_usage(kafka_root(home)).free / 2**30
+    tails = "\n".join(f"node {n} ({kafka_root(home)}/node-{n}/logs):\n{log_tail(home, n)}" for n in down_)
+    return f"Kafka node(s) {', '.join(map(str, down_))} under {kafka_root(home)} stopped ({free_gb:.1f} GB of disk " \
+           f"free there)\n{tails}"
 
 
 def bootstrap(home: Path | str | None = None) -> str | None:

@@ -141,7 +141,7 @@ def start_nodes(home: Path, layout: dict, ids: list[int]) -> None:
             _launch(home, n, java_exe, lib)
 
 
-def _log_tail(home: Path, node_id: int, lines: int = 10) -> str:
+def log_tail(home: Path, node_id: int, lines: int = 10) -> str:
     """The node's errors from server.log and the end of its console output, for error messages."""
     logs = node_dir(home, node_id) / "logs"
     text = []
@@ -151,7 +151,8 @@ def _log_tail(home: Path, node_id: int, lines: int = 10) -> str:
         text += errors[-lines:]
     with contextlib.suppress(OSError):
         text += (logs / "stdout.log").read_text(errors="replace").splitlines()[-lines:]
-    return "\n".join(text)
+    # A JVM's error line can run to kilobytes (a whole request dumped); its start says what happened.
+    return "\n".join(ln if len(ln) <= 400 else ln[:400] + " ..." for ln in text)
 
 
 def wait_ready(home: Path, layout: dict, ids: list[int], timeout: float) -> None:
@@ -167,7 +168,7 @@ def wait_ready(home: Path, layout: dict, ids: list[int], timeout: float) -> None
             if node_pid(home, n) is None:
                 raise BrokerError(
                     f"Kafka node {n} exited while starting (port {broker_port(port, n)} or "
-                    f"{controller_port(port, n)} in use?). Log {node_dir(home, n) / 'logs'}:\n{_log_tail(home, n)}"
+                    f"{controller_port(port, n)} in use?). Log {node_dir(home, n) / 'logs'}:\n{log_tail(home, n)}"
                 )
         if all(port_open(broker_port(port, n), host=host_of(layout)) for n in ids):
             try:

@@ -98,7 +98,7 @@ def test_three_brokers_replication_three_survive_losing_one(home, tmp_path, star
     coordinates the stage's consumer group mid-run: the stage carries on without loss or duplicates."""
     port = free_base_port(6)
     bootstrap = broker.up(home, brokers=3, port=port)
-    assert len(broker.status(home)) == 3
+    assert len(broker.status(home)) == 3 and broker.stopped(home) is None
     run = "bf3" + uuid.uuid4().hex[:8]
     create_topics({"bootstrap.servers": bootstrap}, run, replication=3, partitions=2)
     admin = AdminClient({"bootstrap.servers": bootstrap})
@@ -119,6 +119,8 @@ def test_three_brokers_replication_three_survive_losing_one(home, tmp_path, star
         victim = group.coordinator.id  # the hardest one to lose: offsets and membership move elsewhere
         broker.kill_node(home, victim)
         assert victim not in broker.status(home) and len(broker.status(home)) == 2
+        why = broker.stopped(home)  # what the suite's guard (tests/conftest.py) reports of a broker that stopped
+        assert why and why.startswith(f"Kafka node(s) {victim} under ") and "GB of disk free" in why, why
         produce(bootstrap, run, "trajectories", _trajectories(first, second))
         _exactly_once(bootstrap, run, first + second, log)
         assert proc.alive(), "the stage did not survive losing a broker:\n" + log.read_text()[-3000:]
