@@ -46,9 +46,13 @@ run_one() {
     echo "   $name took $((SECONDS - t0)) s"
   } >"$OUT/$name.report" 2>&1
 }
+# BENCH_SKIP=NAME,... leaves those out of a SMOKE=1 run: the smoke test skips what another test already runs bigger.
+BENCH_SKIP=${BENCH_SKIP:-}
+if [[ $SMOKE != 1 && -n $BENCH_SKIP ]]; then echo "BENCH_SKIP is for SMOKE=1 only" >&2; exit 2; fi
 bench() {
   local args=$3
   [[ $SMOKE == 1 ]] && args=$4
+  if [[ ",$BENCH_SKIP," == *",$1,"* ]]; then echo "== $1 skipped (BENCH_SKIP)"; return; fi
   names+=("$1")
   rm -f "$OUT/$1.failed"
   if ((JOBS == 1)); then run_one "$1" "$2" "$args"; cat "$OUT/$1.report"; return; fi
