@@ -83,8 +83,11 @@ check-pins:       ## fail when an installed package is not pinned, at its versio
 broker: setup
 	$(RLSTREAM) up
 
+# Two workers (pytest-xdist): the end-to-end tests, CPU-bound, on one; the integration tests, which mostly wait, and
+# the unit tests on the other (tests/conftest.py groups them).
+TEST_WORKERS ?= 2
 test: setup-vllm broker ## every test, slow ones included, against the real broker and chDB
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: setup  ## unit tests only
 	$(PY) -m pytest -q tests/unit

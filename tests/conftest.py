@@ -11,6 +11,17 @@ from rlstream.infra.supervisor import StageProc, stage_env
 from tests.helpers import ROOT
 
 
+def pytest_collection_modifyitems(config, items):
+    """For pytest-xdist (`make test` runs two workers, --dist loadgroup): a file's tests stay on one worker, so
+    its module fixtures (vLLM servers among them) are built once; and tests/e2e is one group, run test after test
+    on one worker, since its tests share the project's folders (.rlstream/recipes, the TRL venv, the distillation
+    teacher) and each is CPU-bound, while the integration tests beside them mostly wait (on the broker, on
+    timeouts they provoke: 60 % of the cores were idle through them, one at a time)."""
+    for item in items:
+        parts = Path(str(item.fspath)).resolve().relative_to(ROOT).parts
+        item.add_marker(pytest.mark.xdist_group("e2e" if parts[:2] == ("tests", "e2e") else "/".join(parts)))
+
+
 @pytest.fixture(scope="session")
 def bootstrap() -> str:
     """The broker's address: $RLSTREAM_BOOTSTRAP, else the project's own broker (started if needed)."""
