@@ -2,7 +2,8 @@
 gets an announced version's folder (``PolicyWeights``).
 
 A URI names the store: ``file:///abs/dir`` or a plain path (the default), or any fsspec URL for an object store
-shared between hosts (``s3://bucket/run``, ``gs://...``, ``memory://`` in tests), laid out as
+shared between hosts (``s3://bucket/run`` through s3fs, which finds an S3-compatible server by ``AWS_ENDPOINT_URL``;
+``gs://...`` once gcsfs is installed; ``memory://`` in tests), laid out as
 ``<root>/<policy>/v<version>/``. Each folder is a complete transformers checkpoint (config, tokenizer,
 model.safetensors), so any engine loads it. A version is complete when its ``COMPLETE`` marker exists: a local
 folder appears whole by a rename; in an object store the marker is uploaded last and deleted first.
@@ -108,6 +109,9 @@ class WeightStore:
         """Complete versions in the store, oldest first."""
         if not self.local:
             folder = self._remote(policy)
+            # Listings are cached per filesystem instance (s3fs, gcsfs): another host's new versions would stay
+            # unseen by a long-lived reader without this.
+            self.fs.invalidate_cache(folder)
             if not self.fs.exists(folder):
                 return []
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(folder, detail=False)]
@@ -160,6 +164,7 @@ def fetch_uri(uri: str, cache_dir: Path) -> Path:
     final = Path(cache_dir) / "store" / (parsed.scheme + "_" + (parsed.netloc + parsed.path).strip("/").replace("/", "_"))
     if (final / COMPLETE).exists():
         return final
+    fs.invalidate_cache(remote)  # a listing cached before the version was complete would hide it
     if not fs.exists(f"{remote}/{COMPLETE}"):
         raise FileNotFoundError(f"{uri}: not a complete version in the store (pruned, or not written yet)")
     tmp = final.with_name(final.name + ".tmp")
