@@ -44,6 +44,7 @@ from benchmarks.harness.record import Goal, record
 from benchmarks.harness.result import commit
 from rlstream.policy.weights import WeightStore
 from rlstream.schemas.records import Reward, SamplingParams, ScoredTrajectory, Task, Trajectory
+from rlstream.trainer import shards
 from rlstream.trainer.engine import TorchEngine
 from rlstream.trainer.update import UpdateConfig, build_batch, policy_update
 
@@ -152,7 +153,7 @@ def checkpoint_cost(model, tokenizer, engine: TorchEngine, repeats: int) -> list
         model.save_pretrained(folder, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
-        torch.save(engine.state_dict(), folder / "optimizer.pt")
+        shards.save(engine, str(folder / shards.FOLDER), "none", 1)  # the AdamW state, through DCP
         (folder / "consumed_ahead.json").write_text("[]")
 
     times = []

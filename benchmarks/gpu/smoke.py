@@ -225,7 +225,7 @@ def sharded_check(args, sharding: str, reference_run: dict) -> dict:
     """The engine at world size 1 against the plain one: the same steps; and its saved state resumes them."""
     if sharding.startswith("zero"):
         need("deepspeed")
-    from rlstream.trainer.checkpoint import read_optimizer_states, write_optimizer_states
+    from rlstream.trainer import shards
     from rlstream.trainer.engine import DDPEngine
     from rlstream.trainer.sharding import make_engine
     from rlstream.trainer.microbatch import train_step
@@ -249,13 +249,13 @@ def sharded_check(args, sharding: str, reference_run: dict) -> dict:
     carried = run(first, steps[:2])
     folder = Path(tempfile.mkdtemp(prefix=f"smoke-{sharding}-"))
     try:
-        write_optimizer_states(folder, [first.state_dict()], first.sharded)
+        manifest = shards.save(first, str(folder / "state"), sharding, 1)  # as a version's training state
         # Copied: at world size 1 on the CPU, FSDP2's gathered "full" tensors are the live shards themselves.
         full = first.full_state_dict() or first.model.state_dict()
         weights = {k: v.detach().cpu().clone() for k, v in full.items()}
         carried += run(first, steps[2:])
         resumed_engine = engine(weights)
-        resumed_engine.load_state_dict(read_optimizer_states(folder))
+        shards.load(resumed_engine, str(folder / "state"), manifest, sharding, 1)
         resumed = run(resumed_engine, steps[2:])
         fresh = run(engine(weights), steps[2:])  # no optimizer state: must differ, or a lost state would pass
     finally:

@@ -19,11 +19,16 @@ workers hash the folder.
 the cast tensors (its config naming their dtype), and the trainer's master weights, as trained, in the private
 ``master.safetensors`` beside them (``deltas.PRIVATE``: never hashed, never on the weights topic). A resume loads
 the master over the folder's weights (``load_resumed``), so a restart continues from the weights exactly as trained,
-not from their rounding. Invariant: **an announced version's folder holds the master it was published from.** It
-holds because the master is written inside the version's folder, which ``WeightStore.put`` makes appear whole
-before ``TrainerService._publish`` produces the record that announces the version (``PendingVersion.uri``), in the
-transaction that commits its samples' offsets: a SIGKILL before the commit leaves an unannounced folder (overwritten
-when the step is redone), one after it a folder whose master matches the committed offsets.
+not from their rounding.
+
+Invariant: **an announced version's folder holds the state it was published from**: its weights, its master, and
+(where the version carries it) every rank's shard of the training state. It holds because all of them are in the
+version's folder before ``WeightStore.put`` makes the folder appear whole, and ``TrainerService._publish`` produces
+the record that announces the version (``PendingVersion.uri``) only after that, in the transaction that commits its
+samples' offsets. The shards get there by every rank writing its own (``trainer/shards.py``: ``save`` returns on
+rank 0 only once every rank's files are written and synced, a barrier after DCP's save), which rank 0 moves into the
+folder while writing it (``shards.adopt``). A SIGKILL before the commit leaves an unannounced folder (overwritten
+when the step is redone), one after it a folder whose master and shards match the committed offsets.
 """
 from __future__ import annotations
 
@@ -222,40 +227,3 @@ def load_resumed(folder: Path, dtype: str = "auto", flag: str = "resume from"):
         raise ValueError(f"{master}: does not fit the model in {folder} (missing {absent}, unexpected {unexpected})")
     log.info("resumed the master weights (%s) from %s", dtype_name(trained), master)
     return model
-
-
-def has_optimizer_state(folder: Path) -> bool:
-    return (folder / "optimizer.pt").exists() or (folder / "optimizer").is_dir()
-
-
-def write_optimizer_states(folder: Path, states: list[dict], sharded: bool) -> None:
-    """Plain torch's state in ``optimizer.pt``; a sharded engine's in ``optimizer/rank{r}.pt``, one per rank."""
-    if not sharded:
-        torch.save(states[0], folder / "optimizer.pt")
-        return
-    (folder / "optimizer").mkdir()
-    for rank, state in enumerate(states):
-        torch.save(state, folder / "optimizer" / f"rank{rank}.pt")
-
-
-def read_optimizer_states(folder: Path) -> list[dict] | None:
-    """The optimizer state saved with the checkpoint in ``folder``, in rank order (None: none saved)."""
-    if (folder / "optimizer.pt").exists():
-        return [torch.load(folder / "optimizer.pt", weights_only=True)]
-    shards = sorted((folder / "optimizer").glob("rank*.pt"), key=lambda f: int(f.stem[4:]))
-    # ZeRO's state holds more than tensors (its loss scaler): a full unpickle, of the trainer's own files.
-    return [torch.load(f, weights_only=False) for f in shards] or None
-
-
-
-def resume_optimizer_states(folder: Path, store, policy: str, version: int, cache_dir: Path) -> list[dict] | None:
-    """The optimizer state a trainer resuming ``version`` (its weights in ``folder``) takes: the folder's own, else
-    the newest at or before ``version`` in ``store`` (``--checkpoint-every``); None: Adam starts anew."""
-    if has_optimizer_state(folder):
-        return read_optimizer_states(folder)
-    for v in sorted((v for v in store.versions(policy) if v <= version), reverse=True):
-        candidate = store.fetch(policy, v, cache_dir)
-        if has_optimizer_state(candidate):
-            log.info("resuming the optimizer state of v%d with the weights of v%d (--checkpoint-every)", v, version)
-            return read_optimizer_states(candidate)
-    return None

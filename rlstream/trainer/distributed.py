@@ -2,9 +2,9 @@
 
 Rank 0 is the trainer the log knows: it alone owns the consumer, the window, the transaction and the publish.
 Every step it broadcasts the batch; every rank trains its share of the micro-batches (data parallel, gradients
-reduced by DDP or DeepSpeed ZeRO); before each publish every rank hands rank 0 its optimizer shard (and, under
-ZeRO-3, its part of the parameters), and rank 0 writes the checkpoint and then commits the step's offsets and its
-PolicyVersion once. The other ranks only follow rank 0's commands (``Ranks.follow``), so the unit is no less
+reduced by DDP or DeepSpeed ZeRO); at each publish every rank writes its own shard of the training state
+(``trainer/shards.py``) and, under ZeRO-3 and FSDP2, hands rank 0 its part of the parameters, and rank 0 writes the
+version's folder and then commits the step's offsets and its PolicyVersion once. The other ranks only follow rank 0's commands (``Ranks.follow``), so the unit is no less
 exactly-once than one process: nothing they do reaches the log.
 
 Who starts the ranks: either the trainer itself (``--nproc N``: ``launch`` spawns N ranks on this machine, on a
@@ -105,14 +105,6 @@ class Ranks:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
-    def gather(self, obj) -> list | None:
-        """Every rank's ``obj``, in rank order, on rank 0 (None elsewhere)."""
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world if self.lead else None
-        torch.distributed.gather_object(obj, out, dst=0)
-        return out
-
     def command(self, name: str, payload=None) -> None:
         """Rank 0 tells the followers what to do next (they run the same call after it)."""
         if self.world > 1:
@@ -128,7 +120,7 @@ class Ranks:
             if name == "step":
                 service._train(payload)
             elif name == "save":
-                service._checkpoint_parts()
+                service._checkpoint_parts(payload)
             elif name == "ref":
                 service._load_ref(payload)
             else:

@@ -7,9 +7,9 @@ around each micro-batch's forward and backward, ``backward``, then one ``optimiz
 gradients are averaged (DDP's all-reduce, ZeRO's and FSDP2's reduce-scatter), which the caller's loss scale accounts
 for (``trainer/microbatch.py``).
 
-Optimizer state: ``state_dict()`` is this rank's (its shard, where ``sharded``); ``load_state_dict(states)`` takes
-every rank's, in rank order, because a sharded engine re-partitions from all of them (rank 0's alone where not
-sharded).
+Training state: ``checkpoint_state()`` is what this rank writes into a version's DCP checkpoint (its shard, where
+``sharded``), ``load_checkpoint(load, manifest)`` reads this rank's part back through ``load(template)``
+(``trainer/shards.py``: which engine reshards to another number of ranks).
 
 Learning rate: linear warm-up over the first ``lr_warmup_steps`` optimizer steps (``warmup_lr``), on every engine.
 """
@@ -93,12 +93,22 @@ class TorchEngine:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+    def checkpoint_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    def load_state_dict(self, states: list[dict]) -> None:
-        # Every rank's plain AdamW state is the same (its gradients were averaged): rank 0's serves any world size.
-        self.optimizer.load_state_dict(states[0])
+        # Keyed by parameter name, so any number of ranks reads it back. A fresh AdamW has nothing to write (and
+        # get_optimizer_state_dict would make it take a zero step, counted as Adam's first).
+        return {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)} if self.optimizer.state else {}
+
+    def load_checkpoint(self, load, manifest: dict) -> None:
+        if not manifest["optimizer"]:
+            return  # written before the first step: Adam starts as it was
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        # The template DCP reads into (every rank reads the whole state: it is the same on each).
+        state = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        load(state)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.steps = adam_steps(self.optimizer)
 
     def full_state_dict(self):

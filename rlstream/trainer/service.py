@@ -50,8 +50,8 @@ from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion
 from rlstream.trainer.chain import chain_stats
-from rlstream.trainer.checkpoint import (PendingVersion, VersionWriter, load_resumed, resume_optimizer_states,
-                                         write_optimizer_states)
+from rlstream.trainer import shards
+from rlstream.trainer.checkpoint import PendingVersion, VersionWriter, load_resumed
 from rlstream.trainer.distill import DistillConfig, coef_at
 from rlstream.trainer.distributed import Ranks, check_ranks, start_ranks
 from rlstream.trainer.sharding import make_engine
@@ -227,12 +227,11 @@ class TrainerService:
             self.model, self.tokenizer = version_zero(self.settings, self.attention, self.ranks.lead, self.lora,
                                                       self.store, self.loop.policy)
         self.engine = self._engine()
-        states = resume_optimizer_states(folder, self.store, self.loop.policy, self._resuming,
-                                         self.loop.home_path / "weights-cache") \
-            if folder is not None and self.ranks.lead else None
-        states = self.ranks.broadcast(states)
-        if states:
-            self.engine.load_state_dict(states)
+        found = shards.find(folder, self.store, self.loop.policy, self._resuming, self.loop.home_path /
+                            "weights-cache") if folder is not None and self.ranks.lead else None
+        found = self.ranks.broadcast(found)  # where each rank reads its own shard, and what wrote it
+        if found:
+            shards.load(self.engine, *found, self.settings.sharding, self.ranks.world)
         self.model.eval()
 
     def _resume_folder(self, announced: PolicyVersion) -> Path:
@@ -365,26 +364,27 @@ class TrainerService:
         return train_step(self.engine, batch, self.update_cfg, self.ref_model, self.budget, self.ranks.rank,
                           self.ranks.world)
 
-    def _checkpoint_parts(self):
-        """(the whole model's parameters where the engine shards them, else None; the optimizer state: every rank's
-        where sharded, else rank 0's alone, as every rank's is the same), both on rank 0; every rank takes part."""
+    def _checkpoint_parts(self, staging: str | None):
+        """The whole model's parameters on rank 0 where the engine shards them (else None), and with ``staging``
+        the training state's manifest, each rank's shard written there (``trainer/shards.py``); every rank takes
+        part."""
         full = self.engine.full_state_dict()
-        return full, self.ranks.gather(self.engine.state_dict()) if self.engine.sharded else [self.engine.state_dict()]
+        return full, shards.save(self.engine, staging, self.settings.sharding, self.ranks.world) if staging else None
 
     def _publish(self, version: int, stats: dict[str, float], offsets, samples: int) -> None:
         policy = self.loop.policy
         publish_started, created = time.monotonic(), hdr.now_ms()  # the update is done: the version exists
         written = {}
-        self.ranks.command("save")
-        full_state, optimizer_states = self._checkpoint_parts()
+        every = 1 if self.engine.sharded else self.settings.checkpoint_every
+        full_checkpoint = self._full_checkpoint is None or version % every == 0
+        staging = shards.staging(self.store, policy, version) if full_checkpoint else None
+        self.ranks.command("save", staging)
+        full_state, manifest = self._checkpoint_parts(staging)
         if self._writer is None and self.lora:
             self._writer = self.lora.writer(self.model, self.tokenizer)
         if self._writer is None:
             self._writer = VersionWriter(self.model, self.tokenizer, None if self.settings.publish_dtype == "auto"
                                          else torch_dtype(self.settings.publish_dtype))
-
-        every = 1 if self.engine.sharded or full_state is not None else self.settings.checkpoint_every
-        full_checkpoint = self._full_checkpoint is None or version % every == 0
 
         def write(folder: Path, on_content) -> None:
             # What workers load, hashed as they will hash it (the store may be remote: hashed while it is here).
@@ -397,7 +397,7 @@ class TrainerService:
             if self._tokenizer_hash is None:
                 self._tokenizer_hash = tokenizer_hash(folder)
             if full_checkpoint:
-                write_optimizer_states(folder, optimizer_states, self.engine.sharded)
+                shards.adopt(staging, folder, manifest)
 
         # The load probe every engine must reproduce for this version (rlstream.policy.probe); a sharded model has no
         # whole copy on this rank to run it on, so its versions go unprobed.

@@ -5,10 +5,9 @@ Both run on the CPU over gloo as on GPUs over NCCL, and on a single process as a
 FSDP2 every forward and backward is a collective (parameters are gathered per layer), so every rank must run as
 many micro-batches as the others (``trainer/microbatch.py`` pads with zero-weight passes).
 
-Checkpoints: each rank's optimizer shard is saved as its own file (``state_dict``) and the full parameters are
-gathered to rank 0 (``full_state_dict``, a collective). On resume every rank is handed every rank's shard:
-ZeRO merges and re-partitions them; FSDP2 concatenates the dim-0 shards into the full state and shards it again
-for the current world, so a checkpoint resumes on any number of ranks.
+Checkpoints: each rank writes its own shard of the training state (``checkpoint_state``, through DCP:
+``trainer/shards.py``, which says which engine reshards); the full parameters that workers load are gathered to
+rank 0 (``full_state_dict``, a collective).
 """
 from __future__ import annotations
 
@@ -98,15 +97,23 @@ class DeepSpeedEngine:
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
-    def state_dict(self) -> dict:
+    def checkpoint_state(self) -> dict:
         import deepspeed
 
-        # This rank's partition; ZeRO's loader asks for the version that wrote it.
-        return {**self.engine.optimizer.state_dict(), "ds_version": deepspeed.__version__}
+        # This rank's partition under its own key, whole (DeepSpeed's own structure, loss scaler and all): DCP writes
+        # it into this rank's file, and only this rank reads it back.
+        rank = torch.distributed.get_rank()
+        return {f"zero_rank{rank}": _Opaque({**self.engine.optimizer.state_dict(), "ds_version": deepspeed.__version__})}
 
-    def load_state_dict(self, states: list[dict]) -> None:
-        # ZeRO merges the saved partitions and takes its own: every rank gets them all.
-        self.engine.optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)
+    def load_checkpoint(self, load, manifest: dict) -> None:
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        state = {f"zero_rank{rank}": _Opaque(None)}
+        load(state)
+        # At the same number of ranks (trainer/shards.py refuses another) ZeRO's loader reads the current rank's
+        # entry alone, fp32 master partition included.
+        mine = [None] * world
+        mine[rank] = state[f"zero_rank{rank}"].value
+        self.engine.optimizer.load_state_dict(mine, load_optimizer_states=True, load_from_fp32_weights=True)
 
     def full_state_dict(self):
         if self.stage < 3:
@@ -164,23 +171,28 @@ class FSDP2Engine(TorchEngine):
         self.optimizer.step()
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    def checkpoint_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        # Keyed by parameter name; each DTensor as this rank's dim-0 shard.
-        return _to_local(get_optimizer_state_dict(self.model, self.optimizer))
+        # This rank's DTensor shards, keyed by parameter name: DCP writes each rank's pieces and reshards on load.
+        # The model's too: its fp32 shards are the master, whatever dtype the version was published in.
+        state = {"model": get_model_state_dict(self.model)}
+        if self.optimizer.state:  # a fresh AdamW has none (and would take a zero step to make one)
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        return state
 
-    def load_state_dict(self, states: list[dict]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        if any(not isinstance(k, str) for s in states for k in s.get("state", {})):
-            raise ValueError("the checkpoint's optimizer state is not FSDP2's (keyed by parameter index, from "
-                             "--sharding none): resume with the --sharding that wrote it")
-        full = {"state": {name: {key: _concat([s["state"][name][key] for s in states])
-                                 for key in value} for name, value in states[0]["state"].items()},
-                "param_groups": states[0]["param_groups"]}
-        # Every rank holds the full state: each keeps its own shard of it for the current world.
-        set_optimizer_state_dict(self.model, self.optimizer, full, options=StateDictOptions(full_state_dict=True))
-        self.steps = adam_steps(self.optimizer)
+    def load_checkpoint(self, load, manifest: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
+
+        state = {"model": get_model_state_dict(self.model)}
+        if manifest["optimizer"]:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        load(state)  # into this rank's shards, for the current world
+        set_model_state_dict(self.model, state["model"])
+        if manifest["optimizer"]:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            self.steps = adam_steps(self.optimizer)
 
     def full_state_dict(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -190,20 +202,8 @@ class FSDP2Engine(TorchEngine):
         return full if int(os.environ.get("RANK", "0")) == 0 else None
 
 
-def _to_local(obj):
-    """``obj`` with every DTensor as this rank's local shard, on the CPU (a plain pickle, loadable anywhere)."""
-    if isinstance(obj, dict):
-        return {k: _to_local(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_local(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return (obj.to_local() if hasattr(obj, "to_local") else obj).detach().cpu().clone()
-    return obj
+class _Opaque:
+    """A value DCP writes as one object (pickled whole into the writing rank's file) instead of walking into it."""
 
-
-def _concat(parts: list):
-    """Every rank's shard of one state entry as the whole: dim-0 shards joined in rank order; a scalar (AdamW's
-    step) is the same on every rank."""
-    if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0:
-        return torch.cat(parts)
-    return parts[0]
+    def __init__(self, value):
+        self.value = value

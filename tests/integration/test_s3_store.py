@@ -75,7 +75,8 @@ def test_store_on_s3_puts_lists_prunes_and_a_second_reader_sees_new_versions(s3_
 
 
 def _trainer(bootstrap, run, uri):
-    trainer = TrainerService(TrainerSettings(weights=uri, warmup_steps=0, window_groups=4),
+    # --checkpoint-every 1: every version holds its training state, written to S3 through DCP's fsspec writer.
+    trainer = TrainerService(TrainerSettings(weights=uri, warmup_steps=0, window_groups=4, checkpoint_every=1),
                              LoopSettings(groups_per_step=2, eta=1))
     thread = threading.Thread(target=trainer.serve, args=(KafkaSettings(bootstrap=bootstrap, run=run),
                                                           RuntimeSettings(poll_timeout_s=0.1)), daemon=True)
@@ -109,6 +110,7 @@ def test_trainer_publishes_to_s3_a_worker_loads_it_checked_and_a_restart_resumes
     trainer2, thread2 = _trainer(bootstrap, run_name, uri)
     wait_for(lambda: trainer2.version >= 1, 240, "the restarted trainer's resume")
     assert trainer2.version == 1
+    assert trainer2.engine.steps == 1, "the restart did not resume Adam from v1's training state on S3"
     produce_groups(bootstrap, run_name, [3, 4], version=1)
     wait_for(lambda: trainer2.version >= 2, 240, "the restarted trainer's v2")
     trainer2.stop()

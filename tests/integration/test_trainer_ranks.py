@@ -1,10 +1,12 @@
 """The trainer on 2 ranks on the CPU (gloo): the same losses as 1 rank on the same batches under DDP, ZeRO-2, ZeRO-3
-and FSDP2; optimizer shards saved and restored; and a rank killed mid-run takes the trainer down, which restarts
+and FSDP2; every rank's shard of the training state written through DCP and resumed, on another number of ranks where the
+engine reshards; and a rank killed mid-run takes the trainer down, which restarts
 from its last version with no sample trained twice."""
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 import re
 import signal
 
@@ -84,83 +86,117 @@ def test_two_ranks_match_one_rank_on_the_same_batches(tmp_path, sharding, budget
     assert len({round(loss, 6) for loss, _ in ref}) == STEPS
 
 
-def resume_fixed(ranks, out: str, sharding: str) -> None:
-    """Two steps, a checkpoint of the optimizer state as the trainer writes it, then the last steps three ways:
-    carried on, resumed from the checkpoint in new engines, and in new engines without the optimizer state."""
-    torch.set_num_threads(1)
-    from pathlib import Path
-
+def _engine(ranks, sharding: str, weights=None):
     from rlstream.models.tiny import build_model, build_tokenizer
-    from rlstream.trainer.checkpoint import read_optimizer_states, write_optimizer_states
-    folder = Path(out).parent / "checkpoint"
-    batches = fixed_batches()
+    model = build_model(build_tokenizer(), seed=0)
+    if weights is not None:
+        model.load_state_dict(weights)
+    return make_engine(model, lr=1e-2, sharding=sharding, world_size=ranks.world)
 
-    def engine(weights=None):
-        model = build_model(build_tokenizer(), seed=0)
-        if weights is not None:
-            model.load_state_dict(weights)
-        return make_engine(model, lr=1e-2, sharding=sharding, world_size=ranks.world)
 
-    def steps(e, part):
-        return [train_step(e, b, UpdateConfig(), max_tokens=24, rank=ranks.rank, world=ranks.world)["loss"]
-                for b in part]
+def _steps(ranks, engine, part) -> list[float]:
+    return [train_step(engine, b, UpdateConfig(), max_tokens=24, rank=ranks.rank, world=ranks.world)["loss"]
+            for b in part]
 
-    first = engine()
-    steps(first, batches[:2])
-    states = ranks.gather(first.state_dict()) if first.sharded else [first.state_dict()]
-    # Where parameters are sharded (ZeRO-3, FSDP2) they are gathered to rank 0, as for a checkpoint, and sent on.
-    full = first.full_state_dict()
-    if full is None and ranks.lead:
-        full = {k: v.detach().clone() for k, v in first.model.state_dict().items()}
-    weights = ranks.broadcast(full)
+
+def save_fixed(ranks, out: str, sharding: str) -> None:
+    """Two steps, then the training state written as the trainer writes it (every rank its own shard, rank 0 moves
+    them into the version's folder, with the whole weights beside them), then the last steps carried on."""
+    torch.set_num_threads(1)
+    from rlstream.trainer import shards
+    from rlstream.policy.weights import WeightStore
+    folder = Path(out).parent / f"saved{ranks.world}"
+    store = WeightStore(str(folder.parent / "store"))
+    first = _engine(ranks, sharding)
+    _steps(ranks, first, fixed_batches()[:2])
+    staging = ranks.broadcast(shards.staging(store, "p", ranks.world) if ranks.lead else None)
+    manifest = shards.save(first, staging, sharding, ranks.world)
+    full = first.full_state_dict()  # the weights a resume builds its model from (ZeRO-3 and FSDP2: gathered)
     if ranks.lead:
         folder.mkdir()
-        write_optimizer_states(folder, states, first.sharded)
-        torch.save(weights, folder / "model.bin")
-    carried = steps(first, batches[2:])
-    resumed_engine = engine(weights)
-    resumed_engine.load_state_dict(ranks.broadcast(read_optimizer_states(folder) if ranks.lead else None))
-    resumed = steps(resumed_engine, batches[2:])
-    fresh = steps(engine(weights), batches[2:])
+        shards.adopt(staging, folder, manifest)
+        torch.save(full if full is not None else first.model.state_dict(), folder / "model.bin")
+    carried = _steps(ranks, first, fixed_batches()[2:])
     if ranks.lead:
-        with open(out, "w") as f:
-            json.dump({"carried": carried, "resumed": resumed, "fresh": fresh,
-                       "files": sorted(str(p.relative_to(folder)) for p in folder.rglob("*.pt"))}, f)
+        Path(out).write_text(json.dumps({"carried": carried, "manifest": manifest}))
 
 
-def resume_on_one_rank(ranks, out: str) -> None:
-    """The 2-rank FSDP2 checkpoint of ``resume_fixed`` resumed by one rank: the shards joined and sharded again."""
+def resume_fixed(ranks, out: str, sharding: str, saved_by: int) -> None:
+    """The last steps in new engines on this world: resumed from the training state ``saved_by`` ranks wrote, and,
+    to show that the comparison can fail, without it."""
     torch.set_num_threads(1)
-    from pathlib import Path
+    from rlstream.trainer import shards
+    folder = Path(out).parent / f"saved{saved_by}"
+    weights = torch.load(folder / "model.bin", weights_only=True)
+    resumed_engine = _engine(ranks, sharding, weights)
+    manifest = json.loads((folder / shards.FOLDER / shards.MANIFEST).read_text())
+    shards.load(resumed_engine, str(folder / shards.FOLDER), manifest, sharding, ranks.world)
+    resumed = _steps(ranks, resumed_engine, fixed_batches()[2:])
+    fresh = _steps(ranks, _engine(ranks, sharding, weights), fixed_batches()[2:])
+    if ranks.lead:
+        Path(out).write_text(json.dumps({"resumed": resumed, "fresh": fresh}))
 
-    from rlstream.models.tiny import build_model, build_tokenizer
-    from rlstream.trainer.checkpoint import read_optimizer_states
-    folder = Path(out).parent / "checkpoint"
-    model = build_model(build_tokenizer(), seed=0)
-    model.load_state_dict(torch.load(folder / "model.bin", weights_only=True))
-    engine = make_engine(model, lr=1e-2, sharding="fsdp2", world_size=ranks.world)
-    engine.load_state_dict(read_optimizer_states(folder))
-    losses = [train_step(engine, b, UpdateConfig(), max_tokens=24)["loss"] for b in fixed_batches()[2:]]
-    Path(out).write_text(json.dumps(losses))
+
+def shard_files(folder):
+    """Each rank's DCP file in ``folder`` with its bytes, and which files each saved tensor's pieces are in."""
+    from torch.distributed.checkpoint import FileSystemReader
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    where: dict[str, set[str]] = {}
+    for index, info in metadata.storage_data.items():
+        where.setdefault(index.fqn, set()).add(info.relative_path)
+    return {p.name: p.stat().st_size for p in folder.glob("__*.distcp")}, where
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-# The sharded ones (plain DDP's single file is the resume the trainer tests cover; ZeRO-2 shards as ZeRO-3 does).
-@pytest.mark.parametrize("sharding", ["zero3", "fsdp2"])
-def test_optimizer_state_saved_per_rank_resumes_the_same_steps(tmp_path, sharding):
-    out = tmp_path / "out.json"
-    launch(2, resume_fixed, (str(out), sharding), "cpu")
-    got = json.loads(out.read_text())
-    # ZeRO and FSDP2 shard the optimizer state: one file per rank; plain DDP's is the same on every rank: one file.
-    assert got["files"] == (["optimizer.pt"] if sharding == "none" else ["optimizer/rank0.pt", "optimizer/rank1.pt"])
-    assert got["resumed"] == pytest.approx(got["carried"], rel=1e-6, abs=1e-9)
-    # Without the saved state the same steps come out otherwise: the comparison above can fail.
-    assert got["fresh"][1:] != pytest.approx(got["carried"][1:], rel=1e-6, abs=1e-9)
-    if sharding == "fsdp2":  # FSDP2's shards are joined on load: the checkpoint resumes on another number of ranks
-        one = tmp_path / "one.json"
-        launch(1, resume_on_one_rank, (str(one),), "cpu")
-        assert json.loads(one.read_text()) == pytest.approx(got["carried"], rel=TOLERANCE)
+@pytest.mark.timeout(900)
+# Those that reshard: the trainer's default (DDP over ranks, plain torch on one) and FSDP2.
+@pytest.mark.parametrize("sharding", ["none", "fsdp2"])
+def test_training_state_written_per_rank_resumes_on_another_number_of_ranks(tmp_path, sharding):
+    """2 ranks write, 1 resumes; 1 writes, 2 resume: the resumed steps are the uninterrupted run's. And no rank
+    holds the whole optimizer state while it is written: each rank's file holds its own part."""
+    from rlstream.trainer import shards
+    launch(2, save_fixed, (str(tmp_path / "save2.json"), sharding), "cpu")
+    launch(1, resume_fixed, (str(tmp_path / "resume21.json"), sharding, 2), "cpu")
+    launch(1, save_fixed, (str(tmp_path / "save1.json"), sharding), "cpu")
+    launch(2, resume_fixed, (str(tmp_path / "resume12.json"), sharding, 1), "cpu")
+    for saved, resumed in (("save2", "resume21"), ("save1", "resume12")):
+        carried = json.loads((tmp_path / f"{saved}.json").read_text())["carried"]
+        got = json.loads((tmp_path / f"{resumed}.json").read_text())
+        assert got["resumed"] == pytest.approx(carried, rel=TOLERANCE), f"{saved} -> {resumed}"
+        # Without the saved state the same steps come out otherwise: the comparison above can fail.
+        assert got["fresh"][1:] != pytest.approx(carried[1:], rel=TOLERANCE)
+    files, where = shard_files(tmp_path / "saved2" / shards.FOLDER)
+    assert sorted(files) == ["__0_0.distcp", "__1_0.distcp"]
+    moments = {fqn: w for fqn, w in where.items() if fqn.endswith(".exp_avg_sq")}
+    assert len(moments) > 10
+    if sharding == "fsdp2":  # each moment is sharded: a piece in each rank's file
+        assert all(w == set(files) for w in moments.values()), moments
+    else:  # the same on every rank (DDP): written once, some tensors by each rank
+        assert all(len(w) == 1 for w in moments.values()) and set.union(*moments.values()) == set(files)
+    # Neither rank wrote (so neither held for the write) most of the state.
+    assert max(files.values()) < 0.75 * sum(files.values()), files
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sharding", ["zero1", "zero2", "zero3"])
+def test_zero_state_written_per_rank_resumes_on_as_many_ranks_and_refuses_another(tmp_path, sharding):
+    """ZeRO on 2 ranks: each rank writes its own partition; resumed on 2 ranks, the steps are the uninterrupted
+    run's; on 1 rank the resume is refused, naming --nproc (ZeRO's partitions do not reshard here)."""
+    from rlstream.errors import UserError
+    from rlstream.trainer import shards
+    launch(2, save_fixed, (str(tmp_path / "save2.json"), sharding), "cpu")
+    launch(2, resume_fixed, (str(tmp_path / "resume22.json"), sharding, 2), "cpu")
+    saved = json.loads((tmp_path / "save2.json").read_text())
+    got = json.loads((tmp_path / "resume22.json").read_text())
+    assert got["resumed"] == pytest.approx(saved["carried"], rel=1e-6, abs=1e-9)
+    assert got["fresh"][1:] != pytest.approx(saved["carried"][1:], rel=1e-6, abs=1e-9)
+    folder = tmp_path / "saved2" / shards.FOLDER
+    files, where = shard_files(folder)
+    # Each rank's partition is in its own file, and only there.
+    assert where == {"zero_rank0": {"__0_0.distcp"}, "zero_rank1": {"__1_0.distcp"}}
+    with pytest.raises(UserError, match="resume with --nproc 2"):
+        shards.load(None, str(folder), saved["manifest"], sharding, 1)
 
 
 def test_nproc_beyond_the_cores_says_how_many_there_are():
@@ -243,8 +279,8 @@ def varied_group(gid: int):
 def test_a_sharded_trainer_publishes_whole_checkpoints_and_resumes_with_its_optimizer_shards(
         bootstrap, run_name, tmp_path, start_stage, sharding):
     """The trainer process on 2 ranks with sharded parameters: each version's folder holds the whole model (gathered
-    to rank 0), hash-equal to what its PolicyVersion announces, and one optimizer shard per rank; restarted, it
-    loads them and trains on."""
+    to rank 0), hash-equal to what its PolicyVersion announces, and each rank's shard of the training state, written
+    by that rank; restarted, it loads them and trains on."""
     from rlstream.models.loading import load_model
     from rlstream.policy.deltas import folder_hash
     weights = tmp_path / "weights"
@@ -261,11 +297,12 @@ def test_a_sharded_trainer_publishes_whole_checkpoints_and_resumes_with_its_opti
         assert trainer.wait(300) == 0, log.read_text()[-3000:]
     seen = versions(bootstrap, run_name)
     assert [(v.version, v.parent_version) for v in seen] == [(0, -1), (1, 0), (2, 1)]
-    if sharding == "fsdp2":  # the second start loaded the shards (ZeRO logs its own way)
-        assert "resumed policy at v1" in log.read_text()
+    # The second start loaded the shards the first one's ranks wrote.
+    assert f"resumed the training state of 2 {sharding} rank(s) on 2" in log.read_text()
     for pv in seen:
         folder = weights / "policy" / f"v{pv.version}"
         assert folder_hash(folder) == pv.content_hash
-        assert sorted(p.name for p in (folder / "optimizer").iterdir()) == ["rank0.pt", "rank1.pt"]
+        assert sorted(p.name for p in (folder / "optimizer").iterdir()) == [".metadata", "__0_0.distcp",
+                                                                           "__1_0.distcp", "rlstream.json"]
     a, b = (load_model(weights / "policy" / f"v{v}").state_dict() for v in (1, 2))
     assert set(a) == set(b) and any(not torch.equal(a[k], b[k]) for k in a), "the resumed step changed nothing"

@@ -1,6 +1,7 @@
 """What the trainer writes per version (rlstream.trainer.checkpoint): the tiny model's folders after the first go
 through safetensors directly, load in transformers to the same weights, hash as workers hash them, do not alias the
-live model; and a resume takes the newest optimizer state at or before its version."""
+live model; and a resume takes the newest training state (trainer/shards.py) at or before its version, from a local
+store or an fsspec one."""
 from __future__ import annotations
 
 import threading
@@ -12,9 +13,11 @@ from transformers import AutoModelForCausalLM
 
 from rlstream.models.tiny import build_model, build_tokenizer
 from rlstream.policy.deltas import content_hash, folder_hash
+from rlstream.errors import UserError
 from rlstream.policy.weights import WeightStore
-from rlstream.trainer.checkpoint import (MASTER_FILE, PendingVersion, VersionWriter, load_resumed,
-                                         resume_optimizer_states, write_optimizer_states)
+from rlstream.trainer import shards
+from rlstream.trainer.checkpoint import MASTER_FILE, PendingVersion, VersionWriter, load_resumed
+from rlstream.trainer.engine import TorchEngine
 
 
 def _nudge(model) -> None:
@@ -47,19 +50,44 @@ def test_every_version_folder_loads_to_the_models_weights_and_hashes_as_workers_
                            model.state_dict()["model.embed_tokens.weight"])
 
 
-def test_a_resume_takes_the_newest_optimizer_state_at_or_before_its_version(tmp_path):
-    store = WeightStore(str(tmp_path / "store"))
+def _stepped_engine(steps: int) -> TorchEngine:
+    engine = TorchEngine(torch.nn.Linear(3, 2), lr=0.1, max_grad_norm=1.0)
+    for _ in range(steps):
+        engine.step(engine.model(torch.ones(1, 3)).sum())
+    return engine
+
+
+# file: a plain path; memory://: through fsspec, as an s3:// or gs:// store is written and read.
+@pytest.mark.parametrize("scheme", ["file", "memory://"])
+def test_a_resume_takes_the_newest_training_state_at_or_before_its_version(tmp_path, scheme):
+    store = WeightStore(str(tmp_path / "store") if scheme == "file" else f"memory://{tmp_path / 'store'}")
     for v in range(6):
-        def write(folder, v=v):
+        # Version v's Adam has taken v steps (v0's none: a fresh AdamW writes no optimizer state).
+        where = shards.staging(store, "p", v) if v in (0, 3, 5) else None
+        manifest = shards.save(_stepped_engine(v), where, "none", 1) if where else None
+
+        def write(folder, where=where, manifest=manifest):
             (folder / "config.json").write_text("{}")
-            if v in (0, 3, 5):
-                write_optimizer_states(folder, [{"state": {}, "param_groups": [], "v": v}], sharded=False)
+            if where:
+                shards.adopt(where, folder, manifest)
         store.put("p", v, write)
+    listed = [str(p) for p in (tmp_path / "store" / "p").iterdir()] if store.local else \
+        store.fs.ls(f"{tmp_path}/store/p", detail=False)
+    assert not any(".training-state" in name for name in listed), "a staging folder was left behind"
     cache = tmp_path / "cache"
-    assert resume_optimizer_states(store.path("p", 4), store, "p", 4, cache)[0]["v"] == 3
-    assert resume_optimizer_states(store.path("p", 5), store, "p", 5, cache)[0]["v"] == 5
+
+    def resumed_steps(v) -> int:
+        found = shards.find(store.fetch("p", v, cache), store, "p", v, cache)
+        if found is None:
+            return -1
+        engine = _stepped_engine(0)
+        shards.load(engine, *found, "none", 1)
+        return engine.steps
+    assert [resumed_steps(v) for v in (0, 4, 5)] == [0, 3, 5]
+    with pytest.raises(UserError, match="resume with --sharding none"):
+        shards.load(_stepped_engine(0), *shards.find(store.fetch("p", 5, cache), store, "p", 5, cache), "fsdp2", 1)
     store.prune("p", keep_from=4, keep=set())
-    assert resume_optimizer_states(store.path("p", 4), store, "p", 4, cache) is None
+    assert resumed_steps(4) == -1
 
 
 def test_a_bf16_publish_of_an_fp32_model_keeps_the_fp32_master_for_the_resume(tmp_path):

@@ -110,7 +110,7 @@ def test_opd_needs_teacher_feedback_and_uses_it():
     assert stats["reverse_kl"] < 0 and student_lp() > before
 
 
-def test_lr_warmup_ramps_linearly_then_holds_and_resumes_from_the_restored_step_count():
+def test_lr_warmup_ramps_linearly_then_holds_and_resumes_from_the_restored_step_count(tmp_path):
     from rlstream.trainer.engine import warmup_lr
     assert [warmup_lr(1e-4, s, 4) for s in (1, 2, 4, 9)] == pytest.approx([2.5e-5, 5e-5, 1e-4, 1e-4])
     assert warmup_lr(1e-4, 1, 0) == 1e-4
@@ -123,6 +123,8 @@ def test_lr_warmup_ramps_linearly_then_holds_and_resumes_from_the_restored_step_
     assert seen == pytest.approx([2.5e-3, 5e-3, 7.5e-3])
     # A restart from the checkpointed optimizer state goes on with step 4, not back to step 1.
     resumed = make_engine(torch.nn.Linear(3, 1), lr=1e-2, lr_warmup_steps=4)
-    resumed.load_state_dict([engine.state_dict()])
+    from rlstream.trainer import shards
+    manifest = shards.save(engine, str(tmp_path / "state"), "none", 1)  # as a version's training state
+    shards.load(resumed, str(tmp_path / "state"), manifest, "none", 1)
     resumed.step(resumed.model(torch.ones(2, 3)).sum())
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
