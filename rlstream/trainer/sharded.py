@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import torch
 
@@ -135,25 +136,31 @@ class FSDP2Engine(TorchEngine):
     sharded = True
 
     def __init__(self, model, lr: float, max_grad_norm: float, device: torch.device = torch.device("cpu"),
-                 autocast_mode: str = "off", lr_warmup_steps: int = 0):
+                 autocast_mode: str = "off", lr_warmup_steps: int = 0, weights: Path | None = None):
+        """``model`` on the meta device (``trainer/meta.py``: ``empty_model``) is sharded first and each rank then
+        fills only its shard from ``weights``, a version's folder: no rank ever holds the whole model."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+
+        from rlstream.trainer import meta
         if not dist.is_initialized():  # a single process: a world of one (the launcher sets up more)
             from rlstream.trainer.distributed import free_port
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
                                     init_method=f"tcp://127.0.0.1:{free_port()}")
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        model = model.to(device)
-        # Every rank starts from rank 0's weights (its warm-up, or the checkpoint it named), as DDP's and ZeRO's
-        # construction make sure: fully_shard keeps each rank's own shard of whatever that rank holds.
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
-        blocks = set(getattr(model, "_no_split_modules", None) or ())
-        for module in model.modules():
-            if type(module).__name__ in blocks:
-                fully_shard(module, mesh=mesh)
-        fully_shard(model, mesh=mesh)  # what no block holds (embeddings, final norm, head)
+        if meta.is_meta(model):
+            if weights is None:
+                raise ValueError("FSDP2 on a model on the meta device needs the folder its weights are read from")
+            meta.shard_blocks(model, mesh)
+            meta.materialize(model, device)
+            meta.fill_from_folder(model, weights)  # every rank reads the same files: the same weights everywhere
+        else:
+            model = model.to(device)
+            # Every rank starts from rank 0's weights (its warm-up, or the checkpoint it named), as DDP's and ZeRO's
+            # construction make sure: fully_shard keeps each rank's own shard of whatever that rank holds.
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+            meta.shard_blocks(model, mesh)
         self.device, self.model, self.autocast_mode = device, model, autocast_mode
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         self.max_grad_norm = max_grad_norm
