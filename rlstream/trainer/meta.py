@@ -14,12 +14,15 @@ the consolidated weights published tensor by tensor.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
 from rlstream.policy.tensorfile import _header, raw_bytes
+
+log = logging.getLogger(__name__)
 
 
 def empty_model(config, dtype: torch.dtype | None = None):
@@ -29,6 +32,28 @@ def empty_model(config, dtype: torch.dtype | None = None):
     with init_empty_weights(include_buffers=False):
         return AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype is not None else \
             AutoModelForCausalLM.from_config(config)
+
+
+def resumed_model(folder: Path, dtype: str, sharding: str):
+    """The model a trainer resumes from ``folder``: under ``--sharding fsdp2`` on the meta device (the engine has each
+    rank fill its shard from the folder: ``fill_from_folder``), in the master's dtype where the folder holds one
+    (unless ``--dtype`` names another), as ``checkpoint.load_resumed`` loads it whole for the other engines."""
+    from transformers import AutoConfig
+
+    from rlstream.models.loading import torch_dtype
+    from rlstream.trainer.checkpoint import MASTER_FILE, load_resumed
+    if sharding != "fsdp2":
+        return load_resumed(folder, dtype)
+    master = folder / MASTER_FILE
+    if dtype == "auto" and master.exists():
+        from safetensors import safe_open
+        with safe_open(str(master), "pt") as st:
+            first = next(iter(st.keys()), None)
+            want = st.get_tensor(first).dtype if first is not None else torch.float32
+    else:
+        want = torch_dtype(dtype, folder)
+    log.info("resuming from %s on the meta device: each rank reads its own shard (%s)", folder, want)
+    return empty_model(AutoConfig.from_pretrained(folder), want)
 
 
 def is_meta(model) -> bool:

@@ -58,6 +58,7 @@ from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.gate import OutcomeBooks, SampleGate, trajectory_of
 from rlstream.trainer.initial import version_zero
 from rlstream.trainer.lora import BaseReference, LoraTraining
+from rlstream.trainer.meta import resumed_model
 from rlstream.trainer.microbatch import StepBudget, step_budget, train_step
 from rlstream.trainer.precision import resolve_precision
 from rlstream.trainer.settings import TrainerSettings
@@ -222,11 +223,11 @@ class TrainerService:
         if folder is not None:
             self.tokenizer = load_tokenizer(folder, flag="resume from")
             self.model = self.lora.resumed(folder, self.loop.home_path / "weights-cache") if self.lora else \
-                load_resumed(folder, self.settings.dtype)
+                resumed_model(folder, self.settings.dtype, self.settings.sharding)
         else:
             self.model, self.tokenizer = version_zero(self.settings, self.attention, self.ranks.lead, self.lora,
                                                       self.store, self.loop.policy)
-        self.engine = self._engine()
+        self.engine = self._engine(folder)
         found = shards.find(folder, self.store, self.loop.policy, self._resuming, self.loop.home_path /
                             "weights-cache") if folder is not None and self.ranks.lead else None
         found = self.ranks.broadcast(found)  # where each rank reads its own shard, and what wrote it
@@ -262,7 +263,7 @@ class TrainerService:
         self.ref_model = None if folder is None else \
             load_resumed(folder, self.settings.dtype, flag="--kl-coef reference").to(self.engine.device).eval()
 
-    def _engine(self):
+    def _engine(self, folder: Path | None):
         s = self.settings
         if s.packed_sequences:
             check_packing(self.model)
@@ -273,7 +274,7 @@ class TrainerService:
         shape = ModelShape.of_model(self.model)  # the default micro-batch budget is sized from it on any device
         engine = make_engine(self.model, s.lr, self.update_cfg.max_grad_norm, s.sharding,
                              device=self.device, autocast_mode=s.autocast,
-                             world_size=self.ranks.world, lr_warmup_steps=s.lr_warmup_steps)
+                             world_size=self.ranks.world, lr_warmup_steps=s.lr_warmup_steps, weights=folder)
         self.model = engine.model
         self.budget = self._budget(shape, engine.sharded)
         return engine
