@@ -2,6 +2,9 @@
 
     python -m benchmarks.bus_hop [--records 10000] [--tokens 1000] [--rounds 3]
 
+The broker: $RLSTREAM_BOOTSTRAP when set (a broker someone else runs; this script never starts or stops it), else
+the project's own local broker, started if needed (``rlstream up``).
+
 - raw: consume bytes from one topic and produce them to another: no Avro, no transactions.
 - hop: the reward stage on the shared runtime: decode a Trajectory, score it, encode a
   ScoredTrajectory, produce, and commit input offsets in the same transaction; once a batch per
@@ -12,6 +15,7 @@ Raw, batch and pipelined runs alternate for --rounds rounds; prints the medians'
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import uuid
@@ -103,7 +107,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64, help="records in flight in the pipelined hop")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of raw, batch and pipelined runs (medians)")
     args = parser.parse_args()
-    bootstrap = broker.up()
+    bootstrap = os.environ.get("RLSTREAM_BOOTSTRAP") or broker.up()
     run = "bench-hop-" + uuid.uuid4().hex[:8]
     create_topics({"bootstrap.servers": bootstrap}, run, partitions=4)
     codec = default_codec()

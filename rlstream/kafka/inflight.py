@@ -38,6 +38,7 @@ class Slot:
     admitted_at: float = 0.0
     emitted: bool = False  # its outputs are in an (open or committed) transaction, or it was done before
     _has_result: bool = field(default=False, repr=False)
+    _done: bool = field(default=False, repr=False)
 
     def resolve(self, result: Any) -> None:
         """Settle the slot without a handler (e.g. rejected at decode)."""
@@ -45,7 +46,11 @@ class Slot:
 
     @property
     def done(self) -> bool:
-        return self._has_result or (self.future is not None and self.future.done())
+        # Kept once true (a future never stops being done): the runner asks of every slot in the window on each
+        # turn of its loop, and a future's done() takes its lock.
+        if not self._done:
+            self._done = self._has_result or (self.future is not None and self.future.done())
+        return self._done
 
     def outcome(self) -> Any:
         """The handler's result (or rejection); only for a done slot."""
@@ -215,8 +220,21 @@ class OffsetWindow:
 
     def unfinished(self) -> list[Any]:
         """The futures still running."""
-        return [s.future for p in self._parts.values() for s in p.slots
-                if s.future is not None and not s.future.done()]
+        return [s.future for p in self._parts.values() for s in p.slots if s.future is not None and not s.done]
+
+    def progress(self) -> tuple[bool, int]:
+        """In one pass over the window: whether a handler still runs, and how many finished slots wait for a
+        transaction (``count_ready``)."""
+        running, ready = False, 0
+        for part in self._parts.values():
+            for s in part.slots:
+                if s.emitted:
+                    continue
+                if s.done:
+                    ready += 1
+                elif s.future is not None:
+                    running = True
+        return running, ready
 
     def drop(self, partitions: Iterable[Partition]) -> list[Slot]:
         """Forget these partitions (revoked, or rewound); returns their slots so their futures can be cancelled."""

@@ -136,7 +136,7 @@ class ChainHandlers:
         return self.first.submit(items, run=self._both)
 
     async def _both(self, item: Incoming) -> "Chained | Rejected":
-        result = await self.first.handle_when_free(item)
+        result = await self.first.handle_one(item)
         if isinstance(result, Rejected):
             return result
         try:

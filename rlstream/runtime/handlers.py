@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -33,9 +34,15 @@ class Handlers:
             # asyncio.to_thread (sync reward functions) uses the default executor: make it ours, sized by concurrency.
             loop.set_default_executor(self.pool)
         self.loop = loop
-        self._running: asyncio.Semaphore | None = None
+        # Pipelined records not started yet, and tasks started and not finished (both touched on the loop only):
+        # at most ``concurrency`` handlers run at once, enforced in _start_waiting.
+        self._waiting: deque = deque()
+        self._tasks = 0
+        self._limit = max(1, settings.concurrency)
         # A stage may need longer than the generic knob (rollout on a fleet: a request's own timeout and retries).
         self.timeout_s = max(settings.handler_timeout_s, stage.handler_timeout_s or 0.0)
+        self._async = asyncio.iscoroutinefunction(stage.handle)
+        self._seconds = metrics.HANDLER_SECONDS.labels(stage.name)  # a labels() lookup per record costs as much
 
     @property
     def batched(self) -> bool:
@@ -96,48 +103,58 @@ class Handlers:
     def submit(self, items: list[Incoming], run=None) -> list[Future]:
         """Start these records' handlers on the running loop; each future resolves to outputs or a rejection, and
         cancelling it cancels its handler. ``run``: the coroutine function a record goes through instead of
-        ``handle_when_free`` (a chain's: both stages).
+        ``handle_one`` (a chain's: both stages).
 
         One wake-up of the loop for all of them: a wake-up per record (``run_coroutine_threadsafe``) cost a
         self-pipe write and a loop turn each, 6-7 ms of env's and reward's CPU per 128-record version."""
-        if self._running is None:
-            self._running = asyncio.Semaphore(max(1, self.settings.concurrency))
         futures = [Future() for _ in items]
         if not futures:
             return futures
-        run = run or self.handle_when_free
+        run = run or self.handle_one
 
         def start() -> None:
-            for item, future in zip(items, futures):
-                if future.cancelled():
-                    continue
-                task = self.loop.create_task(run(item))
-                task.add_done_callback(lambda t, f=future: _settle(f, t))
-                future.add_done_callback(lambda f, t=task: f.cancelled() and self.loop.call_soon_threadsafe(t.cancel))
+            self._waiting.extend((run, item, future) for item, future in zip(items, futures))
+            self._start_waiting()
         self.loop.call_soon_threadsafe(start)
         return futures
 
-    async def handle_when_free(self, item: Incoming) -> Result:
-        # The handler timeout starts once a handler slot is free, not while the record queues for one.
-        async with self._running:
-            return await self.handle_one(item)
+    def _start_waiting(self) -> None:
+        """On the loop: a task for each waiting record while fewer than ``concurrency`` run; a task's end starts
+        the next. A record waiting for a free slot is a tuple here rather than a task blocked on a semaphore (a
+        future and a wake-up more per record of a full poll), and its handler timeout has not started."""
+        while self._waiting and self._tasks < self._limit:
+            run, item, future = self._waiting.popleft()
+            if future.cancelled():
+                continue
+            task = self.loop.create_task(run(item))
+            self._tasks += 1
+            task.add_done_callback(lambda t, f=future: self._task_done(f, t))
+            future.add_done_callback(lambda f, t=task: f.cancelled() and self.loop.call_soon_threadsafe(t.cancel))
+
+    def _task_done(self, future: Future, task: asyncio.Task) -> None:
+        self._tasks -= 1
+        _settle(future, task)
+        self._start_waiting()
 
     async def handle_one(self, item: Incoming) -> Result:
         """One record through the stage's handler (async, or sync in the pool), with its timeout."""
         handler = self.stage.handle
         started = time.monotonic()
         try:
-            if asyncio.iscoroutinefunction(handler):
-                result = await asyncio.wait_for(handler(item), self.timeout_s)
-            else:
-                result = await asyncio.wait_for(self.loop.run_in_executor(self.pool, handler, item), self.timeout_s)
+            # asyncio.timeout, not wait_for: wait_for runs the handler in a task of its own (a task, a future and a
+            # loop turn more per record).
+            async with asyncio.timeout(self.timeout_s):
+                if self._async:
+                    result = await handler(item)
+                else:
+                    result = await self.loop.run_in_executor(self.pool, handler, item)
             if not isinstance(result, list) or not all(isinstance(o, Output) for o in result):
                 raise TypeError(f"handler returned {type(result).__name__}, expected list[Output]")
             return result
         except Exception as exc:
             return self.rejection(exc)
         finally:
-            metrics.HANDLER_SECONDS.labels(self.stage.name).observe(time.monotonic() - started)
+            self._seconds.observe(time.monotonic() - started)
 
     def rejection(self, exc: Exception) -> Rejected:
         """The dead-letter reason for a handler's failure."""

@@ -15,6 +15,7 @@ Either way a transaction holds the outputs, the dead letters and the input offse
 """
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 
 #: A progress hook: called with a number of records.
 Counter = Callable[[int], None]
+
+#: Allocations between young-generation collections while a stage runs (run()).
+GC_YOUNG = 10_000
 
 
 class StageRunner:
@@ -113,6 +117,11 @@ class StageRunner:
         pipelined = self.settings.pipeline and not self.handlers.batched
         log.info("%s consuming %s as group %s (%s)", self.stage.name, topics, self.group_id,
                  "pipelined" if pipelined else "one batch per transaction")
+        # A hop makes a few dozen containers per record, nearly all freed by reference counting. At the default
+        # young-generation threshold (700) the cycle collector ran every ~17 records of a reward hop: 12% of its
+        # CPU one batch per transaction, 15% pipelined; at GC_YOUNG, half that. Restored when the run ends.
+        gc_before = gc.get_threshold()
+        gc.set_threshold(max(GC_YOUNG, gc_before[0]), *gc_before[1:])
         try:
             if pipelined:
                 self._run_pipelined(max_batches, idle_exit_s)
@@ -120,6 +129,7 @@ class StageRunner:
                 self._run_batches(max_batches, idle_exit_s)
         finally:
             forget()
+            gc.set_threshold(*gc_before)
             self.close()
 
     def close(self) -> None:
@@ -176,12 +186,13 @@ class StageRunner:
                     idle_since = now
                 elif idle_exit_s is not None and now - idle_since > idle_exit_s:
                     break
-                running = window.unfinished()
-                if running and not msgs:
-                    # Nothing new arrived: sleep until a handler finishes, looking for new records now and then.
-                    wait(running, timeout=0.05 if room > 0 else self.settings.poll_timeout_s,
-                         return_when=FIRST_COMPLETED)
-                ready = window.count_ready()
+                if not msgs:
+                    running = window.unfinished()
+                    if running:
+                        # Nothing new arrived: sleep until a handler finishes, looking for new records now and then.
+                        wait(running, timeout=0.05 if room > 0 else self.settings.poll_timeout_s,
+                             return_when=FIRST_COMPLETED)
+                still_running, ready = window.progress()  # one pass over the window per turn, not one per question
                 if not ready:
                     ready_since = None
                     continue
@@ -190,7 +201,7 @@ class StageRunner:
                 # nothing runs and nothing came: a fast handler must not get a transaction per record.
                 if (ready >= self.settings.batch_size
                         or time.monotonic() - ready_since >= self.settings.commit_interval_s
-                        or (not msgs and all(f.done() for f in running))):  # nothing admitted since `running`
+                        or (not msgs and not still_running)):
                     self._commit_ready()
                     ready_since = None
                     commits += 1

@@ -117,9 +117,10 @@ class RewardStage(Stage):
     async def _judge(self, traj: Trajectory, started: float) -> Reward:
         """The reward function's Reward, or one carrying the judge's failure class (total 0.0, never trained on)."""
         try:
+            # asyncio.timeout rather than wait_for, which would run the call in a task of its own per trajectory.
             with judging(self.settings.reward_version):  # the judge's idempotency_key: the context goes with the call
-                call = self.fn(traj) if self._async else asyncio.to_thread(self.fn, traj)
-                raw = await asyncio.wait_for(call, self.settings.judge_timeout_s)
+                async with asyncio.timeout(self.settings.judge_timeout_s):
+                    raw = await (self.fn(traj) if self._async else asyncio.to_thread(self.fn, traj))
         except InvalidRecord:
             raise  # the trajectory cannot be judged: dead-lettered with its reason
         except TimeoutError:
