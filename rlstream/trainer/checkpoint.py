@@ -35,14 +35,16 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import shutil
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from rlstream.models.loading import dtype_name, load_model
-from rlstream.policy.deltas import Content, ContentHasher, content_hash, read_folder
+from rlstream.policy.deltas import PRIVATE, Content, ContentHasher, content_hash, read_folder
 from rlstream.policy.tensorfile import save_file
 
 log = logging.getLogger(__name__)
@@ -123,6 +125,8 @@ class VersionWriter:
         The master's file and the hash run in threads beside the weights' file (each mostly outside the GIL: file
         writes, hashlib over buffers); all are done before this returns, so before the store makes the folder
         appear and before the version is announced."""
+        if isinstance(full_state, Streamed):
+            return self._write_streamed(folder, full_state, on_content)
         state = full_state if full_state is not None else self.model.state_dict()
         jobs = []
         if self.publish_dtype is not None:
@@ -162,6 +166,38 @@ class VersionWriter:
         finally:
             for job in jobs:
                 job.result()  # the master is in the folder before it can appear (an error raises here)
+
+
+    def _write_streamed(self, folder: Path, streamed: "Streamed", on_content=None) -> tuple[Content, str]:
+        """``write`` of weights streamed already (``Streamed``): their files moved in, the static files written
+        beside them and hashed after the tensors. The content handed over holds the files alone: a streamed
+        version's tensors are never all in memory (so it is not for the weights log)."""
+        self.model.save_pretrained(folder, safe_serialization=True, state_dict={})  # config and generation config
+        self.tokenizer.save_pretrained(folder)
+        if self.publish_dtype is not None:
+            _name_dtype(folder / "config.json", self.publish_dtype)
+        for f in streamed.folder.iterdir():
+            shutil.move(str(f), folder / f.name)
+        files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+                 if p.is_file() and p.suffix != ".safetensors" and p.relative_to(folder).parts[0] not in PRIVATE}
+        for rel in sorted(files):
+            streamed.hasher.file(rel, files[rel])
+        digest = Future()
+        digest.set_result(streamed.hasher.hexdigest())
+        content = Content(tensors={}, shards={}, files=files)
+        if on_content is not None:
+            on_content(content, digest)
+        return content, digest.result()
+
+
+@dataclass
+class Streamed:
+    """A version's weights written already, tensor by tensor as they were gathered (``trainer/meta.py``:
+    ``stream_full``), into ``folder`` on this host (``model.safetensors``, and the master beside it), with the content
+    hash fed every tensor in name order (``VersionWriter.write`` adds the static files)."""
+
+    folder: Path
+    hasher: ContentHasher
 
 
 def _hash_from(tensors: queue.SimpleQueue, files: dict[str, bytes]) -> str:

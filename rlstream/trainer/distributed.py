@@ -120,7 +120,7 @@ class Ranks:
             if name == "step":
                 service._train(payload)
             elif name == "save":
-                service._checkpoint_parts(payload)
+                service._checkpoint_parts(*payload)
             elif name == "ref":
                 service._load_ref(payload)
             else:

@@ -46,6 +46,9 @@ class TorchEngine:
 
     #: Whether each rank's optimizer state is its own part (ZeRO) rather than the same on every rank.
     sharded = False
+    #: Whether a publish gathers the whole weights a parameter at a time into the version's file (``trainer/meta.py``:
+    #: ``stream_full``) rather than taking them whole from ``full_state_dict``.
+    streams = False
 
     def __init__(self, model, lr: float, max_grad_norm: float, device: torch.device = torch.device("cpu"),
                  autocast_mode: str = "off", lr_warmup_steps: int = 0):

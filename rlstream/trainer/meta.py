@@ -8,19 +8,22 @@ the consolidated weights published tensor by tensor.
 - ``materialize``: only this rank's shards get memory (``to_empty``), the buffers kept; ``fill_from_folder`` then
   reads each shard's rows straight from the version's safetensors (its master where there is one), a slice at a
   time: no rank reads, and no device holds, a whole tensor it does not own.
-- ``full_tensors``: the consolidated parameters one at a time (``full_tensor()``, a collective per parameter, every
-  rank in the same order); ``write_streamed`` writes them into one safetensors file as they come, its header built
-  from the parameters' shapes first, so rank 0 holds one whole tensor at a time, never the model.
+- ``stream_full``: the consolidated parameters one at a time (``full_tensor()``, a collective per parameter, every
+  rank in the same order), each written into the version's safetensors file as it comes (its header built from the
+  shapes first) and hashed, so rank 0 holds one whole tensor at a time, never the model (``checkpoint.Streamed``).
 """
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 
+from rlstream.policy.deltas import ContentHasher
 from rlstream.policy.tensorfile import _header, raw_bytes
+from rlstream.trainer.checkpoint import MASTER_FILE, WEIGHTS_FILE, Streamed, load_resumed
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,6 @@ def resumed_model(folder: Path, dtype: str, sharding: str):
     from transformers import AutoConfig
 
     from rlstream.models.loading import torch_dtype
-    from rlstream.trainer.checkpoint import MASTER_FILE, load_resumed
     if sharding != "fsdp2":
         return load_resumed(folder, dtype)
     master = folder / MASTER_FILE
@@ -110,42 +112,80 @@ def _local(param) -> tuple[torch.Tensor, int]:
     return param.to_local(), offset[0] if offset else 0
 
 
-def full_tensors(model, dtype: torch.dtype | None = None, keep: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter and buffer, consolidated one at a time on the CPU (in ``dtype`` where floating; None: as
-    trained), in name order. A collective per parameter: every rank must iterate it whole; ``keep=False`` (the
-    ranks that write nothing) yields nothing but takes part."""
+def stream_full(model, folder: Path | None, publish_dtype: torch.dtype | None) -> Streamed | None:
+    """The consolidated weights, gathered a parameter at a time and written as each comes into ``folder`` (rank 0's;
+    None on the other ranks, which take part in each gather and write nothing): ``model.safetensors`` in
+    ``publish_dtype`` (None: as trained), and the master as trained beside it where that differs. Every rank calls it."""
+    names = _published(model)
+    if folder is None:
+        for _ in full_tensors(model, names, keep=False):
+            pass
+        return None
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier, failed publish's files (a master it no longer writes)
+    folder.mkdir(parents=True)
+    published = _StreamedFile(folder / WEIGHTS_FILE, specs(model, names, publish_dtype))
+    master = _StreamedFile(folder / MASTER_FILE, specs(model, names)) if publish_dtype is not None else None
+    hasher = ContentHasher()
+    for name, full in full_tensors(model, names):
+        cast = full.to(publish_dtype) if publish_dtype is not None and full.is_floating_point() else full
+        published.add(name, cast)
+        hasher.tensor(name, cast)  # in name order, as workers hash the file
+        if master is not None:
+            master.add(name, full)
+    published.close()
+    if master is not None:
+        master.close()
+    return Streamed(folder, hasher)
+
+
+def _published(model) -> list[str]:
+    """The state's names in order, a tied parameter under its first name only (as ``save_pretrained`` saves it)."""
     state = model.state_dict()
-    for name in sorted(state):
+    tied = set(state) - {n for n, _ in model.named_parameters()} - {n for n, _ in model.named_buffers()}
+    return sorted(n for n in state if n not in tied)
+
+
+def full_tensors(model, names: list[str], keep: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """``names`` of the model's state consolidated one at a time on the CPU. A collective per parameter: every rank
+    must iterate it whole; ``keep=False`` (the ranks that write nothing) yields nothing but takes part."""
+    state = model.state_dict()
+    for name in names:
         t = state[name]
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         if keep:
-            to = dtype if dtype is not None and full.is_floating_point() else full.dtype
-            yield name, full.detach().to("cpu", dtype=to)
+            yield name, full.detach().to("cpu")
         del full
 
 
-def specs(model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The consolidated tensors' names, shapes and dtypes, as meta tensors (what a safetensors header needs)."""
-    out = {}
-    for name, t in sorted(model.state_dict().items()):
-        to = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        out[name] = torch.empty(t.shape, dtype=to, device="meta")
+def specs(model, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """``names``' consolidated shapes and dtypes (floating ones in ``dtype``; None: as trained) as meta tensors:
+    what a safetensors header needs, before any tensor is gathered."""
+    state, out = model.state_dict(), {}
+    for name in names:
+        t = state[name]
+        out[name] = torch.empty(t.shape, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype,
+                                device="meta")
     return out
 
 
-def write_streamed(path: Path, shapes: dict[str, torch.Tensor], tensors: Iterable[tuple[str, torch.Tensor]],
-                   metadata: dict[str, str] | None = None) -> None:
-    """One safetensors file of ``tensors`` (in ``shapes``' order, which they must come in), written as each comes:
-    the header from ``shapes`` first, then each tensor's bytes; a plain safetensors file any engine reads."""
-    head, _ = _header(shapes, metadata)
-    names = iter(shapes)
-    with open(path, "wb") as f:
-        f.write(head)
-        for name, t in tensors:
-            want = next(names)
-            if name != want or t.shape != shapes[name].shape or t.dtype != shapes[name].dtype:
-                raise ValueError(f"{path}: tensor {name!r} {tuple(t.shape)} {t.dtype} came where the header has "
-                                 f"{want!r} {tuple(shapes[want].shape)} {shapes[want].dtype}")
-            f.write(raw_bytes(t))
-        if next(names, None) is not None:
-            raise ValueError(f"{path}: fewer tensors came than the header names")
+class _StreamedFile:
+    """One safetensors file written as its tensors come, in the order of the header built first from their shapes:
+    a plain safetensors file any engine reads."""
+
+    def __init__(self, path: Path, shapes: dict[str, torch.Tensor]):
+        self.path, self.shapes, self._names = path, shapes, iter(shapes)
+        head, _ = _header(shapes, {"format": "pt"})
+        self._file = open(path, "wb")
+        self._file.write(head)
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        want = next(self._names, None)
+        if want != name or t.shape != self.shapes[name].shape or t.dtype != self.shapes[name].dtype:
+            raise ValueError(f"{self.path}: tensor {name!r} {tuple(t.shape)} {t.dtype} came where the header has "
+                             f"{want!r}")
+        self._file.write(raw_bytes(t))
+
+    def close(self) -> None:
+        self._file.close()
+        if next(self._names, None) is not None:
+            raise ValueError(f"{self.path}: fewer tensors came than its header names")

@@ -22,6 +22,7 @@ function of the numbers it is given, unit-tested on the CPU; it has not run on a
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,8 @@ from rlstream.models.logprobs import pack_by_length
 from rlstream.models.resources import ModelShape, activation_bytes_per_token, available_memory, gib
 from rlstream.trainer.losses import reverse_kl_baseline
 from rlstream.trainer.update import Batch, UpdateConfig, batch_loss, policy_update
+
+log = logging.getLogger(__name__)
 
 
 def rows_of(batch: Batch, rows: list[int]) -> Batch:
@@ -234,3 +237,17 @@ def train_step(engine, batch: Batch, cfg: UpdateConfig, ref_model=None, max_toke
         smaller = max(MIN_BUDGET // 4, budget.tokens // 2) if budget.tokens > 0 else MIN_BUDGET * 4
         raise UserError(f"out of GPU memory in a training step with {now} ({str(exc).splitlines()[0][:160]}): "
                         f"set --micro-batch-tokens {smaller} or lower, or --gradient-checkpointing") from None
+
+
+def trainer_budget(s, device, shape: ModelShape | None, sharded: bool, world: int) -> StepBudget:
+    """The trainer's step budget for its settings ``s`` on ``device``; the gradients and AdamW's moments are
+    allocated only by the first step, so their bytes are kept out of the room now."""
+    half = s.autocast == "bf16" or s.dtype in ("bf16", "fp16")
+    budget = step_budget(s.micro_batch_tokens, device, shape, half, s.gradient_checkpointing, s.gpu_memory_fraction,
+                         world, pending=12 * shape.params // (world if sharded else 1) if shape else 0)
+    if budget.room is not None:
+        log.info("micro-batches of %s tokens (%s left for activations, %.2f MiB a token)",
+                 budget.tokens or "all the step's", gib(budget.room), budget.per_token / 2**20)
+    elif budget.tokens:
+        log.info("micro-batches of at most %d tokens (--micro-batch-tokens)", budget.tokens)
+    return budget

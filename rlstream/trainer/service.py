@@ -40,7 +40,7 @@ from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.devices import enable_gradient_checkpointing, resolve_device, resolve_threads
 from rlstream.models.loading import (flash_attn_installed, load_tokenizer, resolve_attention, set_attention,
                                      torch_dtype)
-from rlstream.models.resources import ModelShape, gib
+from rlstream.models.resources import ModelShape
 from rlstream.models.logprobs import check_packing
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weight_log import WeightLogWriter
@@ -58,8 +58,8 @@ from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.gate import OutcomeBooks, SampleGate, trajectory_of
 from rlstream.trainer.initial import version_zero
 from rlstream.trainer.lora import BaseReference, LoraTraining
-from rlstream.trainer.meta import resumed_model
-from rlstream.trainer.microbatch import StepBudget, step_budget, train_step
+from rlstream.trainer import meta
+from rlstream.trainer.microbatch import train_step, trainer_budget
 from rlstream.trainer.precision import resolve_precision
 from rlstream.trainer.settings import TrainerSettings
 from rlstream.trainer.update import UpdateConfig, build_batch
@@ -223,7 +223,7 @@ class TrainerService:
         if folder is not None:
             self.tokenizer = load_tokenizer(folder, flag="resume from")
             self.model = self.lora.resumed(folder, self.loop.home_path / "weights-cache") if self.lora else \
-                resumed_model(folder, self.settings.dtype, self.settings.sharding)
+                meta.resumed_model(folder, self.settings.dtype, self.settings.sharding)
         else:
             self.model, self.tokenizer = version_zero(self.settings, self.attention, self.ranks.lead, self.lora,
                                                       self.store, self.loop.policy)
@@ -276,23 +276,8 @@ class TrainerService:
                              device=self.device, autocast_mode=s.autocast,
                              world_size=self.ranks.world, lr_warmup_steps=s.lr_warmup_steps, weights=folder)
         self.model = engine.model
-        self.budget = self._budget(shape, engine.sharded)
+        self.budget = trainer_budget(s, self.device, shape, engine.sharded, self.ranks.world)
         return engine
-
-    def _budget(self, shape: ModelShape | None, sharded: bool) -> StepBudget:
-        """The step's micro-batching on this device; the gradients and AdamW's moments are allocated only by the
-        first step, so their bytes are kept out of the room now."""
-        s = self.settings
-        half = s.autocast == "bf16" or s.dtype in ("bf16", "fp16")
-        budget = step_budget(s.micro_batch_tokens, self.device, shape, half, s.gradient_checkpointing,
-                             s.gpu_memory_fraction, self.ranks.world,
-                             pending=12 * shape.params // (self.ranks.world if sharded else 1) if shape else 0)
-        if budget.room is not None:
-            log.info("micro-batches of %s tokens (%s left for activations, %.2f MiB a token)",
-                     budget.tokens or "all the step's", gib(budget.room), budget.per_token / 2**20)
-        elif budget.tokens:
-            log.info("micro-batches of at most %d tokens (--micro-batch-tokens)", budget.tokens)
-        return budget
 
     # -- consuming -------------------------------------------------------------------
 
@@ -365,11 +350,13 @@ class TrainerService:
         return train_step(self.engine, batch, self.update_cfg, self.ref_model, self.budget, self.ranks.rank,
                           self.ranks.world)
 
-    def _checkpoint_parts(self, staging: str | None):
-        """The whole model's parameters on rank 0 where the engine shards them (else None), and with ``staging``
-        the training state's manifest, each rank's shard written there (``trainer/shards.py``); every rank takes
-        part."""
-        full = self.engine.full_state_dict()
+    def _checkpoint_parts(self, staging: str | None, stream: bool = False):
+        """The whole model's parameters on rank 0 where the engine shards them (else None; ``stream``: written a
+        tensor at a time into rank 0's folder, ``meta.stream_full``), and with ``staging`` the training state's
+        manifest, each rank's shard written there (``trainer/shards.py``); every rank takes part."""
+        into = self.loop.home_path / "publish-stream" if self.ranks.lead else None
+        full = meta.stream_full(self.model, into, self._writer.publish_dtype if into else None) if stream else \
+            self.engine.full_state_dict()
         return full, shards.save(self.engine, staging, self.settings.sharding, self.ranks.world) if staging else None
 
     def _publish(self, version: int, stats: dict[str, float], offsets, samples: int) -> None:
@@ -379,13 +366,15 @@ class TrainerService:
         every = 1 if self.engine.sharded else self.settings.checkpoint_every
         full_checkpoint = self._full_checkpoint is None or version % every == 0
         staging = shards.staging(self.store, policy, version) if full_checkpoint else None
-        self.ranks.command("save", staging)
-        full_state, manifest = self._checkpoint_parts(staging)
         if self._writer is None and self.lora:
             self._writer = self.lora.writer(self.model, self.tokenizer)
         if self._writer is None:
             self._writer = VersionWriter(self.model, self.tokenizer, None if self.settings.publish_dtype == "auto"
                                          else torch_dtype(self.settings.publish_dtype))
+        # The weights log needs a version's tensors in memory; the store alone takes them streamed.
+        stream = self.engine.streams and self.weight_log is None
+        self.ranks.command("save", (staging, stream))
+        full_state, manifest = self._checkpoint_parts(staging, stream)
 
         def write(folder: Path, on_content) -> None:
             # What workers load, hashed as they will hash it (the store may be remote: hashed while it is here).

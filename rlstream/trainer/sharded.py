@@ -46,6 +46,7 @@ class DeepSpeedEngine:
     """
 
     sharded = True
+    streams = False
 
     def __init__(self, model, lr: float, max_grad_norm: float, stage: int, device: torch.device = torch.device("cpu"),
                  autocast_mode: str = "off", lr_warmup_steps: int = 0):
@@ -134,6 +135,7 @@ class FSDP2Engine(TorchEngine):
     are ``fully_shard``-ed over one mesh of every rank; AdamW steps on the local shards."""
 
     sharded = True
+    streams = True
 
     def __init__(self, model, lr: float, max_grad_norm: float, device: torch.device = torch.device("cpu"),
                  autocast_mode: str = "off", lr_warmup_steps: int = 0, weights: Path | None = None):

@@ -44,19 +44,13 @@ def meta_rank(ranks, folder: str, out: str) -> None:
     engine = make_engine(model, lr=1e-2, sharding="fsdp2", world_size=ranks.world, weights=folder)
     local = sum(p.to_local().numel() for p in engine.model.parameters())
     total = sum(p.numel() for p in engine.model.parameters())
-    shapes = meta.specs(engine.model)
-    before = {name: t.clone() for name, t in meta.full_tensors(engine.model)}  # what it was filled with
+    # What it was filled with, streamed to rank 0's folder a tensor at a time, then two steps and the trained weights.
+    filled = meta.stream_full(engine.model, Path(out).parent / "filled" if ranks.lead else None, None)
     sharded = losses(engine)
-    streamed = Path(out).parent / "streamed.safetensors"
-    tensors = meta.full_tensors(engine.model, keep=ranks.lead)
+    streamed = meta.stream_full(engine.model, Path(out).parent / "streamed" if ranks.lead else None, torch.bfloat16)
     if ranks.lead:
-        meta.write_streamed(streamed, shapes, tensors)
-    else:
-        for _ in tensors:  # every rank takes part in each parameter's gather
-            pass
-    if ranks.lead:
-        from safetensors.torch import save_file
-        save_file(before, str(Path(out).parent / "filled.safetensors"))
+        for name, got in (("filled", filled), ("streamed", streamed)):
+            (Path(out).parent / name / "hash").write_text(got.hasher.hexdigest())
     Path(f"{out}.{ranks.rank}").write_text(json.dumps({"whole": whole, "sharded": sharded, "local": local,
                                                        "total": total}))
 
@@ -67,6 +61,8 @@ def test_an_fsdp2_model_built_on_meta_fills_only_each_ranks_shard_and_trains_as_
     from safetensors.torch import load_file
 
     from rlstream.models.tiny import build_model, build_tokenizer
+    from rlstream.policy.deltas import ContentHasher
+    from rlstream.trainer.checkpoint import MASTER_FILE, WEIGHTS_FILE
     folder = tmp_path / "v0"
     tokenizer = build_tokenizer()
     trained = build_model(tokenizer, seed=0)
@@ -79,15 +75,21 @@ def test_an_fsdp2_model_built_on_meta_fills_only_each_ranks_shard_and_trains_as_
     assert sum(g["local"] for g in got) == got[0]["total"]
     assert all(g["local"] <= got[0]["total"] // 2 + 1000 for g in got), got
     # Filled from the folder, the sharded model is the folder's, bit for bit...
-    saved, filled = load_file(str(folder / "model.safetensors")), load_file(str(tmp_path / "filled.safetensors"))
-    assert set(saved) <= set(filled)
-    assert all(torch.equal(saved[k], filled[k]) for k in saved)
+    saved, filled = load_file(str(folder / "model.safetensors")), load_file(str(tmp_path / "filled" / WEIGHTS_FILE))
+    assert set(saved) == set(filled) and all(torch.equal(saved[k], filled[k]) for k in saved)
+    assert not (tmp_path / "filled" / MASTER_FILE).exists()  # published as trained: no master
     # ...it trains as the model built whole and then sharded does (FSDP2 on both: the same sums in the same order)...
     assert got[0]["sharded"] == got[0]["whole"]
-    # ...and what it streams back, a tensor at a time into one file, is the trained weights: they moved.
-    streamed = load_file(str(tmp_path / "streamed.safetensors"))
-    assert set(streamed) == set(filled)
-    assert any(not torch.equal(streamed[k], filled[k]) for k in saved)
+    # ...and streams its trained weights back: in bf16 for workers, the fp32 master beside them, which moved.
+    streamed, master = (load_file(str(tmp_path / "streamed" / f)) for f in (WEIGHTS_FILE, MASTER_FILE))
+    assert {t.dtype for t in streamed.values()} == {torch.bfloat16} and set(master) == set(saved)
+    assert all(torch.equal(streamed[k], master[k].to(torch.bfloat16)) for k in master)
+    assert any(not torch.equal(master[k], filled[k]) for k in saved)
+    # The hash taken as each tensor was streamed is the one workers take over the tensors.
+    hasher = ContentHasher()
+    for name in sorted(streamed):
+        hasher.tensor(name, streamed[name])
+    assert hasher.hexdigest() == (tmp_path / "streamed" / "hash").read_text()
 
 
 def declared_rank(ranks, out: str) -> None:

@@ -17,7 +17,7 @@ from rlstream.models.resources import GIB, ModelShape, activation_bytes_per_toke
 from rlstream.models.tiny import build_model, build_tokenizer
 from rlstream.trainer.engine import TorchEngine
 from rlstream.trainer.microbatch import (MAX_BUDGET, MIN_BUDGET, StepBudget, activation_room, check_whole_batch,
-                                         default_budget, resolve_budget, step_budget, step_tokens,
+                                         default_budget, resolve_budget, step_budget, step_tokens, trainer_budget,
                                          train_step)
 from rlstream.trainer.precision import Precision, resolve_precision
 from rlstream.trainer.settings import TrainerSettings
@@ -116,7 +116,8 @@ def test_the_trainer_resolves_its_device_knobs_once_on_the_cpu_as_before(monkeyp
     s = service.settings
     assert (str(service.device), s.dtype, s.autocast, s.publish_dtype) == ("cpu", "auto", "off", "auto")
     assert service.attention is None
-    assert service._budget(None, sharded=False) == StepBudget(0)  # the whole batch, nothing to check
+    # The whole batch, nothing to check.
+    assert trainer_budget(s, service.device, None, False, service.ranks.world) == StepBudget(0)
     assert step_budget(64, torch.device("cpu"), None, False, False, 1.0) == StepBudget(64)
 
 
@@ -125,7 +126,7 @@ def test_the_trainer_service_on_the_cpu_sizes_its_budget_from_its_model():
     service = TrainerService(load(TrainerSettings, device="cpu"))
     service._place()
     service.model = build_model(build_tokenizer())
-    service._engine()
+    service._engine(None)
     # The tiny model's bytes a token are few: the bound (it was the whole batch, 0, whatever the model).
     assert service.budget == StepBudget(MAX_BUDGET)
 
