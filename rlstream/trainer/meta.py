@@ -1,5 +1,5 @@
 """Never the whole model on one device: FSDP2 models built on the meta device, each rank filling only its shard, and
-the consolidated weights published tensor by tensor.
+the consolidated weights published tensor by tensor (FSDP2 and ZeRO-3).
 
 - ``empty_model``: the model's parameters on the meta device (no memory), its buffers computed on the CPU as usual
   (rotary frequencies and the like are small, and a meta buffer could not be recomputed after sharding).
@@ -8,8 +8,8 @@ the consolidated weights published tensor by tensor.
 - ``materialize``: only this rank's shards get memory (``to_empty``), the buffers kept; ``fill_from_folder`` then
   reads each shard's rows straight from the version's safetensors (its master where there is one), a slice at a
   time: no rank reads, and no device holds, a whole tensor it does not own.
-- ``stream_full``: the consolidated parameters one at a time (``full_tensor()``, a collective per parameter, every
-  rank in the same order), each written into the version's safetensors file as it comes (its header built from the
+- ``stream_full``: the consolidated parameters one at a time (FSDP2's ``full_tensor()``, ZeRO-3's
+  ``GatheredParameters`` of one parameter: a collective per parameter, every rank in the same order), each written into the version's safetensors file as it comes (its header built from the
   shapes first) and hashed, so rank 0 holds one whole tensor at a time, never the model (``checkpoint.Streamed``).
 """
 from __future__ import annotations
@@ -146,24 +146,37 @@ def _published(model) -> list[str]:
 
 
 def full_tensors(model, names: list[str], keep: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """``names`` of the model's state consolidated one at a time on the CPU. A collective per parameter: every rank
-    must iterate it whole; ``keep=False`` (the ranks that write nothing) yields nothing but takes part."""
-    state = model.state_dict()
+    """``names`` of the model's state consolidated one at a time on the CPU: an FSDP2 DTensor by ``full_tensor()``,
+    a ZeRO-3 parameter under ``GatheredParameters`` of itself alone. A collective per parameter: every rank must
+    iterate it whole; ``keep=False`` (the ranks that write nothing) yields nothing but takes part."""
+    tensors = _tensors(model)
     for name in names:
-        t = state[name]
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        t = tensors[name]
+        if hasattr(t, "ds_id"):
+            import deepspeed
+            with deepspeed.zero.GatheredParameters([t], modifier_rank=None):
+                full = t.data.detach().to("cpu", copy=True) if keep else None
+        else:
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t
         if keep:
             yield name, full.detach().to("cpu")
         del full
 
 
+def _tensors(model) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by state-dict name, as they are (a ZeRO-3 parameter keeps its ``ds_*``)."""
+    return {**dict(model.named_buffers(remove_duplicate=False)),
+            **dict(model.named_parameters(remove_duplicate=False))}
+
+
 def specs(model, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """``names``' consolidated shapes and dtypes (floating ones in ``dtype``; None: as trained) as meta tensors:
     what a safetensors header needs, before any tensor is gathered."""
-    state, out = model.state_dict(), {}
+    tensors, out = _tensors(model), {}
     for name in names:
-        t = state[name]
-        out[name] = torch.empty(t.shape, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype,
+        t = tensors[name]
+        shape = tuple(t.ds_shape) if hasattr(t, "ds_shape") else tuple(t.shape)  # a ZeRO-3 parameter's own is empty
+        out[name] = torch.empty(shape, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype,
                                 device="meta")
     return out
 

@@ -41,12 +41,12 @@ def deepspeed_config(stage: int, lr: float, max_grad_norm: float, autocast_mode:
 class DeepSpeedEngine:
     """DeepSpeed ZeRO: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3) sharded across ranks.
 
-    ZeRO 1/2 keep full parameters on every rank, so ``model`` saves as a normal checkpoint; ZeRO-3's are gathered to
-    rank 0 for it (``full_state_dict``).
+    ZeRO 1/2 keep full parameters on every rank, so ``model`` saves as a normal checkpoint; ZeRO-3's are gathered a
+    parameter at a time into the version's file (``streams``: ``trainer/meta.py``), or all to rank 0 where the
+    weights log needs the version in memory (``full_state_dict``).
     """
 
     sharded = True
-    streams = False
 
     def __init__(self, model, lr: float, max_grad_norm: float, stage: int, device: torch.device = torch.device("cpu"),
                  autocast_mode: str = "off", lr_warmup_steps: int = 0):
@@ -62,6 +62,8 @@ class DeepSpeedEngine:
         import deepspeed
         self.device = device
         self.stage = stage
+        # ZeRO-3 publishes a parameter at a time (trainer/meta.py: stream_full); 1 and 2 hold the whole model anyway.
+        self.streams = stage == 3
         self.autocast_mode = autocast_mode
         config = deepspeed_config(stage, lr, max_grad_norm, autocast_mode)
         deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl")

@@ -1,6 +1,6 @@
 """Never the whole model on one device (rlstream.trainer.meta): an FSDP2 model built on the meta device, each of 2
 ranks (gloo) filling only its shard from a version's folder, trains as the model built whole does and streams the
-same weights back tensor by tensor; and a model declared far beyond this machine's memory (about 31 GB of fp32
+same weights back tensor by tensor, as ZeRO-3 does too; and a model declared far beyond this machine's memory (about 31 GB of fp32
 parameters) initialises and shards on meta without allocating it."""
 from __future__ import annotations
 
@@ -90,6 +90,41 @@ def test_an_fsdp2_model_built_on_meta_fills_only_each_ranks_shard_and_trains_as_
     for name in sorted(streamed):
         hasher.tensor(name, streamed[name])
     assert hasher.hexdigest() == (tmp_path / "streamed" / "hash").read_text()
+
+
+def zero3_rank(ranks, out: str) -> None:
+    """ZeRO-3 on this world after two steps: the weights gathered all at once (``full_state_dict``) and streamed a
+    parameter at a time (``meta.stream_full``) into rank 0's folder."""
+    torch.set_num_threads(1)
+    from safetensors.torch import save_file
+
+    from rlstream.models.tiny import build_model, build_tokenizer
+    from rlstream.trainer import meta
+    from rlstream.trainer.microbatch import train_step
+    from rlstream.trainer.sharding import make_engine
+    from rlstream.trainer.update import UpdateConfig
+    from tests.integration.test_trainer_ranks import fixed_batches
+    engine = make_engine(build_model(build_tokenizer(), seed=0), lr=1e-2, sharding="zero3", world_size=ranks.world)
+    assert engine.streams
+    for b in fixed_batches()[:2]:
+        train_step(engine, b, UpdateConfig(), max_tokens=0, rank=ranks.rank, world=ranks.world)
+    whole = engine.full_state_dict()
+    meta.stream_full(engine.model, Path(out) / "streamed" if ranks.lead else None, None)
+    if ranks.lead:
+        save_file({k: v.contiguous() for k, v in whole.items()}, str(Path(out) / "whole.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zero3_streams_the_weights_a_parameter_at_a_time_equal_to_the_whole_gather(tmp_path):
+    from safetensors.torch import load_file
+
+    from rlstream.trainer.checkpoint import WEIGHTS_FILE
+    launch(2, zero3_rank, (str(tmp_path),), "cpu")
+    whole = load_file(str(tmp_path / "whole.safetensors"))
+    streamed = load_file(str(tmp_path / "streamed" / WEIGHTS_FILE))
+    assert set(streamed) == set(whole)
+    assert all(torch.equal(streamed[k], whole[k]) for k in whole)
 
 
 def declared_rank(ranks, out: str) -> None:

@@ -274,8 +274,8 @@ def varied_group(gid: int):
 @pytest.mark.kafka
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-# FSDP2 (ZeRO-3's sharded resume is covered above, without the trainer process; add it back here to run it too).
-@pytest.mark.parametrize("sharding", ["fsdp2"])
+# The two that shard the parameters: both publish a parameter at a time (trainer/meta.py), FSDP2 resumes on meta.
+@pytest.mark.parametrize("sharding", ["fsdp2", "zero3"])
 def test_a_sharded_trainer_publishes_whole_checkpoints_and_resumes_with_its_optimizer_shards(
         bootstrap, run_name, tmp_path, start_stage, sharding):
     """The trainer process on 2 ranks with sharded parameters: each version's folder holds the whole model (gathered
