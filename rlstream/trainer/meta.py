@@ -37,14 +37,16 @@ def empty_model(config, dtype: torch.dtype | None = None):
             AutoModelForCausalLM.from_config(config)
 
 
-def resumed_model(folder: Path, dtype: str, sharding: str):
+def resumed_model(folder: Path, dtype: str, sharding: str, device: torch.device = torch.device("cpu")):
     """The model a trainer resumes from ``folder``: under ``--sharding fsdp2`` on the meta device (the engine has each
-    rank fill its shard from the folder: ``fill_from_folder``), in the master's dtype where the folder holds one
-    (unless ``--dtype`` names another), as ``checkpoint.load_resumed`` loads it whole for the other engines."""
+    rank fill its shard from the folder: ``fill_from_folder``), under ``zero3`` on several ranks partitioned as it is
+    built (``zero3_model``), in the master's dtype where the folder holds one (unless ``--dtype`` names another); the
+    other engines load it whole (``checkpoint.load_resumed``)."""
     from transformers import AutoConfig
 
     from rlstream.models.loading import torch_dtype
-    if sharding != "fsdp2":
+    several = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    if sharding != "fsdp2" and not (sharding == "zero3" and several):
         return load_resumed(folder, dtype)
     master = folder / MASTER_FILE
     if dtype == "auto" and master.exists():
@@ -54,8 +56,53 @@ def resumed_model(folder: Path, dtype: str, sharding: str):
             want = st.get_tensor(first).dtype if first is not None else torch.float32
     else:
         want = torch_dtype(dtype, folder)
+    config = AutoConfig.from_pretrained(folder)
+    if sharding == "zero3":
+        return zero3_model(config, want, folder, device)
     log.info("resuming from %s on the meta device: each rank reads its own shard (%s)", folder, want)
-    return empty_model(AutoConfig.from_pretrained(folder), want)
+    return empty_model(config, want)
+
+
+def zero3_model(config, dtype: torch.dtype, folder: Path, device: torch.device):
+    """The model of ``config`` built under ``deepspeed.zero.Init`` (transformers' own, for a ZeRO-3 config: each
+    parameter partitioned over the ranks as it is made and initialised gathered), then each parameter's weights from ``folder`` read by rank 0 alone and spread under ``GatheredParameters``
+    of that parameter: no rank holds more than one whole parameter beyond its partition."""
+    import os
+
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported, as DeepSpeedEngine sets it
+    import deepspeed
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    # transformers builds under zero.Init (and initialises each weight gathered) while such a config is alive: only
+    # for this model, so it is dropped at once (a later load_model must not partition the KL reference).
+    zero3 = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    finally:
+        del zero3
+    lead = torch.distributed.get_rank() == 0
+    files = sorted(folder.glob("*.safetensors"), key=lambda f: f.name == MASTER_FILE)  # the master last: it wins
+    where = {}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            where.update({name: f for name in st.keys()})
+    for name, param in model.named_parameters():
+        if name not in where:
+            raise ValueError(f"{folder}: no tensor {name!r} for the model's parameter of that name")
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+            if lead:  # the others get it as the context ends
+                with safe_open(str(where[name]), "pt") as st:
+                    param.data.copy_(st.get_tensor(name).to(param.dtype))
+    log.info("resumed from %s partitioned as built (ZeRO-3, %s): rank 0 read it a parameter at a time", folder, dtype)
+    return model
+
+
+def param_count(model) -> int:
+    """The model's parameters, counted whole where ZeRO-3 (``zero3_model``) leaves each rank an empty stand-in."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 def is_meta(model) -> bool:
@@ -86,7 +133,7 @@ def fill_from_folder(model, folder: Path) -> None:
     """Each parameter's local shard read from ``folder``'s safetensors: the master weights where the version was
     published in another dtype (``checkpoint.MASTER_FILE``), else its weights; only the rows this rank holds."""
     from safetensors import safe_open
-    files = sorted(folder.glob("*.safetensors"), key=lambda f: f.name == "master.safetensors")  # master last: wins
+    files = sorted(folder.glob("*.safetensors"), key=lambda f: f.name == MASTER_FILE)  # the master last: it wins
     where: dict[str, Path] = {}
     for f in files:
         with safe_open(str(f), "pt") as st:

@@ -223,7 +223,7 @@ class TrainerService:
         if folder is not None:
             self.tokenizer = load_tokenizer(folder, flag="resume from")
             self.model = self.lora.resumed(folder, self.loop.home_path / "weights-cache") if self.lora else \
-                meta.resumed_model(folder, self.settings.dtype, self.settings.sharding)
+                meta.resumed_model(folder, self.settings.dtype, self.settings.sharding, self.device)
         else:
             self.model, self.tokenizer = version_zero(self.settings, self.attention, self.ranks.lead, self.lora,
                                                       self.store, self.loop.policy)
@@ -271,7 +271,8 @@ class TrainerService:
             enable_gradient_checkpointing(self.model)
         set_attention(self.model, self.attention)
         # Its shape read before the engine (ZeRO-3 leaves each rank a shard of the parameters).
-        shape = ModelShape.of_model(self.model)  # the default micro-batch budget is sized from it on any device
+        # The default micro-batch budget is sized from it on any device (a ZeRO-3 model's parameters counted whole).
+        shape = dataclasses.replace(ModelShape.of_model(self.model), params=meta.param_count(self.model))
         engine = make_engine(self.model, s.lr, self.update_cfg.max_grad_norm, s.sharding,
                              device=self.device, autocast_mode=s.autocast,
                              world_size=self.ranks.world, lr_warmup_steps=s.lr_warmup_steps, weights=folder)

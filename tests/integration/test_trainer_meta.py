@@ -127,6 +127,53 @@ def test_zero3_streams_the_weights_a_parameter_at_a_time_equal_to_the_whole_gath
     assert all(torch.equal(streamed[k], whole[k]) for k in whole)
 
 
+def zero3_init_rank(ranks, folder: str, out: str) -> None:
+    """The folder's model resumed under ZeRO-3 both ways: loaded whole on every rank then partitioned, and
+    partitioned as built under zero.Init with rank 0 reading a parameter at a time; two steps of each."""
+    torch.set_num_threads(1)
+    from rlstream.models.loading import load_model
+    from rlstream.trainer import meta
+    from rlstream.trainer.microbatch import train_step
+    from rlstream.trainer.sharding import make_engine
+    from rlstream.trainer.update import UpdateConfig
+    from tests.integration.test_trainer_ranks import fixed_batches
+    folder = Path(folder)
+
+    def losses(engine):
+        return [train_step(engine, b, UpdateConfig(), max_tokens=0, rank=ranks.rank, world=ranks.world)["loss"]
+                for b in fixed_batches()[:2]]
+    whole = losses(make_engine(load_model(folder, "fp32"), lr=1e-2, sharding="zero3", world_size=ranks.world))
+    model = meta.resumed_model(folder, "fp32", "zero3")
+    from transformers.integrations import is_deepspeed_zero3_enabled
+    assert not is_deepspeed_zero3_enabled(), "the ZeRO-3 config outlived the model it was for"
+    built = {"partitioned": all(hasattr(p, "ds_id") for p in model.parameters()),
+             "params": meta.param_count(model), "held": sum(p.numel() for p in model.parameters())}
+    engine = make_engine(model, lr=1e-2, sharding="zero3", world_size=ranks.world)
+    meta.stream_full(engine.model, Path(out).parent / "zero3-filled" if ranks.lead else None, None)
+    Path(f"{out}.{ranks.rank}").write_text(json.dumps({"whole": whole, "built": losses(engine), **built}))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zero3_resumes_partitioned_as_built_and_trains_as_the_model_loaded_whole(tmp_path):
+    from safetensors.torch import load_file
+
+    from rlstream.models.tiny import build_model, build_tokenizer
+    from rlstream.trainer.checkpoint import WEIGHTS_FILE
+    folder = tmp_path / "v0"
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    out = tmp_path / "out.json"
+    launch(2, zero3_init_rank, (str(folder), str(out)), "cpu")
+    got = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    saved = load_file(str(folder / "model.safetensors"))
+    assert all(g["partitioned"] and g["params"] == sum(t.numel() for t in saved.values()) for g in got), got
+    filled = load_file(str(tmp_path / "zero3-filled" / WEIGHTS_FILE))
+    assert set(filled) == set(saved) and all(torch.equal(saved[k], filled[k]) for k in saved)
+    assert got[0]["built"] == got[0]["whole"]
+
+
 def declared_rank(ranks, out: str) -> None:
     """A Llama of about 7.8 B parameters (31 GB in fp32) declared in code, built on meta and sharded over this
     world: what each rank then holds, and the most memory the rank's process ever had."""
