@@ -39,6 +39,19 @@ class Slot:
     emitted: bool = False  # its outputs are in an (open or committed) transaction, or it was done before
     _has_result: bool = field(default=False, repr=False)
     _done: bool = field(default=False, repr=False)
+    _watched: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.future is not None:
+            self.attach(self.future)
+
+    def attach(self, future: Any) -> None:
+        """Hold the handler's future; the slot is told when it is done (its done-callback) rather than asking."""
+        self.future, self._watched = future, True
+        future.add_done_callback(self._finished)
+
+    def _finished(self, _future: Any) -> None:
+        self._done = True
 
     def resolve(self, result: Any) -> None:
         """Settle the slot without a handler (e.g. rejected at decode)."""
@@ -46,11 +59,12 @@ class Slot:
 
     @property
     def done(self) -> bool:
-        # Kept once true (a future never stops being done): the runner asks of every slot in the window on each
-        # turn of its loop, and a future's done() takes its lock.
-        if not self._done:
-            self._done = self._has_result or (self.future is not None and self.future.done())
-        return self._done
+        # The runner asks this of every slot in the window on each turn of its loop, and a future's done() takes
+        # the future's lock: an attached future's callback says it instead, and an answer once true is kept (a
+        # future never stops being done).
+        if not self._done and not self._watched:
+            self._done = self.future is not None and self.future.done()
+        return self._done or self._has_result
 
     def outcome(self) -> Any:
         """The handler's result (or rejection); only for a done slot."""

@@ -181,7 +181,7 @@ class StageRunner:
                 self._observe(msgs, now_ms)
                 admitted = [slot for slot in (self._admit(m, now) for m in msgs) if slot is not None]
                 for slot, future in zip(admitted, self.handlers.submit([slot.item for slot in admitted])):
-                    slot.future = future
+                    slot.attach(future)
                 if msgs or busy:
                     idle_since = now
                 elif idle_exit_s is not None and now - idle_since > idle_exit_s:
