@@ -19,7 +19,8 @@ Pure logic, no Kafka (``rlstream.policy.weight_log`` produces and reads the reco
   the first anchor produced after it is the truncation anchor, the trainer's prefix delete removes it with the
   retained versions' predecessors. That delete is the weights topic's only retention (not time, not compaction:
   the records' keys, policy/version/chunk, name what a chunk is, but a redone version may have fewer chunks, so
-  compaction by key would not remove every orphan).
+  compaction by key would not remove every orphan). A pinned version's records (a LoRA run's base, which every
+  adapter version names) are never deleted: each partition's prefix delete stops before them.
 """
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ SCHEME = "kafka"
 class LogRef:
     """Where a version is on the weights topic (what its URI says): ``manifest``, its manifest's offset in
     ``partition`` (and its anchor's manifest's at ``anchor_offset``); else (a log written before manifests) its
-    first chunk's, all of its chunks after it in that partition."""
+    first chunk's, all of its chunks after it in that partition. A LoRA version's also names its base on the log
+    (``base``, the name its records carry, and ``base_offset``, its manifest's in ``MANIFEST_PARTITION``:
+    ``rlstream.policy.log_bases``)."""
 
     policy: str
     version: int
@@ -52,13 +55,21 @@ class LogRef:
     anchor: int
     anchor_offset: int
     manifest: bool = False
+    base: str = ""
+    base_offset: int = -1
 
     def uri(self) -> str:
         query = {"policy": self.policy, "version": self.version, "partition": self.partition, "offset": self.offset,
                  "anchor": self.anchor, "anchor_offset": self.anchor_offset}
         if self.manifest:
             query["layout"] = "manifest"
+        if self.base:
+            query.update(base=self.base, base_offset=self.base_offset)
         return f"{SCHEME}:weights?" + urlencode(query)
+
+    def base_ref(self) -> LogRef:
+        """Where the base this (LoRA) version names is: a version 0 of its own name, an anchor."""
+        return LogRef(self.base, 0, MANIFEST_PARTITION, self.base_offset, 0, self.base_offset, manifest=True)
 
 
 def is_log_uri(uri: str) -> bool:
@@ -73,11 +84,14 @@ def parse_uri(uri: str) -> LogRef:
     q = {k: v[0] for k, v in parse_qs(parsed.query).items()}
     try:
         ref = LogRef(q["policy"], int(q["version"]), int(q["partition"]), int(q["offset"]), int(q["anchor"]),
-                     int(q["anchor_offset"]), q.get("layout") == "manifest")
+                     int(q["anchor_offset"]), q.get("layout") == "manifest", q.get("base", ""),
+                     int(q.get("base_offset", -1)))
     except (KeyError, ValueError) as exc:
         raise ValueError(f"weights-log URI {uri!r} lacks or garbles {exc}") from None
     if not 0 <= ref.anchor <= ref.version or (ref.anchor == ref.version) != (ref.anchor_offset == ref.offset):
         raise ValueError(f"weights-log URI {uri!r}: inconsistent anchor")
+    if ref.base and ref.base_offset < 0:
+        raise ValueError(f"weights-log URI {uri!r}: a base without its offset")
     return ref
 
 
@@ -136,13 +150,26 @@ class Placed:
 
 
 class Positions:
-    """The committed versions of one writer, in order, for its retention (module docstring)."""
+    """The committed versions of one writer, in order, for its retention (module docstring); and the records it
+    keeps while versions that may still be needed name them (``pin``: a LoRA run's base)."""
 
     def __init__(self):
         self._placed: list[Placed] = []
+        # (the first version that names it, partition -> its first record's offset) of each pinned version, oldest
+        # first: what the prefix delete stops before.
+        self._pins: list[tuple[int, dict[int, int]]] = []
 
     def add(self, placed: Placed) -> None:
         self._placed.append(placed)
+
+    def pin(self, placed: Placed, from_version: int) -> None:
+        """Keep ``placed``'s records (its manifest and chunks) while a version from ``from_version`` on may still be
+        needed: a LoRA base, which the versions after it name. An older pin goes once every version that may still
+        be needed names a newer one."""
+        offsets = {MANIFEST_PARTITION: placed.manifest_offset}
+        for partition, offset in placed.chunks:
+            offsets[partition] = min(offsets.get(partition, offset), offset)
+        self._pins.append((from_version, offsets))
 
     def anchor_of(self, version: int) -> Placed:
         """The newest anchor at or below ``version`` (a delta's); LookupError when none is known."""
@@ -173,5 +200,11 @@ class Positions:
         points.update(needed)
         points[MANIFEST_PARTITION] = min(points[MANIFEST_PARTITION], needed.get(MANIFEST_PARTITION,
                                                                                 anchor.manifest_offset))
+        while len(self._pins) > 1 and self._pins[1][0] <= keep_from:
+            self._pins.pop(0)  # no version from keep_from on names it: a newer pin covers them all
+        for _, offsets in self._pins:
+            for partition, offset in offsets.items():
+                if partition in points:
+                    points[partition] = min(points[partition], offset)
         self._placed = kept
         return points

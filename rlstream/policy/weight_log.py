@@ -26,6 +26,10 @@ version N's manifest is at offset O, its anchor A's at AO. A worker holding N - 
 one holding a version between A and N reads from that version's manifest on; any other reads from AO,
 and says in its log that it rebuilds from the anchor because the delta's base is not held.
 
+**LoRA.** A LoRA version (an adapter folder) is an anchor every time, and its base goes on the log once, as a
+version of its own name, with the first version whose adapter names it; the version's URI names it
+(``rlstream.policy.log_bases``, which says how it is kept and when it goes again).
+
 **Checks.** Each rebuilt version must hash to the ``content_hash`` its chunks carry, and the version asked for to
 the one its PolicyVersion carries; otherwise the version is refused (ValueError, logged, counted in
 ``rlstream_weights_refused_total``), nothing is written to the cache, and the worker keeps the weights it holds
@@ -63,6 +67,7 @@ from rlstream.kafka.tail import read_from
 from rlstream.kafka.topics import MAX_MESSAGE_BYTES, topic_name
 from rlstream.kafka.transactions import transfer_timeout_s
 from rlstream.policy.deltas import ANCHOR, DELTA, Content, apply, content_hash, encode, split, write_folder
+from rlstream.policy.log_bases import BaseOnLog, adapter_base
 from rlstream.policy.manifest import (MANIFEST, MANIFEST_PARTITION, SCHEME, LogRef, Placed, Positions, Upload,
                                       chunk_hash, is_log_uri, parse_uri, payload_hash, place)
 from rlstream.schemas.headers import now_ms
@@ -107,15 +112,17 @@ class WeightLogWriter:
         self._spare: bytearray | None = None
         self.last_payload_bytes = 0  # of the last version produced (benchmarks)
         self.last_upload_s = 0.0  # the last upload's seconds, from its first chunk produced to its last delivered
+        self._lora = BaseOnLog(run, policy, self._upload_base)  # a LoRA run's base (log_bases)
 
-    def _anchor(self, version: int) -> bool:
+    def _anchor(self, version: int, content: Content) -> bool:
         base = self._base
-        return base is None or base[0] != version - 1 or version % self.anchor_every == 0
+        return base is None or base[0] != version - 1 or version % self.anchor_every == 0 or \
+            adapter_base(content) is not None  # an adapter is small: whole every version (log_bases)
 
     def prepare(self, content: Content, version: int) -> None:
         """Start encoding ``version``'s payload in a thread, for ``produce`` to take: the trainer calls it as soon as
         the version's content exists, so the encoding runs beside the writing of its folder and its hash."""
-        anchor = self._anchor(version)
+        anchor = self._anchor(version, content)
         self._prepared = (version, content, anchor, self._pool.submit(encode, *self._encoding(anchor, content)))
 
     def _encoding(self, anchor: bool, content: Content) -> tuple:
@@ -130,8 +137,9 @@ class WeightLogWriter:
         ``content_hash``) on the topic: ``upload``, then ``announce`` in ``txn``'s open transaction; its URI. Called
         in the transaction's body before anything else is produced in it, the upload does not run on the
         transaction's clock (``rlstream.kafka.transactions``). A delivery error raises KafkaException, which aborts
-        the transaction."""
-        return self.announce(txn, self.upload(txn, content, digest, version))
+        the transaction. A LoRA version's base goes before it, when due (``log_bases``)."""
+        base = self._lora.uploaded(txn, content)
+        return self.announce(txn, self.upload(txn, content, digest, version), base)
 
     def upload(self, txn, content: Content, digest: str, version: int) -> Upload:
         """Produce the version's chunks through ``txn``'s companion idempotent producer, outside any transaction,
@@ -139,57 +147,74 @@ class WeightLogWriter:
         them before ``announce`` commits their manifest."""
         base, prepared, self._prepared = self._base, self._prepared, None
         if prepared is not None and prepared[0] == version and prepared[1] is content and \
-                prepared[2] == self._anchor(version):
+                prepared[2] == self._anchor(version, content):
             anchor, payload = prepared[2], prepared[3].result()
         else:  # not prepared, or for another version or base (a redone step): encoded now
-            anchor = self._anchor(version)
+            anchor = self._anchor(version, content)
             payload = encode(*self._encoding(anchor, content))
+        upload = self._upload_payload(txn, self.policy, version, anchor, None if anchor else base[0], content, digest,
+                                      payload)
+        if anchor:
+            self._spare = payload
+        return upload
+
+    def _upload_base(self, txn, name: str, content: Content, digest: str, payload: bytearray) -> Upload:
+        """A LoRA base's anchor (``log_bases``) as version 0 of ``name``; its Upload keeps none of its tensors."""
+        return self._upload_payload(txn, name, 0, True, None, Content(files={}), digest, payload,
+                                    files=content.names())
+
+    def _upload_payload(self, txn, policy: str, version: int, anchor: bool, base_version: int | None,
+                        content: Content, digest: str, payload: bytearray, files: list[str] | None = None) -> Upload:
         parts = split(payload, self.chunk_bytes)
         topic = topic_name(self.run, "weights")
         if self._partitions is None:
             self._partitions = len(txn.outside().producer.list_topics(topic, timeout=30).topics[topic].partitions)
         where = place(self._partitions, version, len(parts))
-        created, files, hashes = now_ms(), content.names(), []
+        created, files, hashes = now_ms(), files if files is not None else content.names(), []
 
         def chunks():
             for i, part in enumerate(parts):
                 hashes.append(chunk_hash(part))  # hashlib lets go of the GIL: the chunks before it go out meanwhile
                 # Keyed by what the chunk is (policy, version, index); placed by ``place``, not by the key.
-                yield (f"{self.policy}/{version}/{i}".encode(),
-                       WeightChunk(policy=self.policy, version=version, kind=ANCHOR if anchor else DELTA,
-                                   base_version=-1 if anchor else base[0], chunk=i, chunks=len(parts), files=files,
+                yield (f"{policy}/{version}/{i}".encode(),
+                       WeightChunk(policy=policy, version=version, kind=ANCHOR if anchor else DELTA,
+                                   base_version=-1 if anchor else base_version, chunk=i, chunks=len(parts), files=files,
                                    payload=part, content_hash=digest, created_at=created), where[i])
 
         started = time.monotonic()
         places = records.produce_placed(txn.outside(), self.run, "weights", chunks(), version,
                                         transfer_timeout_s(len(payload)))
         self.last_upload_s = time.monotonic() - started
-        if anchor:
-            self._spare = payload
         self.last_payload_bytes = len(payload)
         metrics.WEIGHTS_BYTES.labels(ANCHOR if anchor else DELTA).inc(len(payload))
-        return Upload(self.policy, version, ANCHOR if anchor else DELTA, -1 if anchor else base[0], files, digest, places, hashes,
-                      [len(p) for p in parts], content)
+        return Upload(policy, version, ANCHOR if anchor else DELTA, -1 if anchor else base_version, files, digest,
+                      places, hashes, [len(p) for p in parts], content)
 
-    def announce(self, txn, upload: Upload) -> str:
+    def announce(self, txn, upload: Upload, base=None) -> str:
         """Produce ``upload``'s manifest into ``txn``'s open transaction (the PolicyVersion that names the URI
-        returned goes in the same one); the version exists for readers once it commits."""
+        returned goes in the same one); the version exists for readers once it commits. ``base``: a LoRA version's
+        (``BaseOnLog.uploaded``), announced before it unless it was before, and named in its URI."""
+        base_offset = self._lora.announce(txn, base) if base is not None else -1
         partition, offset = records.produce_located(txn, self.run, "weights", self.policy.encode(),
                                                     [upload.manifest(now_ms())],
                                                     upload.version, txn.transaction_timeout_s,
                                                     partition=MANIFEST_PARTITION)
         anchor = upload.kind == ANCHOR
-        base = None if anchor else self._positions.anchor_of(upload.version - 1)
-        ref = LogRef(self.policy, upload.version, partition, offset, upload.version if anchor else base.version,
-                     offset if anchor else base.manifest_offset, manifest=True)
-        self._pending = (upload.version, upload.content, Placed(upload.version, anchor, offset, upload.places))
+        delta_base = None if anchor else self._positions.anchor_of(upload.version - 1)
+        ref = LogRef(self.policy, upload.version, partition, offset,
+                     upload.version if anchor else delta_base.version,
+                     offset if anchor else delta_base.manifest_offset, manifest=True,
+                     base=base.name if base is not None else "", base_offset=base_offset)
+        self._pending = (upload.version, upload.content, Placed(upload.version, anchor, offset, upload.places), base,
+                         sum(upload.sizes))
         return ref.uri()
 
     def committed(self) -> None:
         """The transaction with the last produced version committed: the next delta builds on it."""
-        version, content, placed = self._pending
+        version, content, placed, base, size = self._pending
         self._base, self._pending = (version, content), None
         self._positions.add(placed)
+        self._lora.committed(base, version, size, self._positions)
 
     def truncation_points(self, keep_from: int) -> dict[int, int]:
         """partition -> offset before which no record is needed when versions from ``keep_from`` on must stay
@@ -222,6 +247,7 @@ class WeightLogReader:
         self.cache_dir = Path(cache_dir)
         self.timeout_s = timeout_s
         self._held: _Held | None = None
+        self._bases: dict[str, Path] = {}  # base hash -> the folder of a LoRA base rebuilt and checked (``base``)
         self._spare: bytearray | None = None  # a dropped anchor's buffer, for the next anchor to be read into
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-aside")
@@ -236,6 +262,23 @@ class WeightLogReader:
                 held.folder = self._move_in(held.ref)
                 self._drop_old(held.ref.policy, keep={held.folder})
             return held.folder
+
+    def base(self, pv: PolicyVersion) -> Path:
+        """The folder of the base that LoRA version ``pv`` names on the log (``log_bases``): rebuilt once, checked
+        against the ``base_hash`` ``pv`` carries, then kept; errors as ``fetch``'s."""
+        known = self._bases.get(pv.base_hash)
+        if known is not None and known.is_dir():
+            return known
+        try:
+            ref = parse_uri(pv.weights_uri)
+            if not ref.base:
+                raise ValueError("it is a LoRA version whose URI names no base on the log")
+        except ValueError as exc:
+            raise self._refuse(pv, "invalid", str(exc)) from None
+        folder = self.fetch(PolicyVersion(ref.base, 0, ref.base_ref().uri(), created_at=0, published_at=0,
+                                          content_hash=pv.base_hash))
+        self._bases[pv.base_hash] = folder
+        return folder
 
     def load(self, pv: PolicyVersion, use: Callable[[dict[str, torch.Tensor]], None]) -> None:
         """Call ``use(tensors)`` with ``pv``'s tensors, rebuilt and checked as ``fetch`` does, but with no folder

@@ -30,23 +30,17 @@ from rlstream.policy.adapters import check_base, check_serves_adapters
 from rlstream.errors import UserError
 from rlstream.policy.probe import ProbeMismatch
 from rlstream.policy.deltas import folder_hash
+from rlstream.policy.uris import COMPLETE, fetch_uri, is_local, local_path  # noqa: F401 (local_path: callers')
 from rlstream.policy.weight_log import WeightLogReader, is_log_uri
 from rlstream.schemas.records import PolicyVersion
 
 log = logging.getLogger(__name__)
 
-COMPLETE = "COMPLETE"
-
-
-def _is_local(uri: str) -> bool:
-    return urlparse(uri).scheme in ("", "file")
-
-
 class WeightStore:
     """Versions of policies under one root, local or in an fsspec filesystem."""
 
     def __init__(self, uri: str):
-        self.local = _is_local(uri)
+        self.local = is_local(uri)
         if self.local:
             parsed = urlparse(uri)
             self.root = Path(parsed.path if parsed.scheme == "file" else uri).resolve()
@@ -152,36 +146,6 @@ class WeightStore:
         return fetch_uri(self.uri(policy, version), cache_dir)
 
 
-def fetch_uri(uri: str, cache_dir: Path) -> Path:
-    """The local folder of a store URI: a file:// or plain path as it is; a remote folder copied under
-    ``cache_dir`` (once; OSError when it is not a complete version)."""
-    if _is_local(uri):
-        return local_path(uri)
-    from fsspec.core import url_to_fs
-    fs, remote = url_to_fs(uri)
-    remote = remote.rstrip("/")
-    parsed = urlparse(uri)
-    final = Path(cache_dir) / "store" / (parsed.scheme + "_" + (parsed.netloc + parsed.path).strip("/").replace("/", "_"))
-    if (final / COMPLETE).exists():
-        return final
-    fs.invalidate_cache(remote)  # a listing cached before the version was complete would hide it
-    if not fs.exists(f"{remote}/{COMPLETE}"):
-        raise FileNotFoundError(f"{uri}: not a complete version in the store (pruned, or not written yet)")
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for path in fs.find(remote):
-        rel = path[len(remote):].lstrip("/")
-        if rel == COMPLETE:
-            continue
-        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-        fs.get_file(path, str(tmp / rel))
-    (tmp / COMPLETE).write_text("copied")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    return final
-
-
 class PolicyWeights:
     """Where a worker (rollout, teacher) gets an announced version's local folder; its URI decides how.
 
@@ -225,6 +189,8 @@ class PolicyWeights:
         applies the adapter). Errors as ``folder``'s."""
         if not pv.base_hash:
             return self.folder(pv)
+        if is_log_uri(pv.weights_uri):  # the base on the log too, checked against base_hash as it is rebuilt
+            return self._reader(pv).base(pv)
         folder = fetch_uri(pv.base_uri, self.cache_dir)
         if (pv.base_hash, folder) not in self._bases:
             if folder_hash(folder) != pv.base_hash:
@@ -317,12 +283,6 @@ class PolicyWeights:
         if self._log is None:
             raise OSError(f"{pv.weights_uri}: weights on the log, but no broker to read them from")
         return self._log
-
-
-def local_path(uri: str) -> Path:
-    """The folder a file:// weights URI points at."""
-    parsed = urlparse(uri)
-    return Path(parsed.path if parsed.scheme == "file" else uri)
 
 
 def tokenizer_hash(folder: Path) -> str:

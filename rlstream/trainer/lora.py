@@ -167,9 +167,6 @@ class LoraTraining:
 
     def __init__(self, settings, eta: int = 2):
         self.resident = eta + 1  # the adapters a worker keeps at once: every version a sample may still come from
-        if settings.weights_transport != "store":
-            raise UserError("--lora-rank with --weights-transport kafka: LoRA versions travel through the store for "
-                            "now; give --weights-transport store (an fsspec URL such as s3:// for other hosts)")
         self.rank, self.alpha, self.dropout = settings.lora_rank, settings.lora_alpha, settings.lora_dropout
         self.targets = tuple(t.strip() for item in settings.lora_target_modules for t in item.split(",") if t.strip())
         self.sharding, self.dtype = settings.sharding, settings.dtype

@@ -58,6 +58,30 @@ def test_retention_keeps_the_anchor_and_what_follows_and_cuts_every_partition():
     assert Positions().truncation_points(3) == {}
 
 
+def test_a_lora_versions_uri_names_its_base_on_the_log():
+    ref = LogRef("p", 3, 0, 40, 3, 40, manifest=True, base="p@base-0123456789abcdef", base_offset=7)
+    assert parse_uri(ref.uri()) == ref
+    assert ref.base_ref() == LogRef("p@base-0123456789abcdef", 0, 0, 7, 0, 7, manifest=True)
+    assert parse_uri(LogRef("p", 3, 0, 40, 3, 40, manifest=True).uri()).base == "", "whole weights name no base"
+    with pytest.raises(ValueError, match="base without its offset"):
+        parse_uri(ref.uri().replace("&base_offset=7", ""))
+
+
+def test_retention_stops_before_a_pinned_base_while_a_version_that_may_be_needed_names_it():
+    pos = Positions()
+    # A LoRA base (manifest 0, chunks on 1 and 2), then its first adapter version and more, each an anchor.
+    pos.pin(Placed(0, True, 0, [(1, 0), (2, 0), (1, 1)]), from_version=0)
+    for v in range(4):
+        pos.add(Placed(v, True, 1 + v, [(1 + v % 2, 2 + v)]))
+    assert pos.truncation_points(2) == {0: 0, 1: 0, 2: 0}, "nothing below the base goes"
+    # A second copy of the base, named from v4 on: the first goes once no version from keep_from on names it.
+    pos.pin(Placed(0, True, 5, [(1, 6), (2, 6)]), from_version=4)
+    for v in range(4, 7):
+        pos.add(Placed(v, True, 6 + v - 3, [(1 + v % 2, 7 + v)]))
+    assert pos.truncation_points(3) == {0: 0, 1: 0, 2: 0}, "v3 names the first copy"
+    assert pos.truncation_points(5) == {0: 5, 1: 6, 2: 6}, "only the second copy and what follows stay"
+
+
 def test_one_partition_holds_chunks_and_manifests_alike():
     pos = Positions()
     pos.add(Placed(0, True, 2, [(0, 0), (0, 1)]))
