@@ -156,3 +156,32 @@ def test_a_pending_version_hands_its_content_over_before_its_folder_is_done_and_
     with pytest.raises(OSError, match="optimizer state"):
         failing.uri()
     assert 3 not in store.versions("p")
+
+
+def test_weights_streamed_a_tensor_at_a_time_make_the_folder_save_pretrained_makes(tmp_path):
+    """meta.stream_full on a model with tied embeddings (one process: each tensor is whole already): the file holds
+    each tensor once under the name save_pretrained gives it, in the publish dtype, the master beside it; and the
+    folder VersionWriter completes from it hashes as workers hash it."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlstream.trainer import meta
+    from rlstream.trainer.checkpoint import WEIGHTS_FILE
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(tmp_path / "reference")
+    streamed = meta.stream_full(model, tmp_path / "stream", torch.bfloat16)
+    reference = load_file(str(tmp_path / "reference" / WEIGHTS_FILE))
+    weights, master = (load_file(str(tmp_path / "stream" / f)) for f in (WEIGHTS_FILE, MASTER_FILE))
+    assert set(weights) == set(master) == set(reference)  # the tied head once, as save_pretrained saves it
+    assert all(weights[k].dtype == torch.bfloat16 and torch.equal(weights[k], reference[k].to(torch.bfloat16))
+               and torch.equal(master[k], reference[k]) for k in reference)
+    folder = tmp_path / "version"
+    folder.mkdir()
+    _, digest = VersionWriter(model, build_tokenizer(), publish_dtype=torch.bfloat16).write(folder, streamed)
+    assert digest == folder_hash(folder)
+    assert not any((tmp_path / "stream").iterdir()), "the streamed files were moved into the version's folder"
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    assert loaded.config.tie_word_embeddings and loaded.lm_head.weight.dtype == torch.bfloat16
