@@ -72,3 +72,34 @@ class MergedAdapters:
                     raise ValueError(f"{folder}: the adapter of {name} is {tuple(delta.shape)}, the layer "
                                      f"{tuple(p.shape)}")
                 p.copy_((w0.float() + delta).to(p.dtype))
+
+
+class AdaptedModel:
+    """A transformers model someone else runs (the teacher's scorer) as ``PolicyWeights`` sees an engine that serves
+    LoRA versions: its base's hash (``PolicyWeights.adopt`` sets it), each version's adapter merged over the base
+    (``MergedAdapters``), and the load probe on the weights it holds now."""
+
+    name = "transformers"
+    serves_adapters = True
+    base_hash = ""
+
+    def __init__(self, model):
+        self.model, self.version = model, -1
+        self._adapters = MergedAdapters(model)
+
+    def load_adapter(self, folder: Path, version: int) -> None:
+        self._adapters.apply(folder)
+        self.version = version
+
+    @property
+    def probe_precise(self) -> bool:
+        import torch
+        return self.model.dtype == torch.float32
+
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        import torch
+        device = next(self.model.parameters()).device
+        seq = torch.tensor([token_ids], dtype=torch.long, device=device)
+        with torch.inference_mode():
+            logits = self.model(input_ids=seq).logits[0, :-1].float()
+        return [float(x) for x in torch.log_softmax(logits, -1).gather(-1, seq[0, 1:, None])[:, 0].cpu()]

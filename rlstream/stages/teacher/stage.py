@@ -2,8 +2,9 @@
 
 A fixed teacher (``--teacher FOLDER``) is loaded once, with a version of its own (``--teacher-version``, default
 the folder's name); a teacher that follows the policy (no ``--teacher``) loads each PolicyVersion the trainer
-announces, between batches, and its version is the policy's. Either way the version is on every feedback record,
-in the record (archived) and in the ``teacher_version`` header.
+announces, between batches, and its version is the policy's (a LoRA policy's base loaded once, each version's
+adapter merged over it). Either way the version is on every feedback record, in the record (archived) and in the
+``teacher_version`` header.
 
 A batch has ``--timeout-s``: samples the teacher has not scored by then go on with status ``timeout`` and empty
 arrays, never a half-filled signal; a trainer whose loss needs the teacher refuses them.
@@ -19,6 +20,7 @@ from rlstream.config import LoopSettings
 from rlstream.errors import UserError
 from rlstream.models.devices import check_vllm_device, resolve_device, resolve_threads
 from rlstream.models.loading import check_folder, flash_attn_installed, load_model, resolve_attention
+from rlstream.engine.adapters import AdaptedModel
 from rlstream.engine.follower import PolicyFollower
 from rlstream.policy.weights import PolicyWeights, tokenizer_hash
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, StageContext
@@ -50,6 +52,7 @@ class TeacherStage(Stage):
         self.follower = PolicyFollower(self.name, loop.policy, PolicyWeights(loop.home_path / "weights-cache"),
                                        settings.retry_load_s)
         self.aligner: Aligner | None = None  # a teacher with another tokenizer (--align-tokenizers)
+        self._adapted: AdaptedModel | None = None  # a LoRA policy's base, the held version's adapter merged in
         self.version = ""
 
     @property
@@ -111,13 +114,38 @@ class TeacherStage(Stage):
     def _follow(self, pv: PolicyVersion) -> int:
         """Load the policy's version ``pv`` as the teacher, and return it; a load error is the follower's to retry
         (``rlstream.engine.follower``: the teacher keeps the version it holds meanwhile)."""
-        if pv.base_hash:  # rlstream.policy.adapters: this stage loads whole checkpoints only
-            raise UserError(f"the teacher follows {pv.policy}, whose v{pv.version} is a LoRA adapter; the teacher "
-                            "cannot serve adapters yet: give it --teacher FOLDER (e.g. the base), or train without "
-                            "--lora-rank")
-        label = self.settings.teacher_version or pv.policy
-        self._load(self.weights.folder(pv), f"{label}-v{pv.version}")
+        label = f"{self.settings.teacher_version or pv.policy}-v{pv.version}"
+        if pv.base_hash:
+            self._follow_adapter(pv, label)
+        else:
+            self._adapted = None  # whole weights: a model of their own, no adapter over it
+            self._load(self.weights.folder(pv), label)
         return pv.version
+
+    def _follow_adapter(self, pv: PolicyVersion, label: str) -> None:
+        """A LoRA version: the teacher's model is built once from the base the version names, and each version's
+        adapter is merged over it (``engine/adapters.py``), only ever over the base it names and checked by its load
+        probe, as in rollout (``PolicyWeights``)."""
+        if self.settings.backend != "transformers":
+            raise UserError(f"the teacher follows {pv.policy}, whose v{pv.version} is a LoRA adapter, and the "
+                            f"{self.settings.backend} teacher cannot apply adapters: run it with --backend "
+                            "transformers, give it --teacher FOLDER, or train without --lora-rank")
+        if self._adapted is not None:
+            self.weights.load(pv, self._adapted)  # BaseMismatch, a probe refusal: the follower's to retry
+        else:
+            held = (self.scorer, self.vocab if self.scorer is not None else None, self.version)
+            try:
+                self._load(self.weights.engine_folder(pv), label)
+                adapted = AdaptedModel(self.scorer.model)
+                self.weights.adopt(pv, adapted)
+                # The first version: nothing else to serve, so a probe refusal stops the teacher; later, it is retried.
+                (self.weights.verify_first if held[0] is None else self.weights.verify)(pv, adapted)
+            except Exception:  # the base alone is no version: the teacher keeps scoring with what it held
+                self.scorer, self.vocab, self.version = held
+                raise
+            self._adapted = adapted
+        self.version = label
+        log.info("teacher %s: the adapter of %s v%d over its base", label, pv.policy, pv.version)
 
     def _load(self, folder, version: str) -> None:
         s = self.settings
