@@ -93,3 +93,47 @@ def test_a_lora_run_travels_the_weights_log_its_base_once_and_each_adapter_whole
         for runner, thread in workers:
             runner.request_stop()
             thread.join(60)
+
+
+@pytest.mark.timeout(300)
+def test_the_base_goes_on_the_log_again_once_the_adapters_since_add_up_to_its_size(bootstrap, run_name, tmp_path):
+    """The writer's own bookkeeping against the broker: a second copy of the base once the adapter bytes since the
+    first reach its size; the prefix delete then lets the first copy go, never the second, and a new worker
+    rebuilds the base from the copy the newest version names."""
+    from rlstream.config import KafkaSettings
+    from rlstream.kafka.transactions import TransactionalProducer
+    from rlstream.policy.weight_log import WeightLogWriter
+    from rlstream.policy.weights import PolicyWeights, WeightStore
+    from rlstream.trainer.lora import LoraTraining
+    from rlstream.trainer.settings import TrainerSettings
+    from tests.helpers.lora import tiny
+    model, tok = tiny(False)
+    lora = LoraTraining(TrainerSettings(lora_rank=4, lora_alpha=8.0))
+    peft_model = lora.fresh(model, tok, WeightStore(str(tmp_path / "store")), "policy", lead=True)
+    adapter_writer = lora.writer(peft_model, tok)
+    kafka = KafkaSettings(bootstrap=bootstrap, run=run_name)
+    txn = TransactionalProducer(kafka, f"{run_name}.lora-writer", who="test")
+    txn.start()
+    writer = WeightLogWriter(run_name, "policy")
+    pvs, sizes = [], []
+    for v in range(40):
+        content, digest = adapter_writer.write(tmp_path / f"adapter-v{v}")
+        uri = []
+        assert txn.transact(lambda: uri.append(writer.produce(txn, content, digest, v)))
+        writer.committed()
+        sizes.append(writer.last_payload_bytes)
+        pvs.append(PolicyVersion("policy", v, uri[0], created_at=0, published_at=0, content_hash=digest,
+                                 **lora.fields()))
+        if parse_uri(uri[0]).base_offset != parse_uri(pvs[0].weights_uri).base_offset:
+            break
+    refs = [parse_uri(pv.weights_uri) for pv in pvs]
+    first, second = refs[0].base_offset, refs[-1].base_offset
+    assert second != first, "the base never went again"
+    base_bytes = sum(len(c.payload) for c in (s.record for s in read_all(bootstrap, run_name, "weights"))
+                     if c.policy == refs[0].base and c.chunk != MANIFEST) // 2  # two copies on the log
+    assert sum(sizes[1:-1]) >= base_bytes > sum(sizes[1:-2]), "a copy went before (or long after) it was due"
+    # Versions up to the last one's predecessor name the first copy: it stays while they may be needed.
+    assert writer.truncation_points(len(pvs) - 2)[0] <= first
+    assert first < writer.truncation_points(len(pvs) - 1)[0] <= second
+    weights = PolicyWeights(tmp_path / "worker", kafka.client_config(), run_name)
+    assert folder_hash(weights.engine_folder(pvs[-1])) == pvs[-1].base_hash
