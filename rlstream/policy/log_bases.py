@@ -26,7 +26,7 @@ from pathlib import Path
 
 from rlstream.kafka import records
 from rlstream.policy.adapters import ADAPTER_CONFIG
-from rlstream.policy.deltas import ANCHOR, Content, content_hash, encode, read_folder
+from rlstream.policy.deltas import Content, content_hash, encode, read_folder
 from rlstream.policy.manifest import MANIFEST_PARTITION, Placed, Positions, Upload
 from rlstream.policy.uris import fetch_uri
 from rlstream.schemas.headers import now_ms
