@@ -3,7 +3,8 @@ whole weights, and the trainer's peak RSS with LoRA against a full fine-tune.
 
     python -m benchmarks.lora_publish [--steps 8] [--rank 16] [--transport store|kafka] [--dtype bf16]
     python -m benchmarks.lora_publish --hidden 64 --layers 2 --intermediate 128 --vocab 512 --steps 2   # smoke
-    python -m benchmarks.lora_publish --model FOLDER   # a Hugging Face folder instead (e.g. the smollm2 recipe's)
+    python -m benchmarks.lora_publish --model DIR/model   # a Hugging Face folder instead: SmolLM2-135M-Instruct
+        # after `python -m rlstream.recipes.smollm2.build --out DIR` (tied embeddings: LoRA leaves the head out)
 
 The default model, built in code (random init, no download), has TinyLlama's shape, the issue's 1 B parameters:
 a Qwen2 of hidden 2048, 22 layers, MLP 5632, 32 heads over 4 KV heads, a 32k vocabulary, untied (1.1 B).
