@@ -1,5 +1,5 @@
 """The weight store on S3 (``--weights s3://bucket/run``), through s3fs, against a real S3-compatible server on the
-loopback: moto's, started in this process on a free port (the only S3 server the project can install from the
+loopback: moto's, started as a process of its own on a free port (the only S3 server the project can install from the
 registries it reaches; nothing here has run against AWS S3 or MinIO).
 
 s3fs finds the server through ``AWS_ENDPOINT_URL``, as it would a MinIO or any other S3-compatible store, so what runs
@@ -7,6 +7,9 @@ here is what a user's trainer and workers run, with only the endpoint changed.""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import threading
 import uuid
 
@@ -24,12 +27,28 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def s3_bucket():
-    """A bucket on a moto S3 server of the module's own; the AWS variables s3fs reads point at it meanwhile."""
-    from moto.server import ThreadedMotoServer
+def s3_bucket(tmp_path_factory):
+    """A bucket on a moto S3 server of the module's own; the AWS variables s3fs reads point at it meanwhile.
+
+    The server runs in a process of its own: moto's server is a Flask app, and Flask's proxies (``flask.g``,
+    ``current_app``) raise RuntimeError, not AttributeError, on ``hasattr`` outside an app context. In-process vLLM
+    walks every loaded module's attributes with ``hasattr`` as it starts, so a Flask imported here broke the next
+    in-process vLLM test on the same pytest worker."""
     port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    log = tmp_path_factory.mktemp("moto") / "server.log"  # a file, not a pipe: it logs every request
+    with open(log, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                  stdout=out, stderr=subprocess.STDOUT)
+
+    def listening():
+        assert server.poll() is None, f"moto's server exited: {log.read_text()[-2000:]}"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    wait_for(listening, 60, "moto's S3 server listening")
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                             "AWS_DEFAULT_REGION")}
     os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="testing",
@@ -42,7 +61,8 @@ def s3_bucket():
         yield bucket
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
+        server.terminate()
+        server.wait(30)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
