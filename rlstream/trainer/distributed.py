@@ -49,6 +49,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -309,3 +310,22 @@ def _run_rank(ranks: Ranks, device: str, target, args: tuple) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def warn_of_a_left_lock(max_age_s: float = 600.0) -> Path | None:
+    """Warn when DeepSpeed's C++ op folder holds a lock file older than any build: on the CPU every DeepSpeed
+    process compiles or checks its shared-memory op under torch's file lock, and waits without end while that file
+    exists. A process killed holding it (in its build, or its second of checking) leaves it behind."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age > max_age_s:
+        log.warning("DeepSpeed will wait for %s, left %.0f min ago: if no DeepSpeed build is running on this "
+                    "machine, delete that file (a process killed while building or checking the op left it)",
+                    lock, age / 60)
+        return lock
+    return None

@@ -24,6 +24,7 @@ import torch
 from rlstream.policy.deltas import ContentHasher
 from rlstream.policy.tensorfile import _header, raw_bytes
 from rlstream.trainer.checkpoint import MASTER_FILE, WEIGHTS_FILE, Streamed, load_resumed
+from rlstream.trainer.distributed import warn_of_a_left_lock
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def zero3_model(config, dtype: torch.dtype, folder: Path, device: torch.device):
 
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported, as DeepSpeedEngine sets it
+        warn_of_a_left_lock()
     import deepspeed
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from rlstream.models.devices import autocast
-from rlstream.trainer.distributed import free_port
+from rlstream.trainer.distributed import free_port, warn_of_a_left_lock
 from rlstream.trainer.engine import TorchEngine, adam_steps, set_lr, warmup_lr
 
 
@@ -59,6 +59,7 @@ class DeepSpeedEngine:
             os.environ["MASTER_PORT"] = str(free_port())
         if device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            warn_of_a_left_lock()
         import deepspeed
         self.device = device
         self.stage = stage
@@ -148,7 +149,7 @@ class FSDP2Engine(TorchEngine):
 
         from rlstream.trainer import meta
         if not dist.is_initialized():  # a single process: a world of one (the launcher sets up more)
-            from rlstream.trainer.distributed import free_port
+            from rlstream.trainer.distributed import free_port, warn_of_a_left_lock
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
                                     init_method=f"tcp://127.0.0.1:{free_port()}")
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
