@@ -49,6 +49,7 @@ import torch
 
 from benchmarks.harness.record import Goal, record
 from benchmarks.harness.stats import percentile
+from rlstream.models.resources import peak_rss
 
 POLICY = {"full": "full", "lora": "lora"}
 PROTOCOL = "@@ "  # a line of the trainer child's stdout meant for this process
@@ -69,15 +70,6 @@ def build_model(args):
                          num_key_value_heads=max(1, heads // 8), max_position_embeddings=256,
                          tie_word_embeddings=False)
     return Qwen2ForCausalLM(config).to(dtype), build_tokenizer()
-
-
-def peak_rss() -> int:
-    """This process's peak RSS in bytes: the kernel's high-water mark of its memory (``VmHWM``). Not ``getrusage``:
-    Linux carries ``ru_maxrss`` across ``execve``, so a child would report its parent's RSS at the fork."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
 def say(**message) -> None:

@@ -113,3 +113,13 @@ def available_memory() -> int:
     except (OSError, ValueError):  # no cgroup v2 here, or not Linux
         pass
     return max(0, available)
+
+
+def peak_rss() -> int:
+    """This process's peak RSS in bytes: the kernel's high-water mark of its memory (``VmHWM``). Not ``getrusage``:
+    Linux carries ``ru_maxrss`` across ``execve``, so a spawned child reports at least its parent's RSS at the fork
+    (a rank of a 3.7 GB pytest worker "peaked" at 3.7 GB having held 0.8)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")

@@ -5,12 +5,12 @@ parameters) initialises and shards on meta without allocating it."""
 from __future__ import annotations
 
 import json
-import resource
 from pathlib import Path
 
 import pytest
 import torch
 
+from rlstream.models.resources import peak_rss
 from rlstream.trainer.distributed import launch
 from tests.helpers.cores import require_cores
 
@@ -192,7 +192,7 @@ def declared_rank(ranks, out: str) -> None:
         "local_bytes": sum(p.to_local().numel() * p.element_size() for p in params),
         "on_meta": all(p.is_meta and p.to_local().is_meta for p in params),
         "sharded": all(hasattr(p, "to_local") for p in params),
-        "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+        "max_rss": peak_rss()}))
 
 
 @pytest.mark.slow
