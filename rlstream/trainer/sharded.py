@@ -149,7 +149,7 @@ class FSDP2Engine(TorchEngine):
 
         from rlstream.trainer import meta
         if not dist.is_initialized():  # a single process: a world of one (the launcher sets up more)
-            from rlstream.trainer.distributed import free_port, warn_of_a_left_lock
+            from rlstream.trainer.distributed import free_port
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
                                     init_method=f"tcp://127.0.0.1:{free_port()}")
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
