@@ -56,19 +56,36 @@ def load(results: Path = RESULTS) -> dict[str, list[Run]]:
 #: Arguments that say where a run writes or which broker it uses, not what it measures: left out of the
 #: configuration, so that `make bench`'s runs (each with its own --json path) are pooled.
 PLACES = ("--json", "--workdir", "--run", "--bootstrap", "--path")
+#: A seed is a run of its configuration, not another configuration: runs over seeds 0, 1, 2 are pooled into one
+#: median and spread (a learning comparison takes several seeds), and the table's head names the seeds.
+SEEDS = ("--seed",)
 
 
 def configuration(args: list[str]) -> tuple:
-    """A run's arguments less PLACES (``--json X`` and ``--json=X`` alike)."""
+    """A run's arguments less PLACES and SEEDS (``--json X`` and ``--json=X`` alike)."""
     out, skip = [], False
+    dropped = PLACES + SEEDS
     for a in args:
         if skip:
             skip = False
-        elif a in PLACES:
+        elif a in dropped:
             skip = True
-        elif not a.startswith(tuple(p + "=" for p in PLACES)):
+        elif not a.startswith(tuple(p + "=" for p in dropped)):
             out.append(a)
     return tuple(out)
+
+
+def seed_of(line: dict):
+    """The run's seed: the one it recorded, else its ``--seed`` argument, else None."""
+    if line.get("seed") is not None:
+        return line["seed"]
+    args = list(line.get("args", []))
+    for i, a in enumerate(args):
+        if a in SEEDS and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(tuple(p + "=" for p in SEEDS)):
+            return a.split("=", 1)[1]
+    return None
 
 
 def configurations(runs: list[Run]) -> dict[tuple, list[Run]]:
@@ -118,7 +135,7 @@ def render_configuration(name: str, runs: list[Run]) -> str:
     command = shlex.join(first[:len(first) - len(lines[0]["args"])] + list(configuration(lines[0]["args"])))
     commits = list(dict.fromkeys(ln["commit"][:7] + ("+dirty" if ln.get("dirty") else "") for ln in lines))
     days = sorted(ln["date"][:10] for ln in lines)
-    seeds = list(dict.fromkeys(ln["seed"] for ln in lines if ln.get("seed") is not None))
+    seeds = list(dict.fromkeys(str(seed_of(ln)) for ln in lines if seed_of(ln) is not None))
     machines = list(dict.fromkeys(
         f"{m.get('cores')} cores, {m.get('memory_gib')} GiB, {m.get('cpu')}" + (f", {'; '.join(m['gpus'])}"
                                                                               if m.get("gpus") else "")

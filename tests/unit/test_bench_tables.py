@@ -44,6 +44,16 @@ def test_where_a_run_writes_is_not_its_configuration(tmp_path):
     assert "`python -m benchmarks.hop --n 10`: 2 runs" in text and "| met |" in text
 
 
+def test_runs_over_seeds_are_one_configuration_and_the_head_names_the_seeds(tmp_path):
+    recorded = {**_line(["--n", "10", "--seed", "7"], 0.8), "seed": 7}
+    results = _results(tmp_path, {"hop": [_line(["--n", "10", "--seed", "0"], 0.8),
+                                           _line(["--seed=1", "--n", "10"], 0.9), recorded,
+                                           _line(["--n", "11", "--seed", "2"], 0.1)]})
+    text = render("hop", results["hop"])
+    assert "`python -m benchmarks.hop --n 10`: 3 runs" in text and "seed 0, 1, 7;" in text
+    assert "`python -m benchmarks.hop --n 11`: 1 run" in text and "seed 2;" in text
+
+
 def test_update_rewrites_sections_and_inserts_new_ones_once(tmp_path):
     results = _results(tmp_path, {"hop": [_line([], 0.8), _line([], 0.9)], "other": [_line([], 0.1)]})
     readme = "# B\n\n<!-- results:begin hop -->\nstale text\n<!-- results:end hop -->\n\nprose\n" + INSERT + "\n"
