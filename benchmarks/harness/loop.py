@@ -6,6 +6,7 @@ The prompt source runs in the benchmark's own process so that it can pace itself
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -58,10 +59,12 @@ def wait_until(predicate: Callable[[], object], timeout: float, interval: float 
 
 
 class Loop:
-    """A fresh run on the local broker and its stage processes (one ``rlstream run`` each)."""
+    """A fresh run on a broker and its stage processes (one ``rlstream run`` each). The broker is
+    $RLSTREAM_BOOTSTRAP when set, as in the other benchmarks (one someone else runs: never started or stopped
+    here), else the project's local broker, started if needed."""
 
     def __init__(self, prefix: str, partitions: int = 8, **extra_env: str):
-        self.bootstrap = broker.up()
+        self.bootstrap = os.environ.get("RLSTREAM_BOOTSTRAP") or broker.up()
         self.run = f"{prefix}-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
         self.workdir = ROOT / ".rlstream" / "runs" / self.run
         self.workdir.mkdir(parents=True, exist_ok=True)
