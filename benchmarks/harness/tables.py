@@ -61,31 +61,32 @@ PLACES = ("--json", "--workdir", "--run", "--bootstrap", "--path")
 SEEDS = ("--seed",)
 
 
+def _split(args: list[str], names: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:
+    """``args`` less the options in ``names`` (``--x V`` and ``--x=V`` alike), and those options' values."""
+    kept, taken, pending = [], {}, None
+    for a in args:
+        if pending:
+            taken[pending], pending = a, None
+        elif a in names:
+            pending = a
+        elif a.split("=", 1)[0] in names and "=" in a:
+            name, value = a.split("=", 1)
+            taken[name] = value
+        else:
+            kept.append(a)
+    return kept, taken
+
+
 def configuration(args: list[str]) -> tuple:
     """A run's arguments less PLACES and SEEDS (``--json X`` and ``--json=X`` alike)."""
-    out, skip = [], False
-    dropped = PLACES + SEEDS
-    for a in args:
-        if skip:
-            skip = False
-        elif a in dropped:
-            skip = True
-        elif not a.startswith(tuple(p + "=" for p in dropped)):
-            out.append(a)
-    return tuple(out)
+    return tuple(_split(args, PLACES + SEEDS)[0])
 
 
 def seed_of(line: dict):
     """The run's seed: the one it recorded, else its ``--seed`` argument, else None."""
     if line.get("seed") is not None:
         return line["seed"]
-    args = list(line.get("args", []))
-    for i, a in enumerate(args):
-        if a in SEEDS and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(tuple(p + "=" for p in SEEDS)):
-            return a.split("=", 1)[1]
-    return None
+    return _split(list(line.get("args", [])), SEEDS)[1].get("--seed")
 
 
 def configurations(runs: list[Run]) -> dict[tuple, list[Run]]:
