@@ -13,7 +13,7 @@ its top-K form, and ``--opd-kl`` picks the KL's direction. Time runs from rollou
 is measured off the clock on snapshots, as vs_trl does.
 
     python -m benchmarks.distill_vs_rl [--target 0.5] [--teacher-target 0.8] [--max-seconds 300] [--teacher DIR]
-        [--opd-lr 1e-4] [--opd-lr-warmup-steps 0] [--opd-kl reverse] [--top-k 0]
+        [--opd-lr 1e-4] [--opd-lr-warmup-steps 0] [--opd-kl reverse] [--top-k 0] [--seed 0]
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def run_loop(name: str, trainer_extra: tuple, teacher: Path | None, target: floa
     # The distillation students' learning rate may differ from RL's: each at its best (benchmarks/README.md).
     warm = ("--lr-warmup-steps", str(args.opd_lr_warmup_steps)) if distill and args.opd_lr_warmup_steps else ()
     kl = ("--opd-kl", args.opd_kl) if distill else ()
-    loop.trainer(eta=2, groups_per_step=16, lr=lr, warmup_steps=300, extra=(*trainer_extra, *warm, *kl))
+    loop.trainer(eta=2, groups_per_step=16, lr=lr, warmup_steps=300,
+                 extra=(*trainer_extra, *warm, *kl, "--seed", str(args.seed)))
     loop.rollout(eta=2, backend=args.backend)
     loop.env_stage()
     loop.reward("benchmarks.harness.workloads:exact")
@@ -49,7 +50,7 @@ def run_loop(name: str, trainer_extra: tuple, teacher: Path | None, target: floa
         loop.add("teacher", ["run", "teacher", "--teacher", str(teacher), "--teacher-version", "demo-teacher",
                              "--threads", "1", "--instance", "0", "--top-k", str(args.top_k)])
     versions = Versions(loop)
-    source = PacedSource(loop, versions, mode="async", eta=2, groups_per_step=16)
+    source = PacedSource(loop, versions, mode="async", eta=2, groups_per_step=16, seed=args.seed)
     try:
         run = race(loop, versions, source, target=target, max_seconds=args.max_seconds, eval_every=args.eval_every,
                    startup_timeout=args.startup_timeout, tag=name)
@@ -92,6 +93,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N versions")
     ap.add_argument("--backend", default="auto", choices=("auto", "vllm", "transformers"),
                     help="rollout's backend (auto: transformers for the tiny model, as the demo)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="every loop's initialisation, warm-up and prompt stream (the teacher's too, when trained "
+                         "here: give the same --teacher to runs over several seeds, so only the students differ)")
     ap.add_argument("--startup-timeout", type=float, default=300)
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -226,9 +226,13 @@ def test_crash_and_plain_errors(network):
     assert tool.exit_code == 3 and tool.failure_class is None
 
 
-def test_docker_backend_is_refused_without_an_engine():
-    if docker_available():
-        pytest.skip("a docker engine answers here")
+def test_docker_backend_is_refused_without_an_engine(monkeypatch, tmp_path):
+    """Whatever this machine runs (CI runs this beside its compose stack's engine): the SDK pointed at a socket
+    nothing listens on, and the probe's cached answer set aside for the test."""
+    from rlstream.sandbox import probes
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'no-engine.sock'}")
+    monkeypatch.setattr(probes, "PROBES", {})
+    assert not docker_available()
     with pytest.raises(ValueError, match="docker"):
         Sandbox(backend="docker")
     assert Sandbox(backend="auto").backend == "subprocess"
