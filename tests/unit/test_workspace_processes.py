@@ -31,6 +31,14 @@ def running(marker: str) -> list[int]:
     return found
 
 
+def ticks_in(workspace) -> int:
+    """Lines the background writer has written into its workspace's ``ticks`` file so far."""
+    try:
+        return (workspace / "ticks").read_text().count("\n")
+    except FileNotFoundError:
+        return 0
+
+
 def gone(marker: str, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while running(marker) and time.monotonic() < deadline:
@@ -63,15 +71,22 @@ def test_a_background_process_of_step_1_runs_at_step_3_and_is_gone_after_the_epi
         result = live.step(tools.make, episode(*actions[:n]))
         assert result.failure is None and not result.done, result
         results.append(result.tool_result)
-        if n == 1:
-            time.sleep(0.5)
+        if n == 2:
+            # The writer started at step 1 goes on between the steps: its file grows after step 2 returned. Waited
+            # for, not slept on (a fixed 0.5 s once gave it 3 ticks on two busy cores).
+            [workspace] = [p for p in tmp_path.iterdir() if p.name.startswith("rlstream-ws")]
+            after_step_2 = ticks_in(workspace)
+            deadline = time.monotonic() + 30
+            while ticks_in(workspace) < after_step_2 + 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            before_step_3 = ticks_in(workspace)
+            assert before_step_3 >= after_step_2 + 3, f"the writer stopped between the steps ({before_step_3} ticks)"
     # The call ended with its own output, not at the tool timeout: it did not wait for the sleeper it started.
     assert (results[0].output, results[0].failure_class) == ("started\n", None), results[0]
     alive, ticks = results[2].output.splitlines()
-    assert alive == "alive" and int(ticks) >= 5
+    assert alive == "alive" and int(ticks) >= before_step_3
     # The sleeper (and the writer's subshell, forked with the same command line) run, inside the sandbox.
     assert running(seconds), "the sleeper runs on the host, inside the episode's sandbox"
-    [workspace] = [p for p in tmp_path.iterdir() if p.name.startswith("rlstream-ws")]
     live.finish("g1:0")  # the episode ended
     assert gone(seconds), "the episode's processes end with it"
     time.sleep(0.2)
