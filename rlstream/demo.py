@@ -69,6 +69,11 @@ class DemoSettings:
                                  "10 M parameters on the CPU: the demo's), transformers, vllm",
                         choices=("auto", "transformers", "vllm"))
     lr: float = knob(1e-4, "Learning rate")
+    temperature: float = knob(1.0, "Sampling temperature of the training rollouts (the prompt source's "
+                                   "--temperature; held-out ones are greedy)")
+    autocast: str = knob("auto", "The trainer's --autocast: auto (bf16 on a CUDA device that has it, off on the "
+                                 "CPU), bf16 (also on a CPU with bf16 instructions: AVX512-BF16 or AMX), off",
+                         choices=("auto", "off", "bf16"))
     lr_warmup_steps: int = knob(0, "Linear learning-rate warm-up over this many updates (the trainer's "
                                    "--lr-warmup-steps)")
     lora_rank: int = knob(0, "Train a LoRA adapter of this rank instead of the whole model (the trainer's "
@@ -83,6 +88,11 @@ class DemoSettings:
                                   "where there are two, else sharing one, the trainer reserved first; the CPU "
                                   "without one) or cpu; threads follow the machine's cores either way",
                           choices=("auto", "cpu"))
+    trainer_threads: int = knob(0, "CPU threads of a trainer placed on the CPU: 0 its share of the cores (the "
+                                   "placement's), -1 every core (sharing them with the rollout), or N. Without a "
+                                   "GPU the trainer's step is the loop's longest part while the paced rollout waits "
+                                   "for its next version: on 2 cores a SmolLM2-135M step took 26-31 s with both "
+                                   "against 35-44 s with one, the rollout still generating beside it")
     trainer_gpu_share: float = knob(0.0, "Share of its GPU's memory the trainer asks (0: its estimated need and an "
                                          "equal part of what is left)")
     rollout_gpu_share: float = knob(0.0, "Share of its GPU's memory the rollout engine asks (0: its estimated need "
@@ -153,7 +163,8 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
     plan = {
         "trainer": ["run", "trainer", "--weights", weights, "--model", s.model, "--task", s.task, "--lr", str(s.lr),
                     "--lr-warmup-steps", str(s.lr_warmup_steps), "--lora-rank", str(s.lora_rank),
-                    "--warmup-steps", str(0 if user_model else s.warmup_steps), "--seed", str(s.seed), "--instance", "0",
+                    "--autocast", s.autocast, "--warmup-steps", str(0 if user_model else s.warmup_steps),
+                    "--seed", str(s.seed), "--instance", "0",
                     *seat_flags(seats["trainer"], "--gpu-memory-fraction")],
         "rollout": ["run", "rollout", "--backend", s.backend, "--instance", "0", "--batch-size", "64",
                     *seat_flags(seats["rollout"], "--gpu-memory-utilization")],
@@ -161,6 +172,7 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
         "reward": ["run", "reward", "--instance", "0", *(["--reward", s.reward] if s.reward else [])],
         "archive": ["run", "archive"],
         "prompts": ["prompts", *_prompt_source(s), "--paced", "--heldout-every", str(s.heldout_every),
+                    "--temperature", str(s.temperature),
                     *(["--max-tokens", str(s.max_tokens)] if s.max_tokens else [])],
     }
     sup = Supervisor()
@@ -239,7 +251,11 @@ def demo_placement(s: DemoSettings) -> dict[str, Seat]:
         trainer, rollout = trainer_bytes(shape, placement.TRAINER_TOKENS), engine_bytes(shape)
     needs = [Need("trainer", trainer, s.trainer_gpu_share), Need("rollout", rollout, s.rollout_gpu_share)]
     light = len(STOP_ORDER) - len(needs)  # env, reward, archive, the prompt source
-    return placement.place(needs, found, cpu_cores(), light)
+    seats = placement.place(needs, found, cpu_cores(), light)
+    if s.trainer_threads and seats["trainer"].gpu is None:
+        threads = cpu_cores() if s.trainer_threads < 0 else s.trainer_threads
+        seats["trainer"] = dataclasses.replace(seats["trainer"], threads=threads)
+    return seats
 
 
 #: The built-in model's shape for the placement (models/tiny.py: a few hundred thousand parameters).

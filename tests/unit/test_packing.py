@@ -95,3 +95,30 @@ def test_check_packing_accepts_a_model_that_keeps_rows_apart_and_refuses_one_tha
     assert model.training, "the check leaves the model in the mode it found it"
     with pytest.raises(UsageError, match="does not keep packed rows apart"):
         check_packing(_AttendsAcrossRows(model))
+
+
+def test_logits_only_at_counted_positions_give_the_full_heads_logprobs_and_gradients(monkeypatch):
+    """The vocabulary head runs only where a loss mask counts a token (``logits_to_keep``): the counted log-probs
+    and the gradients equal the whole head's, padded and packed; a model that does not take the argument gets the
+    whole head."""
+    import rlstream.trainer.update as update
+    torch.manual_seed(0)
+    batch = mixed_batch()
+    mask = batch.loss_mask.bool()
+    assert not mask.any(0).all(), "some positions must be counted by no row for the head to skip them"
+    model = build_model(build_tokenizer(), seed=0)
+    assert update._takes_logits_to_keep(model) and not update._takes_logits_to_keep(_AttendsAcrossRows(model))
+    for packed in (False, True):
+        results = []
+        for keeps in (True, False):
+            monkeypatch.setattr(update, "_takes_logits_to_keep", lambda forward, keeps=keeps: keeps)
+            engine = TorchEngine(build_model(build_tokenizer(), seed=0), lr=1e-3, max_grad_norm=1.0)
+            logp, _ = sequence_logprobs(engine.forward, batch, packed=packed)
+            loss, _ = batch_loss(engine, batch, UpdateConfig(packed=packed))
+            loss.backward()
+            results.append((logp.detach(), torch.cat([p.grad.reshape(-1) for p in engine.model.parameters()])))
+        (kept, kept_grad), (whole, whole_grad) = results
+        assert kept[mask] == pytest.approx(whole[mask].tolist(), abs=TOLERANCE)
+        assert float(kept[:, ~mask.any(0)].abs().max()) == 0.0  # positions no row counts
+        assert float(whole_grad.abs().max()) > 0
+        assert torch.allclose(kept_grad, whole_grad, rtol=1e-4, atol=TOLERANCE)

@@ -104,6 +104,16 @@ def test_the_demo_places_on_the_cpu_when_asked_or_without_gpus():
     assert all(s.threads >= 1 for s in seats.values())
 
 
+def test_the_demo_gives_a_cpu_trainer_every_core_or_n_threads_when_asked(monkeypatch):
+    import rlstream.demo as demo
+    monkeypatch.setattr(demo, "cpu_cores", lambda: 8)
+    placed = demo_placement(DemoSettings(placement="cpu"))
+    assert placed["trainer"].threads < 8  # its share, beside the rollout's
+    every = demo_placement(DemoSettings(placement="cpu", trainer_threads=-1))
+    assert every["trainer"].threads == 8 and every["rollout"] == placed["rollout"]
+    assert demo_placement(DemoSettings(placement="cpu", trainer_threads=3))["trainer"].threads == 3
+
+
 def test_a_stage_started_without_a_placement_runs_one_thread_unless_told(monkeypatch):
     from rlstream.infra.supervisor import stage_env
     from rlstream.models.devices import resolve_threads
