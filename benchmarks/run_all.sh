@@ -95,6 +95,8 @@ bench distill_offline 900 "--runs opd:1e-4,opd:3e-4 --top-k 47 --kl forward --la
 bench learning_probe 300 "--max-seconds 120" "--steps 2 --max-seconds 20 --warmup-steps 5 --eval-every 1"
 # A recipe over 3 seeds, 20 minutes each (the real-checkpoint recipe's goal); at smoke size the arithmetic recipe once.
 bench recipe_learning 4000 "--recipe smollm2 --seeds 0,1,2" "--recipe arithmetic --size smoke --seeds 0"
+# After recipe_learning, which builds the smollm2 folder it times the step on.
+bench trainer_step_cpu 900 "--model .rlstream/recipes/smollm2/model" "--smoke"
 wait
 if ((JOBS > 1)); then for name in "${names[@]}"; do cat "$OUT/$name.report"; done; fi
 for name in "${names[@]}"; do [[ -f "$OUT/$name.failed" ]] && failed+=("$name"); done

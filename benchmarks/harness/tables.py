@@ -57,8 +57,9 @@ def load(results: Path = RESULTS) -> dict[str, list[Run]]:
 #: configuration, so that `make bench`'s runs (each with its own --json path) are pooled.
 PLACES = ("--json", "--workdir", "--run", "--bootstrap", "--path")
 #: A seed is a run of its configuration, not another configuration: runs over seeds 0, 1, 2 are pooled into one
-#: median and spread (a learning comparison takes several seeds), and the table's head names the seeds.
-SEEDS = ("--seed",)
+#: median and spread (a learning comparison takes several seeds), and the table's head names the seeds. A script
+#: that takes a list (``--seeds 0,1,2``) records one line per seed with its ``seed``: the list is left out alike.
+SEEDS = ("--seed", "--seeds")
 
 
 def _split(args: list[str], names: tuple[str, ...]) -> tuple[list[str], dict[str, str]]:

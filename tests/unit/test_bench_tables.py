@@ -52,6 +52,10 @@ def test_runs_over_seeds_are_one_configuration_and_the_head_names_the_seeds(tmp_
     text = render("hop", results["hop"])
     assert "`python -m benchmarks.hop --n 10`: 3 runs" in text and "seed 0, 1, 7;" in text
     assert "`python -m benchmarks.hop --n 11`: 1 run" in text and "seed 2;" in text
+    # A script that takes a list of seeds records a line per seed, its seed in the line: one configuration too.
+    listed = [{**_line(["--n", "12", "--seeds", s], 0.5), "seed": int(s)} for s in "01"]
+    text = render("hop", _results(tmp_path, {"hop": listed})["hop"])
+    assert "`python -m benchmarks.hop --n 12`: 2 runs" in text and "seed 0, 1;" in text
 
 
 def test_update_rewrites_sections_and_inserts_new_ones_once(tmp_path):
