@@ -139,12 +139,13 @@ def sequence_logprobs(forward, batch: Batch, packed: bool = False, with_logits: 
     excludes as it does the padding's). ``with_logits``: also the tempered ``[B, L, V]`` logits in the rows' padded
     layout (else None), for losses that read the whole distribution.
 
-    Without ``with_logits`` only the positions some row's loss mask counts get logits (``logits_to_keep``, where
-    the model takes it): the prompt's positions are computed through the layers, which the loss's gradient needs,
-    but not through the vocabulary head and its log-softmax, which nothing reads there. Positions no row counts get
-    log-prob 0 (every loss and statistic reads log-probs through the mask). On SmolLM2-135M (vocabulary 49,152, prompts of
-    about 60 tokens before 96 new ones) a CPU training step was 1.12x faster for it; the kept values are the same
-    computation on the same hidden states, so equal to the last bits a matmul's shape allows."""
+    Without ``with_logits`` only the positions some row's loss mask counts get logits (``logits_to_keep``, where the
+    model takes it): the prompt's positions are computed through the layers, which the loss's gradient needs, but
+    not through the vocabulary head and its log-softmax, which nothing reads there. Positions no row counts get
+    log-prob 0 (every loss and statistic reads log-probs through the mask). On SmolLM2-135M (vocabulary 49,152, prompts
+    of 60 tokens before 48-96 new ones) a CPU training step was 1.07x faster for it (benchmarks/trainer_step_cpu);
+    the kept values are the same computation on the same hidden states, so equal to the last bits a matmul's shape
+    allows."""
     keep_positions = not with_logits and _takes_logits_to_keep(forward)
     if packed:
         ids, positions, keep = pack_rows(batch.input_ids, batch.attention_mask)

