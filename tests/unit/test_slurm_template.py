@@ -27,11 +27,13 @@ printf 'node%s\\n' 1 2 3 4 5
 # The script ends the job when its first step ends and stops the rest, so a stand-in step that ended at once could
 # stop the others before they record themselves (it did on a loaded CI machine). Each step waits until all
 # $STEPS have recorded (or 60 s pass), as real steps run side by side; the topics command, run before any step, does not.
+# Only the Python's own lines count: srun's lines name the same command, and counting them let a step end once two
+# steps had started and two more were only recorded by srun (a CI run at 02595f0 lost a step that way).
 PYTHON = """#!/bin/bash
 python3 -c 'import json,sys; print(json.dumps(sys.argv[1:]))' python "$@" >> "$LOG"
 [[ " $* " == *" topics "* ]] && exit 0
 for _ in $(seq 600); do
-  (( $(grep -c '"rlstream.cli", "run"' "$LOG") >= STEPS )) && exit 0
+  (( $(grep -c '^\\["python".*"rlstream.cli", "run"' "$LOG") >= STEPS )) && exit 0
   sleep 0.1
 done
 """
