@@ -163,7 +163,9 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
     plan = {
         "trainer": ["run", "trainer", "--weights", weights, "--model", s.model, "--task", s.task, "--lr", str(s.lr),
                     "--lr-warmup-steps", str(s.lr_warmup_steps), "--lora-rank", str(s.lora_rank),
-                    "--autocast", s.autocast, "--warmup-steps", str(0 if user_model else s.warmup_steps),
+                    # Only when asked: an RLSTREAM_TRAINER_AUTOCAST of the user's still reaches the trainer otherwise.
+                    *(["--autocast", s.autocast] if s.autocast != "auto" else []),
+                    "--warmup-steps", str(0 if user_model else s.warmup_steps),
                     "--seed", str(s.seed), "--instance", "0",
                     *seat_flags(seats["trainer"], "--gpu-memory-fraction")],
         "rollout": ["run", "rollout", "--backend", s.backend, "--instance", "0", "--batch-size", "64",
@@ -172,7 +174,7 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
         "reward": ["run", "reward", "--instance", "0", *(["--reward", s.reward] if s.reward else [])],
         "archive": ["run", "archive"],
         "prompts": ["prompts", *_prompt_source(s), "--paced", "--heldout-every", str(s.heldout_every),
-                    "--temperature", str(s.temperature),
+                    *(["--temperature", str(s.temperature)] if s.temperature != 1.0 else []),
                     *(["--max-tokens", str(s.max_tokens)] if s.max_tokens else [])],
     }
     sup = Supervisor()
@@ -251,6 +253,9 @@ def demo_placement(s: DemoSettings) -> dict[str, Seat]:
         trainer, rollout = trainer_bytes(shape, placement.TRAINER_TOKENS), engine_bytes(shape)
     needs = [Need("trainer", trainer, s.trainer_gpu_share), Need("rollout", rollout, s.rollout_gpu_share)]
     light = len(STOP_ORDER) - len(needs)  # env, reward, archive, the prompt source
+    if s.trainer_threads < -1:
+        raise UserError(f"--trainer-threads {s.trainer_threads}: expected -1 (every core), 0 (the placement's share "
+                        "of the cores) or a number of threads")
     seats = placement.place(needs, found, cpu_cores(), light)
     if s.trainer_threads and seats["trainer"].gpu is None:
         threads = cpu_cores() if s.trainer_threads < 0 else s.trainer_threads

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlstream.demo import DemoSettings, demo_placement, seat_flags
+from rlstream.errors import UserError
 from rlstream.infra.placement import (HEADROOM, Gpu, Need, PlacementError, Seat, assign, parse_smi, place,
                                       split_threads)
 from rlstream.infra.supervisor import seat_env
@@ -112,6 +113,8 @@ def test_the_demo_gives_a_cpu_trainer_every_core_or_n_threads_when_asked(monkeyp
     every = demo_placement(DemoSettings(placement="cpu", trainer_threads=-1))
     assert every["trainer"].threads == 8 and every["rollout"] == placed["rollout"]
     assert demo_placement(DemoSettings(placement="cpu", trainer_threads=3))["trainer"].threads == 3
+    with pytest.raises(UserError, match="--trainer-threads -2: expected -1"):
+        demo_placement(DemoSettings(placement="cpu", trainer_threads=-2))
 
 
 def test_a_stage_started_without_a_placement_runs_one_thread_unless_told(monkeypatch):
