@@ -31,6 +31,11 @@ def first_time_to(curve: list[list[float]], start: float, gain: float) -> float 
 
 def run(recipe: str, size: str, seed: int, minutes: float, home: Path) -> dict:
     """One demo run; its figures."""
+    return demo(recipe, size, seed, minutes, home)[0]
+
+
+def demo(recipe: str, size: str, seed: int, minutes: float, home: Path) -> tuple[dict, list[list[float]]]:
+    """One demo run: its figures and its held-out curve ([seconds, version, held-out] from the demo's start)."""
     name = f"bench-{recipe}-{size}-s{seed}-{int(time.time())}"
     argv = [sys.executable, "-m", "rlstream.cli", "demo", "--recipe", recipe, "--recipe-size", size, "--seed",
             str(seed), "--run", name, *(["--minutes", str(minutes)] if minutes else [])]
@@ -47,7 +52,7 @@ def run(recipe: str, size: str, seed: int, minutes: float, home: Path) -> dict:
     best = max((reward for _, version, reward in curve if version > 0), default=float("nan"))
     return {"heldout_start": start, "heldout_best": best, "heldout_gain": best - start,
             "to_plus_0_10_s": first_time_to(curve, start, 0.10), "to_plus_0_15_s": first_time_to(curve, start, 0.15),
-            "versions": int(summary[3]), "demo_s": seconds, "curve_points": len(curve)}
+            "versions": int(summary[3]), "demo_s": seconds, "curve_points": len(curve)}, curve
 
 
 def main(argv: list[str] | None = None) -> None:
