@@ -368,10 +368,28 @@ def cmd_demo(args: argparse.Namespace) -> None:
         demo, shared = recipes.prepare(s.recipe, loop.home_path, s.recipe_size)
         s = load(DemoSettings, args, **{k: v for k, v in demo.items() if k not in given})
         loop = dataclasses.replace(loop, **{k: v for k, v in shared.items() if getattr(args, k, None) is None})
+        if "autocast" not in given:
+            s = recipe_autocast(s)
     if s.eval_dataset:
         from rlstream.sources.dataset import load as load_dataset
         s = dataclasses.replace(s, heldout_count=len(load_dataset(s.eval_dataset, "--eval-dataset")))
     sys.exit(run_demo(s, loop))
+
+
+def recipe_autocast(s: DemoSettings, cpu_bf16: bool | None = None) -> DemoSettings:
+    """A recipe's bf16 autocast where the trainer can use it: on a GPU, or on a CPU with bf16 instructions; else
+    off, and said (torch emulates bf16 on a CPU without them, slower than float32). ``cpu_bf16``: for tests."""
+    if s.autocast != "bf16" or (s.placement != "cpu" and placement.gpus()):
+        return s
+    if cpu_bf16 is None:
+        from rlstream.models.devices import cpu_has_bf16
+        cpu_bf16 = cpu_has_bf16()
+    if cpu_bf16:
+        return s
+    print(f"rlstream demo: the {s.recipe} recipe's trainer runs in float32 here (--autocast off): this CPU has no "
+          "bf16 instructions (AVX512-BF16, AMX or Arm BF16), so bf16 autocast would be slower; its step is about "
+          "twice as long as where the recipe was measured", flush=True)
+    return dataclasses.replace(s, autocast="off")
 
 
 def add_command(sub) -> None:

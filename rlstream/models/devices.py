@@ -102,6 +102,28 @@ def check_vllm_device(device: str) -> None:
                          "placement does this)")
 
 
+#: /proc/cpuinfo flags of a CPU that multiplies bf16 in hardware: x86's AVX512-BF16 and AMX-BF16, Arm's BF16.
+CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bf16 instructions (``cpuinfo``: /proc/cpuinfo's text, read when not given; False where
+    there is none to read). Without them torch emulates bf16 matmuls, slower than float32, so bf16 autocast on such
+    a CPU costs time instead of saving it."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        # x86 lists them as "flags", Arm as "Features"; every core repeats the line, the first one says it.
+        if key.strip() in ("flags", "Features"):
+            return not CPU_BF16_FLAGS.isdisjoint(value.split())
+    return False
+
+
 def _index(spec: str) -> int:
     try:
         return int(spec.split(":", 1)[1])

@@ -37,7 +37,8 @@ from rlstream.kafka.inflight import committed_done_ahead, done_ahead_offsets
 from rlstream.kafka.records import Rejected
 from rlstream.kafka.topics import delete_before, topic_name
 from rlstream.kafka.transactions import TransactionalProducer
-from rlstream.models.devices import enable_gradient_checkpointing, resolve_device, resolve_threads
+from rlstream.models.devices import (cpu_has_bf16, enable_gradient_checkpointing, resolve_device,
+                                     resolve_threads)
 from rlstream.models.loading import (flash_attn_installed, load_tokenizer, resolve_attention, set_attention,
                                      torch_dtype)
 from rlstream.models.resources import ModelShape
@@ -190,6 +191,9 @@ class TrainerService:
         if cuda and 0 < s.gpu_memory_fraction < 1:
             # The trainer's share of a GPU it shares (infra/placement.py): torch's allocator stays within it.
             torch.cuda.set_per_process_memory_fraction(s.gpu_memory_fraction, self.device)
+        if not cuda and precision.autocast == "bf16" and not cpu_has_bf16():
+            log.warning("--autocast bf16 on a CPU without bf16 instructions (AVX512-BF16, AMX or Arm BF16): torch "
+                        "emulates them, and a step is slower than in float32; --autocast off is faster here")
         log.info("trainer on %s: dtype %s, autocast %s, publish %s, attention %s", self.device, precision.dtype,
                  precision.autocast, precision.publish_dtype, self.attention or "transformers' default")
 

@@ -117,6 +117,26 @@ def test_the_demo_gives_a_cpu_trainer_every_core_or_n_threads_when_asked(monkeyp
         demo_placement(DemoSettings(placement="cpu", trainer_threads=-2))
 
 
+def test_a_recipes_bf16_autocast_is_kept_only_where_the_trainer_has_bf16(capsys):
+    from rlstream.demo import recipe_autocast
+    cpu = DemoSettings(placement="cpu", recipe="smollm2", autocast="bf16")
+    assert recipe_autocast(cpu, cpu_bf16=True).autocast == "bf16"
+    assert recipe_autocast(cpu, cpu_bf16=False).autocast == "off"
+    assert "no bf16 instructions" in capsys.readouterr().out
+    off = DemoSettings(placement="cpu", autocast="off")
+    assert recipe_autocast(off, cpu_bf16=False) is off
+
+
+def test_cpu_bf16_is_read_from_the_cpus_flags():
+    from rlstream.models.devices import cpu_has_bf16
+    zen4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
+    assert cpu_has_bf16(zen4)
+    assert cpu_has_bf16("flags : fpu avx2 amx_bf16 amx_tile\n")
+    assert cpu_has_bf16("processor : 0\nFeatures : fp asimd sve bf16 i8mm\n")  # Arm
+    assert not cpu_has_bf16("flags : fpu sse2 avx2 avx512f avx512_vnni\n")  # AVX-512 without its bf16 part
+    assert not cpu_has_bf16("")
+
+
 def test_a_stage_started_without_a_placement_runs_one_thread_unless_told(monkeypatch):
     from rlstream.infra.supervisor import stage_env
     from rlstream.models.devices import resolve_threads
