@@ -4,6 +4,7 @@ start (the real-checkpoint recipe's goal: +0.15 held-out greedy accuracy within 
 
     python -m benchmarks.recipe_learning --recipe smollm2 --seeds 0,1,2 --minutes 20
     python -m benchmarks.recipe_learning --recipe arithmetic --size smoke --seeds 0   # what make bench's smoke runs
+    python -m benchmarks.recipe_learning --recipe smollm2 --seeds 0,1,2 --demo-args "--lora-rank 16"  # LoRA variant
 
 One raw line per seed (benchmarks/results/recipe_learning.jsonl), so the tables report the median and the spread
 across seeds. A run that does not reach a gain has no figure for it (null), which counts as not meeting the goal.
@@ -29,16 +30,17 @@ def first_time_to(curve: list[list[float]], start: float, gain: float) -> float 
     return next((t for t, version, reward in curve if version > 0 and reward >= start + gain), None)
 
 
-def run(recipe: str, size: str, seed: int, minutes: float, home: Path) -> dict:
-    """One demo run; its figures."""
-    return demo(recipe, size, seed, minutes, home)[0]
+def run(recipe: str, size: str, seed: int, minutes: float, home: Path, extra: tuple[str, ...] = ()) -> dict:
+    """One demo run (``extra``: more demo flags); its figures."""
+    return demo(recipe, size, seed, minutes, home, extra)[0]
 
 
-def demo(recipe: str, size: str, seed: int, minutes: float, home: Path) -> tuple[dict, list[list[float]]]:
+def demo(recipe: str, size: str, seed: int, minutes: float, home: Path, extra: tuple[str, ...] = ()
+         ) -> tuple[dict, list[list[float]]]:
     """One demo run: its figures and its held-out curve ([seconds, version, held-out] from the demo's start)."""
     name = f"bench-{recipe}-{size}-s{seed}-{int(time.time())}"
     argv = [sys.executable, "-m", "rlstream.cli", "demo", "--recipe", recipe, "--recipe-size", size, "--seed",
-            str(seed), "--run", name, *(["--minutes", str(minutes)] if minutes else [])]
+            str(seed), "--run", name, *(["--minutes", str(minutes)] if minutes else []), *extra]
     started = time.monotonic()
     done = subprocess.run(argv, cwd=ROOT, env=dict(os.environ, RLSTREAM_HOME=str(home)), capture_output=True,
                           text=True)
@@ -61,11 +63,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", default="full", choices=("full", "smoke"), help="the recipe's size")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run each")
     p.add_argument("--minutes", type=float, default=0.0, help="each run's limit (0: the recipe's own)")
+    p.add_argument("--demo-args", default="",
+                   help="more rlstream demo flags, quoted (e.g. \"--lora-rank 16\": the recipe's LoRA variant)")
     p.add_argument("--home", type=Path, default=ROOT / ".rlstream",
                    help="RLSTREAM_HOME of the runs (the project's broker's, by default)")
     args = p.parse_args(argv)
     for seed in (int(s) for s in args.seeds.split(",")):
-        figures = run(args.recipe, args.size, seed, args.minutes, args.home)
+        figures = run(args.recipe, args.size, seed, args.minutes, args.home, tuple(args.demo_args.split()))
         print(json.dumps({"seed": seed, **figures}), flush=True)
         # Within the recipe's 20 minutes on 2 cores: the goal the smollm2 recipe is measured against.
         record("recipe_learning", figures, [Goal("to_plus_0_15_s", "<=", 1200.0)], seed=seed)

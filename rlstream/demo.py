@@ -365,7 +365,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         # The recipe's values stand in for flags and variables not given.
         given = {f.name for f in dataclasses.fields(DemoSettings) if getattr(args, f.name, None) is not None
                  or env_name(DemoSettings, f.name) in os.environ}
-        demo, shared = recipes.prepare(s.recipe, loop.home_path, s.recipe_size)
+        demo, shared = recipes.prepare(s.recipe, loop.home_path, s.recipe_size, lora=s.lora_rank > 0)
         s = load(DemoSettings, args, **{k: v for k, v in demo.items() if k not in given})
         loop = dataclasses.replace(loop, **{k: v for k, v in shared.items() if getattr(args, k, None) is None})
         if "autocast" not in given:

@@ -10,7 +10,9 @@ A recipe is the module ``rlstream.recipes.<name>.recipe``. It defines
   and ``LOOP``: loop settings;
 - ``SMOKE_BUILD``, ``SMOKE_DEMO`` and ``SMOKE_LOOP``: build arguments, demo and loop settings at smoke size
   (``--recipe-size smoke``):
-  the same code paths in a minute or two, to check that the recipe runs, not that it learns.
+  the same code paths in a minute or two, to check that the recipe runs, not that it learns;
+- optionally ``LORA_DEMO``: what its LoRA variant overrides, applied when ``--lora-rank`` is given (an adapter
+  wants its own learning rate).
 
 The folder is built once, under ``HOME/recipes/<name>`` (``<name>-smoke`` at smoke size).
 """
@@ -52,8 +54,9 @@ def listing() -> str:
     return "\n".join(f"{name:<{width}}  {r.SUMMARY} (measured on {r.MEASURED_ON})" for name, r in rows)
 
 
-def prepare(name: str, home: Path, size: str = "full") -> tuple[dict, dict]:
-    """(demo settings, loop settings) of a recipe at ``size``, its folder built first if it is not yet."""
+def prepare(name: str, home: Path, size: str = "full", lora: bool = False) -> tuple[dict, dict]:
+    """(demo settings, loop settings) of a recipe at ``size``, its folder built first if it is not yet; ``lora``:
+    its LoRA variant's settings (``LORA_DEMO``) over them."""
     recipe = load(name)
     smoke = size == "smoke"
     folder = home / "recipes" / (f"{name}-smoke" if smoke else name)
@@ -65,6 +68,7 @@ def prepare(name: str, home: Path, size: str = "full") -> tuple[dict, dict]:
         if done.returncode != 0:
             raise UserError(f"--recipe {name}: building it failed (exit {done.returncode}); see the output above")
         (folder / BUILT).write_text(name)
-    settings = {**recipe.DEMO, **(recipe.SMOKE_DEMO if smoke else {})}
+    settings = {**recipe.DEMO, **(recipe.SMOKE_DEMO if smoke else {}),
+                **(getattr(recipe, "LORA_DEMO", {}) if lora else {})}
     demo = {k: str(folder / v) if k in PATHS else v for k, v in settings.items()}
     return demo, {**recipe.LOOP, **(recipe.SMOKE_LOOP if smoke else {})}
