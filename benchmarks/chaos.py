@@ -3,7 +3,8 @@
     python -m benchmarks.chaos [--kills 20] [--run R] [--seed 0] [--tasks 160] [--bootstrap HOST:PORT]
 
 Runs trainer, rollout, env, reward and archive, each its own ``rlstream run`` process (``--fused``: env and reward
-chained in one, ``rlstream run env+reward``, killed as one), and a
+chained in one, ``rlstream run env+reward``, killed as one; ``--standby``: each stage also has a warm standby,
+``--standby`` with the same ``--instance``, that takes over when the killed one's session lapses), and a
 prompt source of a fixed number of tasks (G samples each): one share at the start and one at
 each kill, so that the killed stage always has work waiting for it. Every ``--interval`` seconds
 (jittered) it SIGKILLs one stage (each stage once per round, in a random order) and starts it
@@ -21,6 +22,10 @@ and from the archive (SQL through ``open_archive``):
   printed with its reason);
 - the trainer trained each sample at most once: over every PolicyVersion, samples trained + refused (stale) +
   evicted + skipped = the rewards its group committed (``trainer_books``).
+
+With ``--standby`` the kill always hits the stage's active process (the one whose log says it took its instance
+over), and the killed process comes back as the pair's new standby; before each kill, every stage's standby is
+standing by again, so each recovery is a warm takeover.
 
 Recovery of a kill is the time from the SIGKILL until the killed stage's consumer group
 commits offsets beyond those it had at the kill: the restarted process has consumed,
@@ -61,8 +66,12 @@ from rlstream.sources.prompts import PromptProducer, make_task, task_items
 STAGES = ("rollout", "env", "reward", "trainer", "archive")
 #: With --fused: env and reward chained in one process (rlstream run env+reward), killed as one.
 FUSED_STAGES = ("rollout", "env+reward", "trainer", "archive")
+#: --standby: every process's session, so a killed one's membership lapses (and its standby takes over) this soon.
+STANDBY_SESSION_MS = 1500
+#: Recovery goals (p99 seconds): a restarted process against a warm standby (the deploy issue's goal).
+RECOVERY_GOAL_S = {False: 10.0, True: 3.0}
 #: Stop order: upstream first, so each stage finishes what it was given; the archive last.
-STOP_ORDER = ["rollout", "env", "reward", "trainer", "archive"]
+STOP_ORDER = ["rollout", "env", "reward", "env+reward", "trainer", "archive"]
 #: Archive table -> the topics archived into it.
 ARCHIVE_TABLES = {"tasks": ["prompts"], "episodes": ["actions", "observations"], "trajectories": ["trajectories"],
                   "rewards": ["rewards"], "policy_versions": ["policy-versions"], "dead_letters": ["dead-letters"]}
@@ -86,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stages", default="", help="stages that may be killed (comma-separated; default: every one)")
     p.add_argument("--fused", action="store_true", help="env and reward chained in one process and one transaction "
                                                         "(rlstream run env+reward): the same accounting must hold")
+    p.add_argument("--standby", action="store_true",
+                   help="a warm standby per stage (--standby, the same --instance, --session-timeout-ms "
+                        f"{STANDBY_SESSION_MS}); a kill hits the active process and the standby takes over")
     p.add_argument("--backend", default="transformers", choices=("auto", "transformers", "vllm"),
                    help="rollout engine (transformers restarts fastest)")
     p.add_argument("--eta", type=int, default=2,
@@ -159,8 +171,34 @@ def start_loop(args, bootstrap: str, run: str, workdir: Path, archive: str) -> S
         plan["env+reward"] = ["run", "env+reward", "--instance", "0", "--sandbox", "subprocess"]
     sup = Supervisor()
     for name, argv in plan.items():  # a chain's progress is its first stage's group's
+        if args.standby:
+            argv = [*argv, "--standby", "--session-timeout-ms", str(STANDBY_SESSION_MS)]
+            sup.add(StageProc(standby_name(name), argv, env, logs / f"{name}.b.log",
+                              group=f"{run}.{name.split('+')[0]}", cwd=ROOT))
         sup.add(StageProc(name, argv, env, logs / f"{name}.log", group=f"{run}.{name.split('+')[0]}", cwd=ROOT))
     return sup
+
+
+def standby_name(stage: str) -> str:
+    """The supervisor's name for a stage's second process (--standby)."""
+    return f"{stage}~b"
+
+
+def since_start(proc: StageProc) -> str:
+    """Its log since its last start."""
+    text = proc.log_tail(400_000)
+    return text[text.rfind("=== start"):]
+
+
+def active(proc: StageProc) -> bool:
+    """Whether this --standby process holds its instance (kafka/group.py logs its takeover, or that no one held it)."""
+    return proc.alive() and "taking over" in since_start(proc)
+
+
+def standing_by(proc: StageProc) -> bool:
+    """Whether this --standby process is loaded and waiting."""
+    text = since_start(proc)
+    return proc.alive() and "standing by" in text and "taking over" not in text
 
 
 def decode_letter_target(letter) -> tuple[str, str] | None:
@@ -354,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     source = PromptSource(kafka, n_tasks, args.group_size, args.seed)
     kills: list[dict] = []
     failed_to_drain = False
+    # Each stage's processes: itself, and with --standby its second process (which of the two is active changes).
+    pairs = {name: [sup.procs[name]] + ([sup.procs[standby_name(name)]] if args.standby else []) for name in stages}
     try:
         def supervise() -> None:
             for name, code in sup.check():
@@ -363,13 +403,16 @@ def main(argv: list[str] | None = None) -> int:
         wait_until(lambda: supervise() or tail.count("policy-versions"), args.warmup_timeout, 0.5,
                    f"the trainer's first policy version (see {sup.procs['trainer'].log_path})")
         for name in ("archive", "reward", "env", "env+reward", "rollout"):
-            if name in sup.procs:
-                sup.procs[name].start()
+            if name in pairs:
+                pairs[name][0].start()
         source.start()
         source.release(share)
         # Warm: every stage has committed once, so the first kill does not hit a process still starting.
-        wait_until(lambda: supervise() or all(group_offsets(admin, p.group) for p in sup.procs.values()),
+        wait_until(lambda: supervise() or all(group_offsets(admin, p[0].group) for p in pairs.values()),
                    args.warmup_timeout, 1.0, "every stage's first commit")
+        if args.standby:  # started once every stage holds its instance, so none takes over a starting primary
+            for pair in pairs.values():
+                pair[1].start()
         log("every stage has committed; killing")
 
         for k in range(args.kills):
@@ -378,14 +421,19 @@ def main(argv: list[str] | None = None) -> int:
             if k % len(killable) == 0:  # every stage once per round, in a random order
                 order = rng.sample(killable, len(killable))
             name = order[k % len(killable)]
-            proc = sup.procs[name]
+            if args.standby:  # warm: each stage's other process is loaded and standing by
+                wait_until(lambda: supervise() or all(any(standing_by(p) for p in pair) for pair in pairs.values()),
+                           args.warmup_timeout, 0.5, "every stage's standby to stand by")
+                proc = next((p for p in pairs[name] if active(p)), pairs[name][0])
+            else:
+                proc = pairs[name][0]
             killed_at = time.monotonic()
             proc.kill()
             source.release(share)
             # A commit the dying process had already sent may still land: take the baseline just after.
             time.sleep(0.3)
             before, versions_before = group_offsets(admin, proc.group), tail.count("policy-versions")
-            proc.start()
+            proc.start()  # with --standby: the pair's new standby
 
             def progressed() -> bool:
                 # A trainer step commits its samples' offsets with the version it announces; either shows it.
@@ -427,7 +475,9 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"draining: missing {missing}, archive behind by {behind}")
             time.sleep(1.0)
     finally:
-        codes = sup.stop_all(STOP_ORDER)
+        # Each stage's standby before its active process, so no standby takes over a stage that is stopping.
+        codes = sup.stop_all([p.name for n in STOP_ORDER if n in sup.procs
+                              for p in sorted(pairs[n], key=lambda p: not standing_by(p))])
         log(f"stopped: exit codes {codes}")
         tail.settle(timeout=120)
         tail.close()
@@ -479,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                          trained=tb["trained"], refused=tb["refused"], evicted=tb["evicted"], consumed=tb["consumed"],
                          books_equal=books_ok),
            [Goal("ok", ">=", 1), Goal("lost", "<=", 0), Goal("duplicated", "<=", 0),
-            Goal("recovery_p99_s", "<=", 10)], seed=args.seed)
+            Goal("recovery_p99_s", "<=", RECOVERY_GOAL_S[args.standby])], seed=args.seed)
     return 0 if ok else 1
 
 

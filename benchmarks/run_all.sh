@@ -78,6 +78,8 @@ bench weight_publish 300 "--seconds 50 --json $OUT/weight_publish.json" "--secon
 bench memory 240 "--minutes 1.5 --json $OUT/memory.json" "--minutes 0.5"
 bench goodput_async_vs_sync 480 "--seconds 60 --json $OUT/goodput.json" "--seconds 10 --modes async"
 bench chaos 600 "--kills 5 --seed 7" "--kills 1 --tasks 8"
+# Needs root (network namespaces); CI runs it through tests/integration/test_three_hosts.py instead of the smoke run.
+bench three_hosts 1200 "--target 0.5" "--target 0.3 --minutes 10"
 # A lower target and cap than the README's full run (held-out 0.5, at most 480 s a run): the time budget.
 bench vs_trl 900 "--target 0.3 --latencies 0.2,0 --max-seconds 120 --sync-probe-steps 0 --json $OUT/vs_trl.json" \
   "--target 0.05 --max-seconds 20 --latencies 0 --sync-probe-steps 0 --eval-every 5"

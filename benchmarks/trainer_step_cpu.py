@@ -12,7 +12,10 @@ on the response. Settings, each a figure in seconds per step (median over ``--ro
 - ``fp32_whole_1t``: float32, one thread, the vocabulary head at every position (the baseline);
 - ``fp32_1t``: the head only where a loss counts a token (``update.sequence_logprobs``, ``logits_to_keep``);
 - ``bf16_1t``: and the forward under bf16 autocast (``--autocast bf16``; float32 master weights);
-- ``bf16_all``: and every core (``--trainer-threads -1``).
+- ``bf16_all``: and every core (``--trainer-threads -1``);
+- ``lora16_bf16_all``: as ``bf16_all``, a rank-16 LoRA adapter on every linear layer but the head (the recipe's
+  ``--lora-rank 16``, PEFT's layers through ``trainer.lora.wrap``) trained on a copy of the model; its
+  ``lora16_vs_full`` is ``bf16_all``'s seconds over its own (above 1: the adapter's step is faster).
 
 Each round runs every setting once, the order rotating from round to round so that load falls on all alike; the
 first round is a warm-up and not counted. Ratios are the baseline's seconds over each setting's (above 1: faster).
@@ -21,6 +24,7 @@ Whether bf16 is fast depends on the CPU: AVX512-BF16 or AMX do it in hardware, o
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -32,11 +36,12 @@ from benchmarks.harness.record import record
 from rlstream.models.resources import cpu_cores
 from rlstream.trainer import update
 from rlstream.trainer.engine import TorchEngine
+from rlstream.trainer.lora import ALL_LINEAR, wrap
 from rlstream.trainer.update import Batch, UpdateConfig, policy_update
 
-#: name -> (threads: 1 or every core, autocast, the head only at counted positions)
-SETTINGS = {"fp32_whole_1t": (1, "off", False), "fp32_1t": (1, "off", True), "bf16_1t": (1, "bf16", True),
-            "bf16_all": (0, "bf16", True)}
+#: name -> (threads: 1 or every core, autocast, the head only at counted positions, LoRA rank: 0 the whole model)
+SETTINGS = {"fp32_whole_1t": (1, "off", False, 0), "fp32_1t": (1, "off", True, 0), "bf16_1t": (1, "bf16", True, 0),
+            "bf16_all": (0, "bf16", True, 0), "lora16_bf16_all": (0, "bf16", True, 16)}
 
 
 def batch_of(rows: int, prompt: int, response: int, vocab: int, seed: int) -> Batch:
@@ -82,15 +87,17 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(args.model)
     vocab = model.get_input_embeddings().num_embeddings
     batch = batch_of(args.rows, args.prompt, args.response, vocab, args.seed)
-    engines = {name: TorchEngine(model, lr=1e-6, max_grad_norm=1.0, autocast_mode=autocast)
-               for name, (_, autocast, _) in SETTINGS.items()}  # one model: the settings differ in how, not what
+    # One model for the whole-model settings (they differ in how, not what); LoRA wraps a copy of it in place.
+    lora = wrap(copy.deepcopy(model), 16, 16.0, 0.0, (ALL_LINEAR,))  # the trainer's default alpha and dropout
+    engines = {name: TorchEngine(lora if rank else model, lr=1e-6, max_grad_norm=1.0, autocast_mode=autocast)
+               for name, (_, autocast, _, rank) in SETTINGS.items()}
     keeps = update._takes_logits_to_keep
     seconds: dict[str, list[float]] = {name: [] for name in SETTINGS}
     names = list(SETTINGS)
     for round_ in range(args.rounds + 1):
         order = names[round_ % len(names):] + names[:round_ % len(names)]
         for name in order:
-            threads, _, head_at_counted = SETTINGS[name]
+            threads, _, head_at_counted, _ = SETTINGS[name]
             torch.set_num_threads(threads or cpu_cores())
             update._takes_logits_to_keep = keeps if head_at_counted else (lambda forward: False)
             started = time.perf_counter()
@@ -105,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         figures[f"{name}_s"] = round(statistics.median(values), 3)
         if name != "fp32_whole_1t":
             figures[f"{name}_ratio"] = round(base / statistics.median(values), 3)
+    figures["lora16_vs_full"] = round(statistics.median(seconds["bf16_all"])
+                                      / statistics.median(seconds["lora16_bf16_all"]), 3)
     print(json.dumps(figures), flush=True)
     record("trainer_step_cpu", figures, [], seed=args.seed)
 

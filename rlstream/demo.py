@@ -200,8 +200,8 @@ def run_demo(s: DemoSettings, loop: LoopSettings) -> int:
             for name, code in sup.check():  # a stage died: restart it, as an orchestrator would
                 print(f"\n{name} exited with {code}; restarting (see {sup.procs[name].log_path})")
             for seen in _take(arrived, 0.5):
-                _fold(progress, seen, started)
-            done_round = _latest_complete_round(progress, s.heldout_count, time.monotonic() - started)
+                fold(progress, seen, started)
+            done_round = latest_complete_round(progress, s.heldout_count, time.monotonic() - started)
             if done_round is not None:
                 if first is None:
                     first = min(progress.rounds.values())[1]
@@ -303,7 +303,7 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def _fold(progress: Progress, seen: Seen, started: float) -> None:
+def fold(progress: Progress, seen: Seen, started: float) -> None:
     """Fold one record of rewards or policy-versions into the live figures."""
     record = seen.record
     if isinstance(record, PolicyVersion):
@@ -323,7 +323,7 @@ def _fold(progress: Progress, seen: Seen, started: float) -> None:
         progress.train_curve.append((time.monotonic() - started, record.reward.total))
 
 
-def _latest_complete_round(progress: Progress, size: int, elapsed: float) -> tuple[int, float] | None:
+def latest_complete_round(progress: Progress, size: int, elapsed: float) -> tuple[int, float] | None:
     """(generating version, mean reward) of the newest evaluation round whose every task is scored."""
     for key, rows in progress.heldout.items():
         if key not in progress.rounds and len(rows) >= size:

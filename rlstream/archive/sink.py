@@ -25,6 +25,7 @@ from rlstream.archive.tables import TABLES, TOPIC_TABLE
 from rlstream.config import KafkaSettings, LoopSettings, knob
 from rlstream.kafka.group import GroupMember
 from rlstream.kafka.records import Message
+from rlstream.kafka.standby import await_vacancy
 from rlstream.kafka.topics import TOPICS, create_topics, topic_name
 from rlstream.schemas.codec import HEADER_LEN, MARKER, DecodeError, default_codec
 
@@ -302,6 +303,16 @@ class ArchiveSink:
         """Run until ``stop()`` (or ``idle_exit_s`` without records, for tests and benchmarks)."""
         poll_s = getattr(runtime, "poll_timeout_s", 0.2)
         self._run = kafka.run
+        if getattr(runtime, "standby", False):
+            # A standby opens the archive (one chDB process at a time) only once it takes over; it imports first.
+            import clickhouse_connect  # noqa: F401
+            if self.kind == "chdb":
+                import chdb  # noqa: F401
+            from rlstream.archive.views import install_views  # noqa: F401
+            self._line = await_vacancy(kafka, f"{kafka.run}.archive", runtime.instance, runtime.session_timeout_ms,
+                                       stopping=self._stopping.is_set, who="archive")
+            if self._line is None:
+                return
         self.open()
         # A batch keeps tens of thousands of Kafka messages alive; default GC thresholds rescan them over and over.
         thresholds = gc.get_threshold()

@@ -147,6 +147,9 @@ def cluster_properties(brokers: int) -> dict:
         "offsets.topic.num.partitions": 8,
         "transaction.state.log.num.partitions": 8,
         "group.initial.rebalance.delay.ms": 0,
+        # A warm standby (--standby) takes over when its primary's session lapses; Kafka's 6 s floor on sessions
+        # would make that the floor of every recovery.
+        "group.min.session.timeout.ms": 1000,
         "message.max.bytes": MAX_MESSAGE_BYTES,
         "replica.fetch.max.bytes": MAX_MESSAGE_BYTES,
         "replica.fetch.response.max.bytes": 4 * MAX_MESSAGE_BYTES,

@@ -45,12 +45,14 @@ class StageProc:
 
     ``cwd``: its working directory (None: this process's); with ``-m`` that directory is importable in it, so
     reward functions and environments given by dotted path can live there. ``group``: its consumer group, whose
-    commits show its progress.
+    commits show its progress. ``prefix``: a command that runs it, e.g. ``ip netns exec NS`` (it must exec the
+    process, so that the process is the one signalled).
     """
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, *, group: str | None = None,
-                 module: str = "rlstream.cli", cwd: Path | None = None):
+                 module: str = "rlstream.cli", cwd: Path | None = None, prefix: tuple[str, ...] = ()):
         self.name = name
+        self.prefix = tuple(prefix)
         self.argv = argv
         self.env = env
         self.log_path = Path(log_path)
@@ -68,7 +70,8 @@ class StageProc:
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== start {self.starts} at {time.strftime('%H:%M:%S')} ===\n".encode())
             log.flush()
-            self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.argv], env=self.env, cwd=self.cwd,
+            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", self.module, *self.argv], env=self.env,
+                                         cwd=self.cwd,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.asked_to_stop = False
         self.starts += 1

@@ -5,6 +5,8 @@ its partitions back at once instead of waiting out its dead predecessor's sessio
 recovery after a crash. The price is that a static member can find itself fenced by its own earlier
 incarnation in the group (for example after a broker outage longer than the session); librdkafka reports
 that as fatal, so the member replaces its consumer in-process and rejoins from the committed offsets.
+
+Warm standbys of a member (``--standby``) are ``rlstream.kafka.standby``'s.
 """
 from __future__ import annotations
 
@@ -45,8 +47,13 @@ def group_consumer_config(kafka: KafkaSettings, group_id: str, instance: str = "
         "max.poll.interval.ms": 600000,
     }
     if instance:
-        config["group.instance.id"] = f"{group_id}.{instance}"
+        config["group.instance.id"] = static_member_id(group_id, instance)
     return config
+
+
+def static_member_id(group_id: str, instance: str) -> str:
+    """The static membership id (``group.instance.id``) of ``instance`` in ``group_id``."""
+    return f"{group_id}.{instance}"
 
 
 class GroupMember:

@@ -92,6 +92,17 @@ def load_tokenizer(spec: Path | str, chat_template: str = "", flag: str = "--mod
     return tok
 
 
+def warm_imports(*extra: str) -> None:
+    """Import what loading a model and its tokenizer imports (transformers' auto classes load lazily, ~3 s of a
+    tiny model's resume here), and the modules named in ``extra``: what a warm standby does before it waits."""
+    import importlib
+
+    import transformers
+    transformers.AutoConfig, transformers.AutoTokenizer, transformers.AutoModelForCausalLM  # noqa: B018
+    for name in extra:
+        importlib.import_module(name)
+
+
 def read_chat_template(path: str) -> str:
     """The text of a ``--chat-template`` file."""
     if not Path(path).is_file():

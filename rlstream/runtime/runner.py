@@ -30,6 +30,7 @@ from rlstream.kafka.dead_letters import wire_bytes
 from rlstream.kafka.inflight import OffsetWindow, Slot
 from rlstream.kafka.records import Consumed, Decoder, Incoming, Rejected
 from rlstream.kafka.sources import GroupSource, InputSource, waiting
+from rlstream.kafka.standby import await_vacancy, check_standby
 from rlstream.kafka.topics import logical_name, topic_name
 from rlstream.kafka.transactions import Offset, TransactionalProducer
 from rlstream.runtime import lifecycle
@@ -112,6 +113,10 @@ class StageRunner:
     def run(self, max_batches: int | None = None, idle_exit_s: float | None = None) -> None:
         """Run until SIGTERM/SIGINT, the source's end, or the limits (for tests and benchmarks)."""
         forget = lifecycle.process().on_stop(self.request_stop)  # SIGTERM/SIGINT (runtime/lifecycle.py)
+        if self.settings.standby and not self._stand_by():
+            forget()  # stopped while standing by: it never held anything
+            self.close()
+            return
         self.txn.start()
         topics = self.source.start()
         pipelined = self.settings.pipeline and not self.handlers.batched
@@ -131,6 +136,16 @@ class StageRunner:
             forget()
             gc.set_threshold(*gc_before)
             self.close()
+
+    def _stand_by(self) -> bool:
+        """``--standby``: load, then wait to take this instance over (``kafka.standby``); False when stopped first."""
+        check_standby(self.settings.instance, self.stage.name)
+        for stage in (self.stage, self.then):
+            if stage is not None:
+                stage.prepare(self.ctx)
+        self._line = await_vacancy(self.kafka, self.group_id, self.settings.instance, self.settings.session_timeout_ms,
+                                   stopping=lambda: self._stopping, who=self.stage.name)
+        return self._line is not None
 
     def close(self) -> None:
         self._closing = True  # a close may still deliver an assignment; it needs no committed offsets then

@@ -23,6 +23,12 @@ class RuntimeSettings:
                              "aborts on timeout and whose partitions move after the session timeout)")
     session_timeout_ms: int = knob(10000, "Consumer-group session: how long a dead worker without a stable "
                                           "--instance holds its partitions")
+    standby: bool = knob(False, "Warm standby: load, then wait while a live worker holds this --instance, and take "
+                                "its partitions and transactional id (fencing it) once its group membership lapses: "
+                                "a crash costs --session-timeout-ms, not a process start and a model load. Give the "
+                                "worker and its standby the same --instance, --standby and a short "
+                                "--session-timeout-ms (e.g. 1500; the broker's group.min.session.timeout.ms must "
+                                "allow it)")
     transaction_timeout_ms: int = knob(30000, "Broker-side timeout of an open transaction")
     stop_timeout_s: float = knob(60.0, "After SIGTERM/SIGINT, how long the process may take to finish what is open "
                                        "(a step, a batch, handlers in flight) before it exits with code 124 (what "

@@ -73,6 +73,10 @@ class Stage:
         """
         return None
 
+    def prepare(self, ctx: "StageContext") -> None:
+        """Load what the first batch needs (engines, weights) before the runner joins its group: a warm standby
+        (``--standby``) calls it, then waits. Default: nothing; what is not loaded here loads in ``before_poll``."""
+
     def before_poll(self, ctx: "StageContext") -> None:
         """Called between batches, outside any transaction: reload weights, pause, resume."""
 

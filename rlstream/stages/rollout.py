@@ -211,6 +211,12 @@ class RolloutStage(Stage):
         """The backend's hook between engine steps: new weights, if any, go in now (the lock is ours)."""
         self._swap_to_latest()
 
+    def prepare(self, ctx: StageContext) -> None:
+        # A standby's in-process engine loads the newest version (and, with --swap step, follows). A server fleet's
+        # client costs nothing to start, and a standby must not push versions to servers its primary drives.
+        if not self.settings.remote:
+            self._ensure_started(ctx)
+
     def before_poll(self, ctx: StageContext) -> None:
         self._ensure_started(ctx)
         # Without a swapper this is where versions go in; with one, this only catches what it has not yet.

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
 # Benchmarks another test runs bigger, checking the same RESULT and raw lines: left out of the smoke run.
-RUN_ELSEWHERE = {"chaos": "tests/integration/test_chaos.py"}
+RUN_ELSEWHERE = {"chaos": "tests/integration/test_chaos.py", "three_hosts": "tests/integration/test_three_hosts.py"}
 
 
 def _benchmarks() -> list[str]:

@@ -87,9 +87,11 @@ def test_each_shape_renders_the_codes_topics_groups_variables_and_flags(helm, pa
         assert not foreign, f"{d['metadata']['name']}: {command} does not read {foreign}"
         cli.build_parser(command if command in cli.STAGES else None).parse_args(argv)
         if d["kind"] == "StatefulSet" and command in cli.STAGES and command != "trainer":
-            # The stable --instance: the pod's own name.
+            # The stable --instance: the pod's own name; a standby pod N's is the stage's pod N's.
             instance = {e["name"]: e.get("value") for e in c["env"]}.get("RLSTREAM_INSTANCE")
-            assert instance == "$(POD_NAME)", d["metadata"]["name"]
+            name = d["metadata"]["name"]
+            assert instance == (f"{name.removesuffix('-standby')}-$(POD_INDEX)" if name.endswith("-standby")
+                                else "$(POD_NAME)"), name
     dashboard = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "rel-dashboard")
     assert dashboard["data"]["rlstream.json"] == (ROOT / "infra/grafana/dashboards/rlstream.json").read_text().strip()
 
@@ -133,6 +135,12 @@ def test_an_existing_cluster_gets_its_secrets_and_a_topics_job(helm):
      "scale vllm.replicas instead of rollout"),
     (["--set", "vllm.enabled=true"], "vllm.image: an image with vLLM and the rlstream package"),
     (["--set", "trainer.nodes=2"], "every rank writes its optimizer shard to the store"),
+    (["--set", "archive.mode=chdb", "--set", "stages.archive.standby.enabled=true"],
+     "an embedded chDB archive lives on one pod's volume"),
+    (["--set", "stages.gateway.enabled=true", "--set", "stages.gateway.standby.enabled=true"],
+     "the gateway has no consumer group"),
+    (["--set", "stageDefaults.standby.enabled=true", "--set", "stages.reward.autoscaling.enabled=true"],
+     "stages.reward.standby: a standby stands by for one pod of a fixed set"),
 ])
 def test_values_the_run_cannot_use_are_refused(helm, flags, says):
     done = render(helm, *flags)
@@ -140,6 +148,27 @@ def test_values_the_run_cannot_use_are_refused(helm, flags, says):
     assert says in done.stderr, done.stderr
     if "replicas (" in says:
         assert "Lower it to" in done.stderr and "or raise topics.partitions" in done.stderr
+
+
+def test_a_standby_pod_n_stands_by_for_the_stages_pod_n(helm):
+    docs = manifests(helm, "--set", "stages.reward.standby.enabled=true", "--set", "stages.reward.replicas=2")
+    sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+    primary, standby = sets["rel-reward"], sets["rel-reward-standby"]
+    assert primary["spec"]["replicas"] == standby["spec"]["replicas"] == 2
+    # Two StatefulSets never select each other's pods.
+    assert primary["spec"]["selector"] != standby["spec"]["selector"]
+    for d in (primary, standby):
+        assert d["spec"]["selector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
+        env = {e["name"]: e for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["RLSTREAM_STANDBY"]["value"] == "true" and env["RLSTREAM_SESSION_TIMEOUT_MS"]["value"] == "1500"
+    env = {e["name"]: e for e in standby["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["RLSTREAM_INSTANCE"]["value"] == "rel-reward-$(POD_INDEX)"
+    assert "pod-index" in env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+    # Without it, one StatefulSet and no standby variables.
+    plain = manifests(helm)
+    assert "rel-reward-standby" not in {d["metadata"]["name"] for d in plain}
+    reward = next(d for d in plain if d["metadata"]["name"] == "rel-reward")
+    assert "RLSTREAM_STANDBY" not in {e["name"] for e in reward["spec"]["template"]["spec"]["containers"][0]["env"]}
 
 
 def test_more_partitions_allow_more_replicas(helm):

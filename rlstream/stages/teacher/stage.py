@@ -62,6 +62,10 @@ class TeacherStage(Stage):
 
     # -- loading ---------------------------------------------------------------------------------------------
 
+    def prepare(self, ctx: StageContext) -> None:
+        if self.scorer is None:
+            self._start(ctx)  # a standby's teacher holds the newest version; it follows again once it takes over
+
     def before_poll(self, ctx: StageContext) -> None:
         if self.scorer is None:
             self._start(ctx)

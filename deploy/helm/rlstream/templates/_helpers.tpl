@@ -204,6 +204,22 @@ prometheus.io/path: /metrics
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- range $stage := list "rollout" "env" "reward" "teacher" "archive" "gateway" -}}
+{{- $s := index $v.stages $stage -}}
+{{- $standby := merge (deepCopy ($s.standby | default dict)) $v.stageDefaults.standby -}}
+{{- $scaling := merge (deepCopy ($s.autoscaling | default dict)) $v.stageDefaults.autoscaling -}}
+{{- if and $s.enabled $standby.enabled -}}
+{{- if eq $stage "gateway" -}}
+{{- fail "stages.gateway.standby: the gateway has no consumer group for a standby to wait on; run replicas behind its Service instead" -}}
+{{- end -}}
+{{- if and (eq $stage "archive") (eq $v.archive.mode "chdb") -}}
+{{- fail "stages.archive.standby: an embedded chDB archive lives on one pod's volume, which a standby pod cannot open; use archive.mode clickhouse or url, or turn its standby off" -}}
+{{- end -}}
+{{- if $scaling.enabled -}}
+{{- fail (printf "stages.%s.standby: a standby stands by for one pod of a fixed set; with autoscaling the set changes. Turn one of them off" $stage) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if and $v.vllm.enabled $v.stages.rollout.enabled -}}
 {{- $rs := merge (deepCopy ($v.stages.rollout.autoscaling | default dict)) $v.stageDefaults.autoscaling -}}
 {{- if or (gt (int $v.stages.rollout.replicas) 1) $rs.enabled -}}

@@ -1,0 +1,260 @@
+"""Three hosts on one machine: the loop across network namespaces joined only by a bridge, a broker killed mid-run.
+
+    python -m benchmarks.three_hosts [--target 0.5] [--minutes 15] [--kill-at-version 4] [--seed 0]
+
+Needs root and iproute2 (``ip netns``, a bridge and veth pairs). Three hosts, each a network namespace with its own
+``--home``, whose one link is a veth on a bridge of this machine:
+
+- host A: a 3-broker Kafka cluster (``rlstream up --brokers 3``, every topic replicated 3 times, 2 in sync) and the
+  archive;
+- host B: the trainer, its weights to the workers through the weights log (``--weights-transport kafka``): no file
+  system is shared;
+- host C: rollout, env, reward and the prompt source (the demo's task, paced, with held-out rounds).
+
+The driver (this process) joins the bridge too, as an operator's machine would: it creates the topics, watches the
+topics, kills a broker and does the books. The loop runs the demo's stages with the demo's settings until held-out
+reward reaches ``--target`` by the demo's rule (a complete evaluation round by a trained version); once the trainer
+has announced ``--kill-at-version``, one broker (not the first: the driver's bootstrap list keeps the rest) is
+SIGKILLed and stays dead. Then the prompt source stops, the loop drains (every task's trajectories and rewards
+on the topics, and the archive holding every record, asked from inside host A), every stage stops, and the chaos
+benchmark's books run: nothing lost or duplicated on any topic or in the archive, versions in order, and the
+trainer's trained + refused + evicted + skipped equal to the rewards its group committed.
+
+The summary line is ``reached=… seconds_to_target=… versions=… lost=… duplicated=… broker_killed_at=v…``, then the
+``RESULT three_hosts`` line; the exit code is 1 when the target was missed or a book does not balance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+from confluent_kafka.admin import AdminClient
+
+from benchmarks.chaos import Books, archive_check, duplicates, policy_order, trainer_books
+from benchmarks.harness.loop import ROOT, wait_until
+from benchmarks.harness.record import Goal, record
+from rlstream.demo import DemoSettings, Progress, fold, latest_complete_round
+from rlstream.infra import broker
+from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
+from rlstream.kafka.tail import TopicTail
+from rlstream.kafka.topics import create_topics
+
+HOSTS = ("a", "b", "c")
+#: Stop order: the source first, then each stage after the one feeding it; the archive last.
+STOP_ORDER = ["prompts", "rollout", "env", "reward", "trainer", "archive"]
+#: Topics whose every record the archive must hold before the books (as the chaos benchmark's drain).
+ARCHIVED = ("prompts", "actions", "observations", "trajectories", "rewards", "policy-versions", "dead-letters")
+
+
+def log(msg: str) -> None:
+    print(f"[three-hosts {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    d = DemoSettings()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", type=float, default=0.5, help="held-out reward to reach (default 0.5)")
+    p.add_argument("--minutes", type=float, default=15.0, help="give up after this long (default 15)")
+    p.add_argument("--kill-at-version", type=int, default=4, help="SIGKILL a broker once this version is announced")
+    p.add_argument("--seed", type=int, default=0, help="the trainer's seed (the tiny model and its warm-up)")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="the tiny model's supervised warm-up")
+    p.add_argument("--lr", type=float, default=d.lr, help="learning rate (the demo's)")
+    p.add_argument("--heldout-count", type=int, default=d.heldout_count, help="held-out tasks per round")
+    p.add_argument("--drain-timeout", type=float, default=300, help="longest wait for the loop to drain")
+    p.add_argument("--workdir", default="", help="homes and logs (default .rlstream/runs/<run>)")
+    return p.parse_args(argv)
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+@contextmanager
+def network(tag: str):
+    """{host: (namespace, address)} and the driver's address: a bridge, and one namespace per host on it by a veth
+    pair. Everything is removed on exit."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        raise SystemExit("three_hosts needs root and iproute2's ip (network namespaces, a bridge, veth pairs)")
+    net = f"10.{150 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
+    bridge = f"rlb{tag}"
+    made: list[tuple[str, ...]] = []
+    try:
+        ip("link", "add", bridge, "type", "bridge")
+        made.append(("link", "del", bridge))
+        ip("addr", "add", f"{net}.254/24", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        hosts = {}
+        for i, h in enumerate(HOSTS, start=1):
+            ns, outside, inside = f"rls{tag}{h}", f"rv{tag}{h}o", f"rv{tag}{h}i"
+            ip("netns", "add", ns)
+            made.append(("netns", "del", ns))
+            ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+            made.append(("link", "del", outside))
+            ip("link", "set", outside, "master", bridge)
+            ip("link", "set", outside, "up")
+            ip("link", "set", inside, "netns", ns)
+            ip("netns", "exec", ns, "ip", "addr", "add", f"{net}.{i}/24", "dev", inside)
+            ip("netns", "exec", ns, "ip", "link", "set", inside, "up")
+            ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            hosts[h] = (ns, f"{net}.{i}")
+        yield hosts, f"{net}.254"
+    finally:
+        for args in reversed(made):
+            ip(*args, check=False)
+
+
+def in_ns(ns: str) -> tuple[str, ...]:
+    """The command prefix that runs a process on a host."""
+    return ("ip", "netns", "exec", ns)
+
+
+def archive_rows(ns: str, url: str, run: str) -> dict[str, int] | None:
+    """Rows per archived topic, asked inside host A (its archive's SQL endpoint is on A's loopback)."""
+    code = ("import json, sys; from benchmarks.chaos import archive_counts; "
+            f"print(json.dumps(archive_counts({url!r}, {run!r})))")
+    done = subprocess.run([*in_ns(ns), sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    tag = uuid.uuid4().hex[:6]
+    run = f"hosts-{tag}"
+    workdir = Path(args.workdir or ROOT / ".rlstream" / "runs" / run).resolve()
+    homes = {h: workdir / f"host-{h}" for h in HOSTS}
+    for home in homes.values():
+        home.mkdir(parents=True, exist_ok=True)
+    archive = f"chdb://{homes['a'] / 'archive'}"
+    group_size = 8  # the loop's default G (LoopSettings), which the books count trajectories by
+    with ExitStack() as stack:
+        hosts, _driver = stack.enter_context(network(tag))
+        (ns_a, addr_a), (ns_b, _), (ns_c, _) = hosts["a"], hosts["b"], hosts["c"]
+        started = time.monotonic()
+        # Host A's brokers, started inside A: they listen on A's address alone.
+        up = subprocess.run([*in_ns(ns_a), sys.executable, "-m", "rlstream.infra.broker", "up", "--brokers", "3",
+                             "--host", addr_a, "--home", str(homes["a"])], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+        if up.returncode != 0:
+            raise SystemExit(f"host A's brokers did not start:\n{up.stdout}\n{up.stderr}")
+        stack.callback(broker.down, homes["a"])
+        bootstrap = up.stdout.strip().splitlines()[-1]
+        log(f"run {run}: brokers {bootstrap} on host A; homes and logs under {workdir}")
+        client = {"bootstrap.servers": bootstrap}
+        create_topics(client, run, replication=3, partitions=4)
+        admin = AdminClient(client)
+        sup = Supervisor()
+        base = stage_env(bootstrap, run, **ONE_THREAD, RLSTREAM_ARCHIVE=archive)
+        plan = {
+            "archive": ("a", ["run", "archive", "--instance", "0"]),
+            "trainer": ("b", ["run", "trainer", "--weights", str(homes["b"] / "weights"), "--model", "tiny",
+                              "--task", "reverse", "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
+                              "--seed", str(args.seed), "--instance", "0", "--weights-transport", "kafka"]),
+            "rollout": ("c", ["run", "rollout", "--backend", "transformers", "--instance", "0", "--batch-size",
+                              "64"]),
+            "env": ("c", ["run", "env", "--instance", "0"]),
+            "reward": ("c", ["run", "reward", "--instance", "0"]),
+            "prompts": ("c", ["prompts", "--task", "reverse", "--count", "0", "--heldout-count",
+                              str(args.heldout_count), "--paced", "--heldout-every", "2"]),
+        }
+        for name, (h, argv_) in plan.items():
+            sup.add(StageProc(name, argv_, dict(base, RLSTREAM_HOME=str(homes[h])), workdir / "logs" / f"{name}.log",
+                              prefix=in_ns(hosts[h][0]), cwd=ROOT))
+        stack.callback(lambda: sup.stop_all(STOP_ORDER, timeout=60))
+        sup.start_all()
+        arrived: queue.SimpleQueue = queue.SimpleQueue()
+        view = TopicTail(client, run, ["eval-rewards", "policy-versions"], name="hosts-view", keep=False,
+                         on_record=arrived.put)
+        stack.callback(view.close)
+        progress, best, first, reached_s, killed_at = Progress(), None, None, None, None
+        while time.monotonic() - started < args.minutes * 60:
+            for name, code in sup.check():
+                log(f"{name} exited with {code}; restarted (see its log)")
+            try:
+                while True:
+                    fold(progress, arrived.get(timeout=0.5), started)
+            except queue.Empty:
+                pass
+            done = latest_complete_round(progress, args.heldout_count, time.monotonic() - started)
+            if done is not None:
+                first = first if first is not None else min(progress.rounds.values())[1]
+                best = done
+            if killed_at is None and progress.version >= args.kill_at_version:
+                nodes = broker.status(homes["a"])
+                victim = max(nodes)  # not node 1, whose address the workers' bootstrap lists first
+                os.kill(nodes[victim]["pid"], signal.SIGKILL)
+                killed_at = progress.version
+                log(f"v{progress.version}: SIGKILLed broker {victim} ({nodes[victim]['bootstrap']}); it stays dead")
+            if best is not None and best[0] > 0 and best[1] >= args.target:
+                reached_s = time.monotonic() - started
+                log(f"held-out {best[1]:.2f} by v{best[0]} after {reached_s:.0f} s: target {args.target} reached")
+                break
+        else:
+            log(f"target {args.target} not reached in {args.minutes} min (best {best})")
+
+        # Drain: no more prompts; every task's samples through, and the archive holding every record.
+        sup.procs["prompts"].stop(60)
+        tail = TopicTail(client, run, name="hosts-books")
+        stack.callback(tail.close)
+        wait_until(tail.caught_up, 120, 1.0, "the books' reader to catch up")
+        task_ids = [s.record.task_id for s in tail.snapshot("prompts") if s.record]
+        books = Books(tail, task_ids, group_size)
+        deadline = time.monotonic() + args.drain_timeout
+        while time.monotonic() < deadline:
+            missing = books.missing()
+            counts = {t: tail.count(t) for t in ARCHIVED}
+            rows = archive_rows(ns_a, archive, run) or {}
+            behind = {t: n - rows.get(t, 0) for t, n in counts.items() if n > rows.get(t, 0)}
+            if not any(missing.values()) and not behind and tail.caught_up():
+                break
+            log(f"draining: missing {missing}, archive behind by {behind}")
+            time.sleep(3.0)
+        codes = sup.stop_all(STOP_ORDER, timeout=60)
+        log(f"stopped: exit codes {codes}")
+        tail.settle(timeout=120)
+        missing = books.missing()
+        dup_topics = duplicates(tail)
+        versions_bad = policy_order(tail)
+        tb = trainer_books(admin, run, tail)
+        n_versions = len(tail.snapshot("policy-versions"))
+    # Everything on the hosts has stopped and the network is gone: the archive is read from its files.
+    arch_missing, arch_dup, arch_extra = archive_check(archive, run, tail)
+    lost = sum(missing.values()) + sum(arch_missing.values())
+    duplicated = sum(dup_topics.values()) + sum(arch_dup.values()) + sum(arch_extra.values())
+    books_ok = tb["trained"] + tb["refused"] + tb["evicted"] + tb["skipped"] == tb["consumed"]
+    print(f"missing: {missing}; archive missing: {arch_missing}")
+    print(f"duplicated on topics: {dup_topics}; in archive: {arch_dup}; archive rows not on topics: {arch_extra}")
+    print(f"trainer books: trained {tb['trained']} + refused {tb['refused']} + evicted {tb['evicted']} + skipped "
+          f"{tb['skipped']}; rewards the trainer committed: {tb['consumed']} ({'equal' if books_ok else 'NOT EQUAL'})")
+    if versions_bad:
+        print("policy versions out of order: " + "; ".join(versions_bad[:10]))
+    reached = reached_s is not None
+    ok = reached and lost == 0 and duplicated == 0 and not versions_bad and books_ok and killed_at is not None
+    print(f"reached={'yes' if reached else 'no'} seconds_to_target={reached_s or float('nan'):.0f} "
+          f"heldout_start={first if first is not None else float('nan'):.2f} "
+          f"heldout_best={best[1] if best else float('nan'):.2f} versions={n_versions} tasks={len(task_ids)} "
+          f"lost={lost} duplicated={duplicated} broker_killed_at=v{killed_at} unplanned_exits={len(sup.crashes)}",
+          flush=True)
+    record("three_hosts", dict(ok=ok, reached=reached, seconds_to_target=reached_s, versions=n_versions,
+                               tasks=len(task_ids), lost=lost, duplicated=duplicated, books_equal=books_ok,
+                               broker_killed_at_version=killed_at, unplanned_exits=len(sup.crashes)),
+           [Goal("ok", ">=", 1), Goal("lost", "<=", 0), Goal("duplicated", "<=", 0)], seed=args.seed)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
