@@ -73,8 +73,9 @@ RECOVERY_GOAL_S = {False: 10.0, True: 3.0}
 #: Stop order: upstream first, so each stage finishes what it was given; the archive last.
 STOP_ORDER = ["rollout", "env", "reward", "env+reward", "trainer", "archive"]
 #: Archive table -> the topics archived into it.
-ARCHIVE_TABLES = {"tasks": ["prompts"], "episodes": ["actions", "observations"], "trajectories": ["trajectories"],
-                  "rewards": ["rewards"], "policy_versions": ["policy-versions"], "dead_letters": ["dead-letters"]}
+ARCHIVE_TABLES = {"tasks": ["prompts", "eval-prompts"], "episodes": ["actions", "observations"],
+                  "trajectories": ["trajectories"], "rewards": ["rewards", "eval-rewards"],
+                  "policy_versions": ["policy-versions"], "dead_letters": ["dead-letters"]}
 
 
 def log(msg: str) -> None:
@@ -241,7 +242,7 @@ class Books:
         letters = self.letters()
         trajectories = {s.record.trajectory_id for s in self.tail.snapshot("trajectories") if s.record}
         rewarded = collections.defaultdict(set)
-        for s in self.tail.snapshot("rewards"):
+        for s in self.tail.snapshot("rewards") + self.tail.snapshot("eval-rewards"):  # held-out answers: the latter
             if s.record:
                 rewarded[s.record.reward.reward_version].add(s.record.trajectory.trajectory_id)
         versions = set(rewarded) or {"v1"}
@@ -264,11 +265,13 @@ def duplicates(tail: TopicTail) -> dict[str, int]:
     """Records a topic holds more than once, by the identity each topic's records must have."""
     ident = {
         "prompts": lambda r: r.task_id,
+        "eval-prompts": lambda r: r.task_id,
         # A multi-turn episode passes each topic once per turn.
         "actions": lambda r: (r.episode_id, len(r.turns)),
         "observations": lambda r: (r.episode_id, len(r.turns)),
         "trajectories": lambda r: r.trajectory_id,
         "rewards": lambda r: (r.trajectory.trajectory_id, r.reward.reward_version),
+        "eval-rewards": lambda r: (r.trajectory.trajectory_id, r.reward.reward_version),
         "policy-versions": lambda r: (r.policy, r.version),
         "dead-letters": lambda r: (r.stage, r.topic, r.partition, r.offset),
     }

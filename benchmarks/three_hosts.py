@@ -1,9 +1,9 @@
-"""Three hosts on one machine: the loop across network namespaces joined only by a bridge, a broker killed mid-run.
+"""Three hosts on one machine: the loop across network namespaces joined only by links, a broker killed mid-run.
 
     python -m benchmarks.three_hosts [--target 0.5] [--minutes 15] [--kill-at-version 4] [--seed 0]
 
-Needs root and iproute2 (``ip netns``, a bridge and veth pairs). Three hosts, each a network namespace with its own
-``--home``, whose one link is a veth on a bridge of this machine:
+Needs root and iproute2 (``ip netns``, veth pairs). Three hosts, each a network namespace with its own ``--home``,
+host A the hub: B, C and this machine each have one veth link, to A (``network``):
 
 - host A: a 3-broker Kafka cluster (``rlstream up --brokers 3``, every topic replicated 3 times, 2 in sync) and the
   archive;
@@ -11,7 +11,7 @@ Needs root and iproute2 (``ip netns``, a bridge and veth pairs). Three hosts, ea
   system is shared;
 - host C: rollout, env, reward and the prompt source (the demo's task, paced, with held-out rounds).
 
-The driver (this process) joins the bridge too, as an operator's machine would: it creates the topics, watches the
+The driver (this process) has a link to A too, as an operator's machine would: it creates the topics, watches the
 topics, kills a broker and does the books. The loop runs the demo's stages with the demo's settings until held-out
 reward reaches ``--target`` by the demo's rule (a complete evaluation round by a trained version); once the trainer
 has announced ``--kill-at-version``, one broker (not the first: the driver's bootstrap list keeps the rest) is
@@ -53,7 +53,8 @@ HOSTS = ("a", "b", "c")
 #: Stop order: the source first, then each stage after the one feeding it; the archive last.
 STOP_ORDER = ["prompts", "rollout", "env", "reward", "trainer", "archive"]
 #: Topics whose every record the archive must hold before the books (as the chaos benchmark's drain).
-ARCHIVED = ("prompts", "actions", "observations", "trajectories", "rewards", "policy-versions", "dead-letters")
+ARCHIVED = ("prompts", "eval-prompts", "actions", "observations", "trajectories", "rewards", "eval-rewards",
+            "policy-versions", "dead-letters")
 
 
 def log(msg: str) -> None:
@@ -81,33 +82,41 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 @contextmanager
 def network(tag: str):
-    """{host: (namespace, address)} and the driver's address: a bridge, and one namespace per host on it by a veth
-    pair. Everything is removed on exit."""
+    """{host: (namespace, address)}: a namespace per host, B, C and this machine's own namespace each joined to A by a
+    veth pair of their own (A is the hub, as the switch in front of the brokers' host would be), routed to A's service
+    address, on which A's brokers listen. Nothing is forwarded: every packet is delivered to A or from it (this
+    machine's firewall may drop bridged or forwarded traffic, Docker's does). Everything is removed on exit."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        raise SystemExit("three_hosts needs root and iproute2's ip (network namespaces, a bridge, veth pairs)")
+        raise SystemExit("three_hosts needs root and iproute2's ip (network namespaces, veth pairs)")
     net = f"10.{150 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
-    bridge = f"rlb{tag}"
+    service = f"{net}.1"  # host A's address, on its loopback: reachable over any of its links
     made: list[tuple[str, ...]] = []
     try:
-        ip("link", "add", bridge, "type", "bridge")
-        made.append(("link", "del", bridge))
-        ip("addr", "add", f"{net}.254/24", "dev", bridge)
-        ip("link", "set", bridge, "up")
-        hosts = {}
-        for i, h in enumerate(HOSTS, start=1):
-            ns, outside, inside = f"rls{tag}{h}", f"rv{tag}{h}o", f"rv{tag}{h}i"
+        spaces = {h: f"rls{tag}{h}" for h in HOSTS}
+        for ns in spaces.values():
             ip("netns", "add", ns)
             made.append(("netns", "del", ns))
-            ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-            made.append(("link", "del", outside))
-            ip("link", "set", outside, "master", bridge)
-            ip("link", "set", outside, "up")
-            ip("link", "set", inside, "netns", ns)
-            ip("netns", "exec", ns, "ip", "addr", "add", f"{net}.{i}/24", "dev", inside)
-            ip("netns", "exec", ns, "ip", "link", "set", inside, "up")
-            ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
-            hosts[h] = (ns, f"{net}.{i}")
-        yield hosts, f"{net}.254"
+        ip("netns", "exec", spaces["a"], "ip", "link", "set", "lo", "up")
+        ip("netns", "exec", spaces["a"], "ip", "addr", "add", f"{service}/32", "dev", "lo")
+        hosts = {"a": (spaces["a"], service)}
+        for k, peer in enumerate(("b", "c", ""), start=1):  # "": this machine's own namespace (the driver)
+            hub, end = f"rv{tag}a{k}", f"rv{tag}{peer or 'd'}"
+            hub_ip, end_ip = f"{net}.{4 * k + 1}", f"{net}.{4 * k + 2}"
+            ip("link", "add", hub, "type", "veth", "peer", "name", end)
+            made.append(("link", "del", end))  # deleting either end deletes the pair, wherever it is
+            ip("link", "set", hub, "netns", spaces["a"])
+            ip("netns", "exec", spaces["a"], "ip", "addr", "add", f"{hub_ip}/30", "dev", hub)
+            ip("netns", "exec", spaces["a"], "ip", "link", "set", hub, "up")
+            at = ("netns", "exec", spaces[peer], "ip") if peer else ()
+            if peer:
+                ip("link", "set", end, "netns", spaces[peer])
+                ip(*at, "link", "set", "lo", "up")
+            ip(*at, "addr", "add", f"{end_ip}/30", "dev", end)
+            ip(*at, "link", "set", end, "up")
+            ip(*at, "route", "add", f"{service}/32", "via", hub_ip)
+            if peer:
+                hosts[peer] = (spaces[peer], end_ip)
+        yield hosts, service
     finally:
         for args in reversed(made):
             ip(*args, check=False)

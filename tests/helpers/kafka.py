@@ -4,6 +4,8 @@ Produce is the tests' own: rlstream has no typed-produce helper outside its tran
 """
 from __future__ import annotations
 
+import collections
+
 import random
 import socket
 import time
@@ -152,3 +154,14 @@ def wait_consumed(bootstrap: str, group: str, run: str, logical: str, timeout: f
     wait_for(lambda: all(committed_offsets(bootstrap, group, run, logical).get(p, -1) >= o for p, o in wanted.items()),
              timeout, f"group {group} to commit past the {len(records)} records of {logical}")
     return records
+
+
+def assert_rewarded_once(bootstrap: str, run: str, n: int, timeout: float = 120.0, context: str = "") -> None:
+    """A reward stage's exactly-once, from the topics: each of its ``n`` inputs has one reward, once its group is
+    past every input (a duplicate would be on the topic by then), and nothing went to dead-letters."""
+    read_all(bootstrap, run, "rewards", expect=n, timeout=timeout)
+    wait_consumed(bootstrap, f"{run}.reward", run, "trajectories", timeout=timeout)
+    counts = collections.Counter(r.record.trajectory.trajectory_id for r in read_all(bootstrap, run, "rewards"))
+    assert len(counts) == n, f"lost {n - len(counts)} records\n{context}"
+    assert max(counts.values()) == 1, f"duplicated: {[k for k, c in counts.items() if c > 1][:5]}"
+    assert read_all(bootstrap, run, "dead-letters") == []

@@ -122,6 +122,23 @@ def test_a_sigtermed_trainer_exits_0_with_what_it_trained_committed(bootstrap, r
     assert trained == committed and trained >= group, (trained, committed, proc.log_tail())
 
 
+def test_a_sigtermed_paced_prompt_source_flushes_and_exits_0(bootstrap, run_name, tmp_path):
+    """An orchestrator stops `rlstream prompts --paced` (which never ends by itself) with SIGTERM."""
+    from rlstream.infra.supervisor import StageProc, stage_env
+    from tests.helpers import ROOT
+    proc = StageProc("prompts", ["prompts", "--task", "reverse", "--count", "0", "--paced"],
+                     stage_env(bootstrap, run_name), tmp_path / "prompts.log", cwd=ROOT).start()
+    try:
+        wait_for(lambda: read_all(bootstrap, run_name, "prompts", timeout=2), 90, "the first prompts")
+        proc.proc.send_signal(signal.SIGTERM)
+        code, _ = _exit_within(proc, 60)
+    finally:
+        proc.kill()
+    assert code == 0, proc.log_tail()
+    said = re.search(r"produced (\d+) train tasks", proc.log_tail())
+    assert said and int(said.group(1)) == len(read_all(bootstrap, run_name, "prompts")), proc.log_tail()
+
+
 def test_an_unreachable_broker_is_waited_for_then_a_non_zero_exit(tmp_path):
     from rlstream.infra.supervisor import StageProc, stage_env
     from tests.helpers import ROOT

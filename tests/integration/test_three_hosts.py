@@ -1,4 +1,4 @@
-"""benchmarks/three_hosts.py in CI: the loop across three network namespaces joined only by a bridge (host A the
+"""benchmarks/three_hosts.py in CI: the loop across three network namespaces joined only by network links (host A the
 3-broker cluster and the archive, B the trainer, C rollout, env, reward and the prompt source), one broker SIGKILLed
 mid-run; it must learn to its target and the books must balance. Needs root and iproute2, as test_weights_netns.py."""
 from __future__ import annotations
