@@ -527,10 +527,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tasks={len(source.sent)} trajectories={n_traj} lost={lost} duplicated={duplicated} "
           f"recovery_p99={percentile(measured, 99):.1f}s kills={len(kills)} timeouts={len(kills) - len(measured)} "
           f"policy_versions={n_versions} versions_increasing={'yes' if not versions_bad else 'no'}", flush=True)
+    # Each stage's slowest recovery too: a standby pays for some stages and not for others.
+    per_stage = {f"recovery_max_{stage.replace('+', '_')}_s": max((k["recovery"] for k in kills
+                                                                  if k["stage"] == stage and k["recovery"] is not None),
+                                                                 default=None)
+                 for stage in sorted({k["stage"] for k in kills})}
     record("chaos", dict(ok=ok, kills=len(kills), lost=lost, duplicated=duplicated,
                          recovery_p99_s=percentile(measured, 99), failed=failed, dead_letters=sum(letters.values()),
                          trained=tb["trained"], refused=tb["refused"], evicted=tb["evicted"], consumed=tb["consumed"],
-                         books_equal=books_ok),
+                         books_equal=books_ok, **per_stage),
            [Goal("ok", ">=", 1), Goal("lost", "<=", 0), Goal("duplicated", "<=", 0),
             Goal("recovery_p99_s", "<=", RECOVERY_GOAL_S[args.standby])], seed=args.seed)
     return 0 if ok else 1
