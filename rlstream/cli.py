@@ -180,7 +180,20 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
                   "rlstream.archive.report", "rlstream.envs.server", "rlstream.gateway.server", "rlstream.demo",
                   "rlstream.trainer.export"):
         importlib.import_module(extra).add_command(sub)
+    sub.choices["prompts"].set_defaults(func=cmd_prompts)
     return parser
+
+
+def cmd_prompts(args: argparse.Namespace) -> None:
+    """``rlstream prompts`` on the process lifecycle: SIGTERM/SIGINT end a paced source between writes, its last one
+    flushed, exit 0 (an orchestrator stops it this way)."""
+    from rlstream.runtime import lifecycle
+    from rlstream.sources.prompts import cmd_prompts as produce_prompts
+    life = lifecycle.process().configure("prompts", 60.0)
+    try:
+        produce_prompts(args, stop=life.stopping.is_set)
+    finally:
+        life.finish()
 
 
 def _missing_package(exc: ModuleNotFoundError, who: str) -> int:

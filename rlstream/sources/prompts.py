@@ -280,18 +280,14 @@ def _dataset_paced(kafka: KafkaSettings, s: PromptSettings, loop: LoopSettings, 
         watcher.close()
 
 
-def cmd_prompts(args: argparse.Namespace) -> None:
-    from rlstream.runtime import lifecycle
+def cmd_prompts(args: argparse.Namespace, stop=lambda: False) -> None:
+    """``rlstream prompts``; ``stop``: ends a paced source between writes (the CLI passes its process's stop)."""
     kafka, s, loop = load(KafkaSettings, args), load(PromptSettings, args), load(LoopSettings, args)
-    # SIGTERM/SIGINT end a paced source between writes, its last one flushed (an orchestrator stops it this way).
-    life = lifecycle.process().configure("prompts", 60.0)
     wait_for_broker(kafka.client_config(), kafka.broker_wait_s)
     try:
-        n = produce(kafka, s, loop, stop=life.stopping.is_set)
+        n = produce(kafka, s, loop, stop=stop)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    finally:
-        life.finish()
     if s.dataset or s.eval_dataset:
         print(f"wrote {n} records of {' and '.join(filter(None, (s.eval_dataset, s.dataset)))} to "
               f"{topic_name(kafka.run, 'prompts')} (held-out rows: {topic_name(kafka.run, 'eval-prompts')}; rows "
