@@ -43,6 +43,7 @@ from confluent_kafka.admin import AdminClient
 from benchmarks.chaos import Books, archive_check, duplicates, policy_order, trainer_books
 from benchmarks.harness.loop import ROOT, wait_until
 from benchmarks.harness.record import Goal, record
+from rlstream.config import LoopSettings
 from rlstream.demo import DemoSettings, Progress, fold, latest_complete_round
 from rlstream.infra import broker
 from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
@@ -149,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     for home in homes.values():
         home.mkdir(parents=True, exist_ok=True)
     archive = f"chdb://{homes['a'] / 'archive'}"
-    group_size = 8  # the loop's default G (LoopSettings), which the books count trajectories by
+    group_size = LoopSettings().group_size  # the G every stage runs with here, which the books count by
     with ExitStack() as stack:
-        hosts, _driver = stack.enter_context(network(tag))
+        hosts, _ = stack.enter_context(network(tag))
         (ns_a, addr_a), (ns_b, _), (ns_c, _) = hosts["a"], hosts["b"], hosts["c"]
         started = time.monotonic()
         # Host A's brokers, started inside A: they listen on A's address alone.
