@@ -67,7 +67,7 @@ STAGES = ("rollout", "env", "reward", "trainer", "archive")
 #: With --fused: env and reward chained in one process (rlstream run env+reward), killed as one.
 FUSED_STAGES = ("rollout", "env+reward", "trainer", "archive")
 #: --standby: every process's session, so a killed one's membership lapses (and its standby takes over) this soon.
-STANDBY_SESSION_MS = 1500
+STANDBY_SESSION_MS = 1000
 #: Recovery goals (p99 seconds): a restarted process against a warm standby (the deploy issue's goal).
 RECOVERY_GOAL_S = {False: 10.0, True: 3.0}
 #: Stop order: upstream first, so each stage finishes what it was given; the archive last.

@@ -340,7 +340,7 @@ class ArchiveSink:
         """Consume, batch and flush until stopped (or idle for ``idle_exit_s``)."""
         group = f"{kafka.run}.archive"
         topics = [topic_name(kafka.run, t) for t, spec in TOPICS.items() if spec.archived]
-        self._pending, self._pending_bytes, self._inflight = [], 0, None
+        self._pending, self._pending_bytes, self._inflight, self._catching_up = [], 0, None, False
         # One batch inserts in this thread while the next is consumed and wrapped (chDB releases the GIL).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive-insert")
         # Committed records only, and offsets move only after their rows are in ClickHouse (group.py).
@@ -364,8 +364,11 @@ class ArchiveSink:
                                  "%d rows", len(fresh), flush_s, batch_rows)
                     self._pending.extend(fresh)
                     self._pending_bytes += sum(map(len, fresh))
+                # After an assignment, what the partitions' last owner left is inserted once a poll finds nothing
+                # more: those records have waited already (a takeover's first commit is its recovery).
+                caught_up, self._catching_up = self._catching_up and not fresh, self._catching_up and bool(fresh)
                 if self._pending and (len(self._pending) >= batch_rows or time.monotonic() - oldest >= flush_s
-                                      or self._pending_bytes >= self.settings.archive_batch_bytes):
+                                      or self._pending_bytes >= self.settings.archive_batch_bytes or caught_up):
                     self._flush()
                 self._reap(block=False)
                 if fresh or self._pending or self._inflight is not None:
@@ -406,6 +409,7 @@ class ArchiveSink:
     def _on_assign(self, consumer, parts: list) -> None:
         """Read the watermarks of partitions this member now owns: another owner may have archived them since."""
         self.load_watermarks(self._run, [(tp.topic[len(self._run) + 1:], tp.partition) for tp in parts])
+        self._catching_up = True
 
     def _on_revoke(self, consumer, parts: list) -> None:
         """Flush and commit before the partitions move, so their next owner's watermark covers our rows."""

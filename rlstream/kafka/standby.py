@@ -28,7 +28,7 @@ from confluent_kafka.admin import AdminClient
 
 from rlstream.config import KafkaSettings
 from rlstream.errors import UsageError
-from rlstream.kafka.group import static_member_id
+from rlstream.kafka.group import heartbeat_ms, static_member_id
 from rlstream.kafka.topics import topic_name
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class Line:
     def __init__(self, kafka: KafkaSettings, group_id: str, instance: str, session_timeout_ms: int):
         self.consumer = Consumer({
             **kafka.client_config(), "group.id": f"{group_id}.standby.{instance}",
-            "session.timeout.ms": session_timeout_ms, "heartbeat.interval.ms": max(500, session_timeout_ms // 5),
+            "session.timeout.ms": session_timeout_ms, "heartbeat.interval.ms": heartbeat_ms(session_timeout_ms),
             "partition.assignment.strategy": "cooperative-sticky", "enable.auto.commit": False,
             "auto.offset.reset": "latest", "max.poll.interval.ms": 600000})
         self.joined = False  # until the line's first assignment (maybe of nothing) says where this process stands

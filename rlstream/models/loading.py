@@ -92,15 +92,30 @@ def load_tokenizer(spec: Path | str, chat_template: str = "", flag: str = "--mod
     return tok
 
 
-def warm_imports(*extra: str) -> None:
+def warm_imports(*extra: str, model: str = "") -> None:
     """Import what loading a model and its tokenizer imports (transformers' auto classes load lazily, ~3 s of a
-    tiny model's resume here), and the modules named in ``extra``: what a warm standby does before it waits."""
+    tiny model's resume here), what its first save imports, and the modules named in ``extra``: what a warm standby
+    does before it waits. With ``model`` (a folder or hub id whose config is at hand), its class too, built on the
+    meta device (no weights). Best effort: what fails here is loaded, and reported, when it is needed."""
     import importlib
 
+    import torch
     import transformers
+    from transformers.modeling_utils import unwrap_model
+
     transformers.AutoConfig, transformers.AutoTokenizer, transformers.AutoModelForCausalLM  # noqa: B018
+    # save_pretrained unwraps through accelerate, which imports DeepSpeed where it is installed: ~0.4 s of the
+    # first version a trainer publishes.
+    unwrap_model(torch.nn.Module())
     for name in extra:
         importlib.import_module(name)
+    if model:
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(model))
+            with torch.device("meta"):
+                transformers.AutoModelForCausalLM.from_config(config)
+        except (OSError, ValueError, KeyError) as exc:
+            log.info("warming %s's model class: %s (it loads when it is needed)", model, exc)
 
 
 def read_chat_template(path: str) -> str:

@@ -35,13 +35,12 @@ from rlstream.kafka import records
 from rlstream.kafka.group import GroupMember
 from rlstream.kafka.inflight import committed_done_ahead, done_ahead_offsets
 from rlstream.kafka.records import Rejected
-from rlstream.kafka.standby import await_vacancy
 from rlstream.kafka.topics import delete_before, topic_name
 from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.devices import (cpu_has_bf16, enable_gradient_checkpointing, resolve_device,
                                      resolve_threads)
 from rlstream.models.loading import (flash_attn_installed, load_tokenizer, resolve_attention, set_attention,
-                                     torch_dtype, warm_imports)
+                                     torch_dtype)
 from rlstream.models.resources import ModelShape
 from rlstream.models.logprobs import check_packing
 from rlstream.policy.watcher import last_policy_version
@@ -65,6 +64,7 @@ from rlstream.trainer.microbatch import train_step, trainer_budget
 from rlstream.trainer.precision import resolve_precision
 from rlstream.trainer.settings import TrainerSettings
 from rlstream.trainer.update import UpdateConfig, build_batch
+from rlstream.trainer.warm import stand_by
 from rlstream.trainer.window import WindowedFIFO, WindowItem
 
 log = logging.getLogger(__name__)
@@ -130,10 +130,7 @@ class TrainerService:
         self.kafka = kafka
         self.group_id = f"{kafka.run}.trainer"
         if runtime.standby:  # warm: imported and placed; what it resumes is read once the primary is gone
-            self._place()
-            warm_imports(*(["peft"] if self.lora else []), *(["deepspeed"] if "zero" in self.settings.sharding else []))
-            self._line = await_vacancy(kafka, self.group_id, self.loop.policy, runtime.session_timeout_ms,
-                                       stopping=lambda: self._stopping, who="trainer")
+            self._line = stand_by(self, kafka, runtime)
             if self._line is None:
                 return
         # The policy is the trainer's identity: a restarted trainer fences its predecessor here, aborting any

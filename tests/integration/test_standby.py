@@ -15,7 +15,7 @@ from tests.helpers.kafka import assert_rewarded_once, make_trajectory, produce, 
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
-SESSION_MS = 1500
+SESSION_MS = 1000
 
 
 def since_start(proc) -> str:
