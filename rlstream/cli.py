@@ -10,7 +10,7 @@ import sys
 from rlstream import config
 from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.config import load as settings
-from rlstream.errors import MissingPackage, UsageError, UserError
+from rlstream.errors import MissingPackage, RestartToResume, UsageError, UserError
 
 #: The two kinds of process ``rlstream run`` starts: a stage (decode, handle, encode) that the StageRunner drives,
 #: and a service with a loop of its own (``serve(kafka, runtime)`` until ``stop()``): the trainer, the archive, the
@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:  # the broker's and the archive's errors too: their messages say what to do
         print(f"rlstream {args.command}: {exc}", file=sys.stderr)
         return 1
+    except RestartToResume as exc:
+        print(f"rlstream {args.command}: {exc}", file=sys.stderr)
+        return RestartToResume.EXIT_CODE
     except KeyboardInterrupt:
         return 130
     except Exception as exc:

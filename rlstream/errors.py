@@ -9,6 +9,13 @@ class UsageError(UserError):
     """A wrong command-line argument or setting (exit code 2)."""
 
 
+class RestartToResume(Exception):
+    """Not a bug and not the user's: this process cannot go on, and a restart of it resumes from what the topics
+    say (exit code 75, EX_TEMPFAIL; every supervisor rlstream ships restarts a process that exits non-zero)."""
+
+    EXIT_CODE = 75
+
+
 #: Optional packages, by the name they are imported as: the command that installs each (run from the checkout).
 INSTALL_COMMANDS = {
     "vllm": "make setup-vllm (vLLM's CPU build) or make setup-gpu (its CUDA build)",

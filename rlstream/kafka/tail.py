@@ -68,7 +68,11 @@ class _Reader:
                                    "fetch.max.bytes": 64 * 1024 * 1024,
                                    # Two of the largest records a partition can hold per fetch (a weights chunk is
                                    # one): the default 1 MiB would fetch them one request at a time.
-                                   "max.partition.fetch.bytes": 2 * (MAX_MESSAGE_BYTES + 65536)})
+                                   "max.partition.fetch.bytes": 2 * (MAX_MESSAGE_BYTES + 65536),
+                                   # A read to the end learns it is there (past the last transaction's commit
+                                   # marker) from a fetch that finds nothing new, which the broker holds for this
+                                   # long: librdkafka's 500 ms was half a second of every trainer resume.
+                                   **({"fetch.wait.max.ms": 10} if ends else {})})
         self.eof: dict[tuple[str, int], bool] = {}
         self.next: dict[tuple[str, int], int] = {}  # offset after the last record read
         self.ends: dict[tuple[str, int], int] = {}  # high watermarks when the reader began (``ends`` only)

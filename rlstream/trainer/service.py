@@ -30,7 +30,7 @@ import torch
 from rlstream import metrics
 from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.policy.probe import trainer_probe
-from rlstream.errors import UserError
+from rlstream.errors import RestartToResume, UserError
 from rlstream.kafka import records
 from rlstream.kafka.group import GroupMember
 from rlstream.kafka.inflight import committed_done_ahead, done_ahead_offsets
@@ -439,7 +439,10 @@ class TrainerService:
         if not self.txn.transact(body, lambda: self.consumer.consumer_group_metadata()):
             # The model has moved on past what the log says: exit, and a restart resumes from the last announced
             # version and the committed offsets (the step is redone).
-            raise RuntimeError(f"trainer: the transaction announcing v{version} was aborted; restart to resume")
+            raise RestartToResume(f"trainer: the transaction announcing v{version} was aborted (its log says why, "
+                                  f"e.g. a broker that left or a rebalance); v{version} was not announced and its "
+                                  f"samples were not consumed, so a restart resumes from v{self.version} and trains "
+                                  "them again")
         self.version = version
         if full_checkpoint:
             self._full_checkpoint = version

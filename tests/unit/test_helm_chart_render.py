@@ -141,6 +141,7 @@ def test_an_existing_cluster_gets_its_secrets_and_a_topics_job(helm):
      "the gateway has no consumer group"),
     (["--set", "stageDefaults.standby.enabled=true", "--set", "stages.reward.autoscaling.enabled=true"],
      "stages.reward.standby: a standby stands by for one pod of a fixed set"),
+    (["--set", "trainer.standby.enabled=true"], "trainer.standby: the standby gang resumes from the primary's store"),
 ])
 def test_values_the_run_cannot_use_are_refused(helm, flags, says):
     done = render(helm, *flags)
@@ -196,3 +197,27 @@ def test_trainer_ranks_meet_on_pod_0_through_the_headless_service(helm):
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["RLSTREAM_TRAINER_WEIGHTS"] == "s3://bucket/run"
     assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim" and "store" in d["metadata"]["name"]]
+
+
+def test_a_trainer_standby_is_a_second_gang_with_its_own_rendezvous(helm):
+    docs = manifests(helm, "--set", "trainer.nodes=2", "--set", "trainer.store.url=s3://bucket/run",
+                     "--set", "trainer.standby.enabled=true", "--set", "trainer.standby.sessionTimeoutMs=1000")
+    sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    for name in ("rel-trainer", "rel-trainer-standby"):
+        sts, svc = sets[name], services[name]
+        assert sts["spec"]["replicas"] == 2 and sts["spec"]["serviceName"] == name
+        # Each gang's headless Service selects its own pods only: two rendezvous never mix.
+        assert svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+        c = sts["spec"]["template"]["spec"]["containers"][0]
+        args = c["args"]
+        assert args[args.index("--rdzv-endpoint") + 1] == f"{name}-0.{name}:29400"
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["RLSTREAM_STANDBY"] == "true" and env["RLSTREAM_SESSION_TIMEOUT_MS"] == "1000"
+        assert env["RLSTREAM_TRAINER_WEIGHTS"] == "s3://bucket/run"
+    assert sets["rel-trainer"]["spec"]["selector"] != sets["rel-trainer-standby"]["spec"]["selector"]
+    ids = [a["args"][a["args"].index("--rdzv-id") + 1] for a in
+           (sets[n]["spec"]["template"]["spec"]["containers"][0] for n in ("rel-trainer", "rel-trainer-standby"))]
+    assert len(set(ids)) == 2
+    plain = manifests(helm)
+    assert "rel-trainer-standby" not in {d["metadata"]["name"] for d in plain}

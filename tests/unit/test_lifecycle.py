@@ -36,3 +36,16 @@ def test_every_make_target_an_install_command_names_exists():
                if i and command.split()[i - 1] == "make"}
     assert targets >= {"setup-vllm", "side-installs"}
     assert all(f"\n{t}:" in makefile for t in targets), [t for t in targets if f"\n{t}:" not in makefile]
+
+
+def test_a_process_that_must_restart_says_why_in_one_line_and_exits_75(monkeypatch, capsys):
+    """RestartToResume (e.g. a trainer whose announcing transaction was aborted): no traceback, EX_TEMPFAIL."""
+    from rlstream import cli
+    from rlstream.errors import RestartToResume
+
+    def aborted(args):
+        raise RestartToResume("trainer: the transaction announcing v7 was aborted")
+    monkeypatch.setattr(cli, "cmd_topics", aborted)
+    assert cli.main(["topics", "--run", "r"]) == RestartToResume.EXIT_CODE == 75
+    err = capsys.readouterr().err
+    assert err.strip() == "rlstream topics: trainer: the transaction announcing v7 was aborted" and "Traceback" not in err

@@ -226,6 +226,9 @@ prometheus.io/path: /metrics
 {{- fail "stages.rollout: with vllm.enabled one rollout worker drives the whole server fleet (it pushes every version to every server); scale vllm.replicas instead of rollout (replicas 1, autoscaling off)" -}}
 {{- end -}}
 {{- end -}}
+{{- if and $v.trainer.enabled ($v.trainer.standby | default dict).enabled (not $v.trainer.store.url) (not $v.trainer.store.existingClaim) (not (has "ReadWriteMany" $v.trainer.store.accessModes)) -}}
+{{- fail "trainer.standby: the standby gang resumes from the primary's store (its optimizer state too), from pods on other nodes: give an object store URL (trainer.store.url), an existing ReadWriteMany claim, or accessModes [ReadWriteMany]" -}}
+{{- end -}}
 {{- if and $v.trainer.enabled (gt (int $v.trainer.nodes) 1) (not $v.trainer.store.url) (not $v.trainer.store.existingClaim) (not (has "ReadWriteMany" $v.trainer.store.accessModes)) -}}
 {{- fail "trainer.store: with more than one trainer node every rank writes its optimizer shard to the store: give an object store URL (trainer.store.url), an existing ReadWriteMany claim, or accessModes [ReadWriteMany]" -}}
 {{- end -}}
