@@ -7,9 +7,13 @@ host A the hub: B, C and this machine each have one veth link, to A (``network``
 
 - host A: a 3-broker Kafka cluster (``rlstream up --brokers 3``, every topic replicated 3 times, 2 in sync) and the
   archive;
-- host B: the trainer, its weights to the workers through the weights log (``--weights-transport kafka``): no file
-  system is shared;
-- host C: rollout, env, reward and the prompt source (the demo's task, paced, with held-out rounds).
+- host B: the trainer's rank 0, its weights to the workers through the weights log (``--weights-transport
+  kafka``);
+- host C: rollout, env, reward, the prompt source (the demo's task, paced, with held-out rounds) and, with
+  ``--trainer-ranks 2`` (the default), the trainer's rank 1: the two ranks are one torchrun job across B and C
+  (static rendezvous on B, gloo over the links, through A). The ranks' store (``--weights``: each rank writes its
+  shard of the training state there) is the one folder both hosts mount, as a ReadWriteMany volume or an object
+  store would be on a cluster; the workers read no file of it.
 
 The driver (this process) has a link to A too, as an operator's machine would: it creates the topics, watches the
 topics, kills a broker and does the books. The loop runs the demo's stages with the demo's settings until held-out
@@ -52,7 +56,9 @@ from rlstream.kafka.topics import create_topics
 
 HOSTS = ("a", "b", "c")
 #: Stop order: the source first, then each stage after the one feeding it; the archive last.
-STOP_ORDER = ["prompts", "rollout", "env", "reward", "trainer", "archive"]
+STOP_ORDER = ["prompts", "rollout", "env", "reward", "trainer", "trainer-1", "archive"]
+#: The trainer's rendezvous port on host B (torchrun's static rendezvous, rank 0's TCP store).
+RENDEZVOUS_PORT = 29511
 #: Topics whose every record the archive must hold before the books (as the chaos benchmark's drain).
 ARCHIVED = ("prompts", "eval-prompts", "actions", "observations", "trajectories", "rewards", "eval-rewards",
             "policy-versions", "dead-letters")
@@ -72,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="the tiny model's supervised warm-up")
     p.add_argument("--lr", type=float, default=d.lr, help="learning rate (the demo's)")
     p.add_argument("--heldout-count", type=int, default=d.heldout_count, help="held-out tasks per round")
+    p.add_argument("--trainer-ranks", type=int, default=2, choices=(1, 2),
+                   help="2: the trainer's ranks on B and C under torchrun (gloo over the links); 1: B alone")
     p.add_argument("--drain-timeout", type=float, default=300, help="longest wait for the loop to drain")
     p.add_argument("--workdir", default="", help="homes and logs (default .rlstream/runs/<run>)")
     return p.parse_args(argv)
@@ -83,10 +91,11 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 @contextmanager
 def network(tag: str):
-    """{host: (namespace, address)}: a namespace per host, B, C and this machine's own namespace each joined to A by a
-    veth pair of their own (A is the hub, as the switch in front of the brokers' host would be), routed to A's service
-    address, on which A's brokers listen. Nothing is forwarded: every packet is delivered to A or from it (this
-    machine's firewall may drop bridged or forwarded traffic, Docker's does). Everything is removed on exit."""
+    """{host: (namespace, address, link)}: a namespace per host, B, C and this machine's own namespace each joined to
+    A by a veth pair of their own (A is the hub, as the switch in front of the brokers' host would be), routed to A's
+    service address, on which A's brokers listen. A forwards between B and C alone (the trainer's ranks), inside its
+    own namespace: this machine's firewall, which may drop bridged or forwarded traffic (Docker's does), is not on
+    the path. Everything is removed on exit."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         raise SystemExit("three_hosts needs root and iproute2's ip (network namespaces, veth pairs)")
     net = f"10.{150 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
@@ -99,7 +108,9 @@ def network(tag: str):
             made.append(("netns", "del", ns))
         ip("netns", "exec", spaces["a"], "ip", "link", "set", "lo", "up")
         ip("netns", "exec", spaces["a"], "ip", "addr", "add", f"{service}/32", "dev", "lo")
-        hosts = {"a": (spaces["a"], service)}
+        ip("netns", "exec", spaces["a"], "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        hosts = {"a": (spaces["a"], service, "lo")}
+        hubs = {}
         for k, peer in enumerate(("b", "c", ""), start=1):  # "": this machine's own namespace (the driver)
             hub, end = f"rv{tag}a{k}", f"rv{tag}{peer or 'd'}"
             hub_ip, end_ip = f"{net}.{4 * k + 1}", f"{net}.{4 * k + 2}"
@@ -116,7 +127,10 @@ def network(tag: str):
             ip(*at, "link", "set", end, "up")
             ip(*at, "route", "add", f"{service}/32", "via", hub_ip)
             if peer:
-                hosts[peer] = (spaces[peer], end_ip)
+                hosts[peer] = (spaces[peer], end_ip, end)
+                hubs[peer] = hub_ip
+        for here, there in (("b", "c"), ("c", "b")):
+            ip("netns", "exec", spaces[here], "ip", "route", "add", f"{hosts[there][1]}/32", "via", hubs[here])
         yield hosts, service
     finally:
         for args in reversed(made):
@@ -153,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     group_size = LoopSettings().group_size  # the G every stage runs with here, which the books count by
     with ExitStack() as stack:
         hosts, _ = stack.enter_context(network(tag))
-        (ns_a, addr_a), (ns_b, _), (ns_c, _) = hosts["a"], hosts["b"], hosts["c"]
+        (ns_a, addr_a, _), (ns_b, addr_b, _), (ns_c, _, _) = hosts["a"], hosts["b"], hosts["c"]
         started = time.monotonic()
         # Host A's brokers, started inside A: they listen on A's address alone.
         up = subprocess.run([*in_ns(ns_a), sys.executable, "-m", "rlstream.infra.broker", "up", "--brokers", "3",
@@ -169,11 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         admin = AdminClient(client)
         sup = Supervisor()
         base = stage_env(bootstrap, run, **ONE_THREAD, RLSTREAM_ARCHIVE=archive)
+        trainer = ["run", "trainer", "--weights", str(workdir / "trainer-store" if args.trainer_ranks > 1 else
+                                                      homes["b"] / "weights"),
+                   "--model", "tiny", "--task", "reverse", "--lr", str(args.lr), "--warmup-steps",
+                   str(args.warmup_steps), "--seed", str(args.seed), "--instance", "0", "--weights-transport", "kafka"]
         plan = {
             "archive": ("a", ["run", "archive", "--instance", "0"]),
-            "trainer": ("b", ["run", "trainer", "--weights", str(homes["b"] / "weights"), "--model", "tiny",
-                              "--task", "reverse", "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
-                              "--seed", str(args.seed), "--instance", "0", "--weights-transport", "kafka"]),
+            "trainer": ("b", trainer),
             "rollout": ("c", ["run", "rollout", "--backend", "transformers", "--instance", "0", "--batch-size",
                               "64"]),
             "env": ("c", ["run", "env", "--instance", "0"]),
@@ -181,9 +197,18 @@ def main(argv: list[str] | None = None) -> int:
             "prompts": ("c", ["prompts", "--task", "reverse", "--count", "0", "--heldout-count",
                               str(args.heldout_count), "--paced", "--heldout-every", "2"]),
         }
+        launch = {}
+        if args.trainer_ranks > 1:  # one torchrun job, a node on B (rank 0) and one on C
+            plan["trainer-1"] = ("c", trainer)
+            launch = {name: ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank), "--master-addr",
+                             addr_b, "--master-port", str(RENDEZVOUS_PORT), "--max-restarts", "0", "-m",
+                             "rlstream.cli"] for rank, name in enumerate(("trainer", "trainer-1"))}
         for name, (h, argv_) in plan.items():
-            sup.add(StageProc(name, argv_, dict(base, RLSTREAM_HOME=str(homes[h])), workdir / "logs" / f"{name}.log",
-                              prefix=in_ns(hosts[h][0]), cwd=ROOT))
+            # gloo binds the host's link to A (its other interface is a loopback the peer cannot reach).
+            env = dict(base, RLSTREAM_HOME=str(homes[h]), GLOO_SOCKET_IFNAME=hosts[h][2])
+            sup.add(StageProc(name, [*launch[name], *argv_] if name in launch else argv_, env,
+                              workdir / "logs" / f"{name}.log", prefix=in_ns(hosts[h][0]), cwd=ROOT,
+                              module="torch.distributed.run" if name in launch else "rlstream.cli"))
         stack.callback(lambda: sup.stop_all(STOP_ORDER, timeout=60))
         sup.start_all()
         arrived: queue.SimpleQueue = queue.SimpleQueue()

@@ -64,7 +64,7 @@ from rlstream.trainer.microbatch import train_step, trainer_budget
 from rlstream.trainer.precision import resolve_precision
 from rlstream.trainer.settings import TrainerSettings
 from rlstream.trainer.update import UpdateConfig, build_batch
-from rlstream.trainer.warm import stand_by
+from rlstream.trainer.warm import stand_by, warm
 from rlstream.trainer.window import WindowedFIFO, WindowItem
 
 log = logging.getLogger(__name__)
@@ -487,6 +487,8 @@ def serve_rank(ranks: Ranks, settings: TrainerSettings, loop: LoopSettings, kafk
     service = TrainerService(settings, loop)
     service.ranks = ranks
     if not ranks.lead:
+        if runtime.standby:
+            warm(service)
         ranks.follow(service)
         return
     # Rank 0 stops on the signals its launcher forwards, as a trainer of one rank does (runtime/lifecycle.py).

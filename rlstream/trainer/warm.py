@@ -23,11 +23,17 @@ def model_spec(service) -> str:
     return service.settings.model if is_local(service.settings.model) else ""
 
 
-def stand_by(service, kafka: KafkaSettings, runtime: RuntimeSettings) -> Line | None:
-    """Import, place and build the model's class, then wait in the policy's line (``kafka.standby``); the place,
-    once first with no live trainer (hold on to it), or None when the service was stopped first."""
+def warm(service) -> None:
+    """Place the rank and import what its takeover would: every rank of a standby gang does (rank 0 then waits, the
+    others wait for its commands), or the first command would find the other ranks cold."""
     service._place()
     warm_imports(*(["peft"] if service.lora else []), *(["deepspeed"] if "zero" in service.settings.sharding else []),
                  model=model_spec(service))
+
+
+def stand_by(service, kafka: KafkaSettings, runtime: RuntimeSettings) -> Line | None:
+    """Warm, then wait in the policy's line (``kafka.standby``); the place, once first with no live trainer (hold on
+    to it), or None when the service was stopped first."""
+    warm(service)
     return await_vacancy(kafka, service.group_id, service.loop.policy, runtime.session_timeout_ms,
                          stopping=lambda: service._stopping, who="trainer")
