@@ -142,6 +142,26 @@ def in_ns(ns: str) -> tuple[str, ...]:
     return ("ip", "netns", "exec", ns)
 
 
+def stop_gang(sup: Supervisor, timeout: float = 60.0) -> int | None:
+    """Stop the trainer's torchrun job as its ranks expect: SIGTERM to rank 0 itself, which finishes its step and
+    tells the other rank to stop; both workers exit 0, and so do both agents. (An agent answers a SIGTERM of its own
+    by tearing its workers down and exiting 1, and the other node's agent then loses its rendezvous store.) The
+    rank-0 agent's exit code; the supervisor's SIGTERM and SIGKILL if the job does not end within ``timeout``."""
+    agents = [sup.procs["trainer"], sup.procs["trainer-1"]]
+    rank0 = agents[0].pid
+    for task in Path(f"/proc/{rank0}/task").glob("*"):
+        for child in (task / "children").read_text().split() if (task / "children").exists() else ():
+            os.kill(int(child), signal.SIGTERM)  # the agent's workers: rank 0, this node's one
+    deadline = time.monotonic() + timeout
+    for agent in agents:
+        agent.asked_to_stop = True
+        try:
+            agent.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            agent.stop(10)
+    return agents[0].proc.returncode
+
+
 def archive_rows(ns: str, url: str, run: str) -> dict[str, int] | None:
     """Rows per archived topic, asked inside host A (its archive's SQL endpoint is on A's loopback)."""
     code = ("import json, sys; from benchmarks.chaos import archive_counts; "
@@ -258,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                 break
             log(f"draining: missing {missing}, archive behind by {behind}")
             time.sleep(3.0)
-        codes = sup.stop_all(STOP_ORDER, timeout=60)
+        codes = {name: stop_gang(sup) if name == "trainer" and "trainer-1" in sup.procs else sup.procs[name].stop(60)
+                 for name in STOP_ORDER if name in sup.procs}
         log(f"stopped: exit codes {codes}")
         tail.settle(timeout=120)
         missing = books.missing()
