@@ -99,6 +99,7 @@ bench learning_probe 300 "--max-seconds 120" "--steps 2 --max-seconds 20 --warmu
 bench recipe_learning 4000 "--recipe smollm2 --seeds 0,1,2" "--recipe arithmetic --size smoke --seeds 0"
 # After recipe_learning, which builds the smollm2 folder it times the step on.
 bench trainer_step_cpu 900 "--model .rlstream/recipes/smollm2/model" "--smoke"
+bench lora_generation 1800 "--model .rlstream/recipes/smollm2/model" "--smoke"
 # The smollm2 recipe against TRL's GRPOTrainer, both sides per seed (at most 20 minutes each); at smoke size TRL's side
 # alone, one update (rlstream's side is recipe_learning's run, smoke-tested above and by tests/e2e's recipe tests).
 bench recipe_vs_trl 8000 "--seeds 0,1,2" "--size smoke --systems trl --seeds 0"

@@ -303,11 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"reached={'yes' if reached else 'no'} seconds_to_target={reached_s or float('nan'):.0f} "
           f"heldout_start={first if first is not None else float('nan'):.2f} "
           f"heldout_best={best[1] if best else float('nan'):.2f} versions={n_versions} tasks={len(task_ids)} "
-          f"lost={lost} duplicated={duplicated} broker_killed_at=v{killed_at} unplanned_exits={len(sup.crashes)}",
+          f"lost={lost} duplicated={duplicated} broker_killed_at=v{killed_at} unplanned_exits={len(sup.crashes)} "
+          f"trainer_ranks={args.trainer_ranks}",
           flush=True)
     record("three_hosts", dict(ok=ok, reached=reached, seconds_to_target=reached_s, versions=n_versions,
                                tasks=len(task_ids), lost=lost, duplicated=duplicated, books_equal=books_ok,
-                               broker_killed_at_version=killed_at, unplanned_exits=len(sup.crashes)),
+                               broker_killed_at_version=killed_at, unplanned_exits=len(sup.crashes),
+                               trainer_ranks=args.trainer_ranks),
            [Goal("ok", ">=", 1), Goal("lost", "<=", 0), Goal("duplicated", "<=", 0)], seed=args.seed)
     return 0 if ok else 1
 

@@ -1,5 +1,6 @@
 """benchmarks/three_hosts.py in CI: the loop across three network namespaces joined only by network links (host A the
-3-broker cluster and the archive, B the trainer, C rollout, env, reward and the prompt source), one broker SIGKILLed
+3-broker cluster and the archive, B the trainer's rank 0, C its rank 1, rollout, env, reward and the prompt source; the
+two ranks one torchrun job), one broker SIGKILLed
 mid-run; it must learn to its target and the books must balance. Needs root and iproute2, as test_weights_netns.py."""
 from __future__ import annotations
 
@@ -41,4 +42,9 @@ def test_three_hosts_learn_through_a_dead_broker_and_lose_nothing(tmp_path):
     assert proc.returncode == 0, out[-6000:]
     raw = [json.loads(t) for t in (raw_dir / "three_hosts.jsonl").read_text().splitlines()]
     assert len(raw) == 1 and raw[0]["figures"]["ok"] is True, raw
+    # The trainer was one torchrun job of two ranks, on hosts B and C, and each rank said so in its own log.
+    assert raw[0]["figures"]["trainer_ranks"] == 2, raw
+    logs = tmp_path / "hosts" / "logs"
+    assert "trainer rank 0 of 2" in (logs / "trainer.log").read_text()
+    assert "trainer rank 1 of 2" in (logs / "trainer-1.log").read_text()
     assert "RESULT three_hosts " in proc.stdout
