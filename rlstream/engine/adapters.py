@@ -1,4 +1,6 @@
-"""LoRA adapters in the transformers engine, by merging: each version's adapter folded into the base's weights.
+"""LoRA adapters by merging, for engines that serve them at the base's speed: each version's adapter folded into
+the base's weights (the transformers engine, in place: ``MergedAdapters``; in-process vLLM without LoRA slots, as
+tensors it loads in place: ``MergedTensors``).
 
 A version's linear weight is ``W0 + s·B·A`` (``s`` = alpha / rank, or alpha / sqrt(rank) with rsLoRA), which is
 what PEFT's forward computes unmerged; merged, the engine's forward costs what the base's does. ``W0`` of every
@@ -73,6 +75,49 @@ class MergedAdapters:
                     raise ValueError(f"{folder}: the adapter of {name} is {tuple(merged.shape)}, the layer "
                                      f"{tuple(p.shape)}")
                 p.copy_(merged.mul_(scale).add_(self.base[name]))
+
+
+class MergedTensors:
+    """A LoRA version as tensors for an engine that loads weights in place (vLLM in process without LoRA slots): every
+    tensor of every module the adapter touches (or the one before it touched), its linear weights ``W0 + s·B·A`` in
+    float32 (the engine casts them to its dtype), the rest as the base has them. Whole modules, because an engine
+    may fuse a module's layers (vLLM's ``qkv_proj`` holds q, k and v, and their biases) and must not be left with a
+    fused layer loaded in part. ``W0`` is read from the base's safetensors at each version (the page cache keeps
+    them), so the base is not held twice in memory."""
+
+    def __init__(self, base_folder: Path):
+        from safetensors import safe_open
+        self.files: dict[str, str] = {}  # tensor name -> the safetensors file holding it
+        for shard in sorted(Path(base_folder).glob("*.safetensors")):
+            with safe_open(str(shard), framework="pt") as f:
+                self.files.update(dict.fromkeys(f.keys(), str(shard)))
+        if not self.files:
+            raise ValueError(f"{base_folder}: no safetensors weights to merge adapters into")
+        self.held: set[str] = set()  # modules whose tensors the engine holds merged now
+
+    def tensors(self, folder: Path) -> dict:
+        """Name -> tensor of the version whose adapter is in ``folder``: to load into the engine."""
+        import torch
+        from safetensors import safe_open
+        scale, pairs = read_adapter(folder)
+        missing = [p for p in pairs if f"{p}.weight" not in self.files]
+        if missing:
+            raise ValueError(f"{folder}: the adapter names layers this model does not have: {missing[:3]}")
+        modules = {p.rsplit(".", 1)[0] for p in pairs}
+        wanted = [n for n in self.files if n.rsplit(".", 2)[0] in modules | self.held]
+        out = {}
+        for shard in sorted({self.files[n] for n in wanted}):
+            with safe_open(shard, framework="pt") as f:
+                out.update({n: f.get_tensor(n) for n in wanted if self.files[n] == shard})
+        for path, (a, b) in pairs.items():
+            w0 = out[f"{path}.weight"]
+            merged = torch.mm(b.to(torch.float32), a.to(torch.float32))
+            if merged.shape != w0.shape:
+                raise ValueError(f"{folder}: the adapter of {path} is {tuple(merged.shape)}, the layer "
+                                 f"{tuple(w0.shape)}")
+            out[f"{path}.weight"] = merged.mul_(scale).add_(w0.to(torch.float32))
+        self.held = modules
+        return out
 
 
 class AdaptedModel:

@@ -41,13 +41,14 @@ def make_backend(kind: str, folder: Path, threads: int = 1, urls: tuple[str, ...
                  version: int = -1, dtype: str = "auto", max_context: int = 0, fleet: FleetOptions | None = None,
                  tokenizer=None, api_key: str = "", push_timeout_s: float = 600.0, device: str = "auto",
                  gpu_memory_utilization: float = 0.9, enforce_eager: str = "auto",
-                 attn_implementation: str = "auto") -> InferenceBackend:
+                 attn_implementation: str = "auto", lora_serving: str = "auto") -> InferenceBackend:
     """Build a backend by name, holding policy ``version`` (the weights in ``folder``) in ``dtype`` with a context of
     ``max_context`` tokens (0: the model's own); ``auto`` is vLLM when importable, else transformers. ``device``
     places an in-process engine (auto: CUDA when present; vLLM takes the first GPU it sees, ``check_vllm_device``);
     ``gpu_memory_utilization`` is the share of a GPU's memory in-process vLLM may take (weights and KV cache; its CPU
     build sizes the cache by VLLM_CPU_KVCACHE_SPACE); ``enforce_eager`` its CUDA graphs (``resolve_enforce_eager``);
-    ``attn_implementation`` the transformers engine's attention (``models.loading.resolve_attention``). ``threads``
+    ``attn_implementation`` the transformers engine's attention (``models.loading.resolve_attention``);
+    ``lora_serving`` how in-process vLLM serves a LoRA run (``engine.local.resolve_lora_serving``). ``threads``
     0 follows the machine (``models.devices.resolve_threads``).
 
     A server kind (``vllm-server``, ``sglang``, ``openai``) gets a fleet of ``urls``: each must answer, and its
@@ -59,14 +60,14 @@ def make_backend(kind: str, folder: Path, threads: int = 1, urls: tuple[str, ...
                            push_timeout_s)
     from rlstream.models.devices import resolve_threads
     backend = _make_local(kind, folder, resolve_threads(threads), dtype, max_context, device, gpu_memory_utilization,
-                          enforce_eager, attn_implementation)
+                          enforce_eager, attn_implementation, lora_serving)
     backend.version = version
     return backend
 
 
 def _make_local(kind: str, folder: Path, threads: int, dtype: str, max_context: int, device: str = "auto",
                 gpu_memory_utilization: float = 0.9, enforce_eager: str = "auto",
-                attn_implementation: str = "auto") -> InferenceBackend:
+                attn_implementation: str = "auto", lora_serving: str = "auto") -> InferenceBackend:
     from rlstream.engine.local import TransformersBackend, VLLMBackend
     from rlstream.models.devices import resolve_device
     if kind == "auto":
@@ -84,7 +85,7 @@ def _make_local(kind: str, folder: Path, threads: int, dtype: str, max_context: 
         cuda = device != "cpu" and torch.cuda.is_available()
         return VLLMBackend(folder, threads=threads, max_model_len=max_context, dtype=dtype,
                            gpu_memory_utilization=gpu_memory_utilization,
-                           enforce_eager=resolve_enforce_eager(enforce_eager, cuda))
+                           enforce_eager=resolve_enforce_eager(enforce_eager, cuda), lora_serving=lora_serving)
     raise ValueError(f"unknown backend {kind!r}; use one of {', '.join(KINDS)}")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from rlstream.errors import UsageError
 from rlstream.models.loading import ModelError, context_limit, dtype_name, load_model, load_tokenizer, torch_dtype
 from rlstream.schemas.records import SamplingParams
 from rlstream.engine.base import BetweenSteps, Generation, InferenceBackend, OnStep
@@ -129,6 +130,28 @@ class TransformersBackend(InferenceBackend):
                 for t, lp in zip(out_tokens, out_lps)]
 
 
+#: ``--lora-serving`` choices: how in-process vLLM serves a LoRA run's versions.
+LORA_SERVING = ("auto", "adapter", "merged")
+
+
+def resolve_lora_serving(asked: str) -> str:
+    """``auto``: merged on the CPU, where vLLM's LoRA path generated at 0.33x the base's rate here (and reserving
+    its slots alone cost 0.68x: ``benchmarks/lora_generation.py``), adapter on a GPU, whose LoRA kernels serve many
+    adapters at once and where a merge per version of a large model costs more. Merged needs the engine in this
+    process (it loads tensors, not a folder)."""
+    import os
+    if asked not in LORA_SERVING:
+        raise UsageError(f"--lora-serving {asked!r}: one of {', '.join(LORA_SERVING)}")
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") == "0"
+    if asked == "merged" and not in_process:
+        raise UsageError("--lora-serving merged loads each version's tensors into the engine in this process: unset "
+                         "VLLM_ENABLE_V1_MULTIPROCESSING (rlstream sets it to 0), or use --lora-serving adapter")
+    if asked != "auto":
+        return asked
+    from vllm.platforms import current_platform
+    return "merged" if current_platform.is_cpu() and in_process else "adapter"
+
+
 def _lora_slot_rank(rank: int) -> int:
     """The smallest adapter rank vLLM reserves slots of that holds ``rank`` (it takes only these)."""
     return next((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank), rank)
@@ -168,7 +191,7 @@ class VLLMBackend(InferenceBackend):
     streams = True
 
     def __init__(self, folder: Path, threads: int = 1, max_model_len: int = 0, dtype: str = "auto",
-                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = True):
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = True, lora_serving: str = "auto"):
         import os
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         # The engine core in this process: weight reloads are a direct call, and no spawn re-imports.
@@ -177,11 +200,14 @@ class VLLMBackend(InferenceBackend):
         from vllm import LLM
 
         from rlstream.policy.adapters import lora_base
-        # A LoRA base (rlstream.policy.adapters): vLLM reserves its adapter slots, of the trainer's rank, up front.
+        # A LoRA base (rlstream.policy.adapters): served through vLLM's adapter slots, reserved up front of the
+        # trainer's rank, or merged into the weights (resolve_lora_serving).
         lora = lora_base(folder)
         self.serves_adapters = lora is not None
-        extra = {} if lora is None else {"enable_lora": True, "max_loras": max(1, int(lora["resident"])),
-                                         "max_lora_rank": _lora_slot_rank(int(lora["max_rank"]))}
+        self.lora_serving = resolve_lora_serving(lora_serving) if lora else ""
+        extra = {} if self.lora_serving != "adapter" else {
+            "enable_lora": True, "max_loras": max(1, int(lora["resident"])),
+            "max_lora_rank": _lora_slot_rank(int(lora["max_rank"]))}
         # No async scheduling: a step's tokens must come from the weights loaded when that step ran, so that
         # the version stamped on each token (and its log-prob) is the one that sampled it.
         self.llm = LLM(model=str(folder), dtype=dtype_name(torch_dtype(dtype, folder)),
@@ -205,8 +231,15 @@ class VLLMBackend(InferenceBackend):
         self._adapters: list = []
         self._adapter = None
         self._lora_ids = 0
+        self._merged = None
+        if self.lora_serving == "merged":
+            from rlstream.engine.adapters import MergedTensors
+            self._merged = MergedTensors(folder)
 
     def load_adapter(self, folder: Path, version: int) -> None:
+        if self._merged is not None:  # --lora-serving merged: the version's weights, loaded in place
+            self._reload({"weights_iterator": iter(self._merged.tensors(folder).items())}, version)
+            return
         from vllm.lora.request import LoRARequest
         self._lora_ids += 1
         request = LoRARequest(f"rls-v{version}-{self._lora_ids}", self._lora_ids, str(folder))

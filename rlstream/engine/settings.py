@@ -76,6 +76,11 @@ class EngineSettings(DeviceSettings):
                                "max_position_embeddings)")
     enforce_eager: str = knob("auto", "In-process vLLM: on (no CUDA graphs), off, or auto (off on CUDA: graphs "
                                       "capture the decode steps; on for the CPU)", choices=("auto", "on", "off"))
+    lora_serving: str = knob("auto", "In-process vLLM, a LoRA run's versions: adapter (vLLM's LoRA slots, a "
+                                     "LoRARequest per version), merged (each version's adapter merged into the "
+                                     "base's weights and loaded in place: the base's generation speed, a merge per "
+                                     "version), or auto (merged on the CPU, adapter on a GPU)",
+                             choices=("auto", "adapter", "merged"))
 
     @property
     def remote(self) -> bool:
@@ -99,4 +104,5 @@ def build_backend(s: EngineSettings, folder: Path, version: int, max_context: in
                         dtype=s.dtype, max_context=max_context, fleet=options, tokenizer=tokenizer,
                         push_timeout_s=s.push_timeout_s, api_key=os.environ.get(api_key_env, "") if api_key_env else "",
                         device=s.device, gpu_memory_utilization=s.gpu_memory_utilization,
-                        enforce_eager=s.enforce_eager, attn_implementation=s.attn_implementation)
+                        enforce_eager=s.enforce_eager, attn_implementation=s.attn_implementation,
+                        lora_serving=s.lora_serving)
