@@ -439,10 +439,8 @@ class TrainerService:
         if not self.txn.transact(body, lambda: self.consumer.consumer_group_metadata()):
             # The model has moved on past what the log says: exit, and a restart resumes from the last announced
             # version and the committed offsets (the step is redone).
-            raise RestartToResume(f"trainer: the transaction announcing v{version} was aborted (its log says why, "
-                                  f"e.g. a broker that left or a rebalance); v{version} was not announced and its "
-                                  f"samples were not consumed, so a restart resumes from v{self.version} and trains "
-                                  "them again")
+            raise RestartToResume(f"trainer: the transaction announcing v{version} was aborted (the log above says "
+                                  f"why); a restart resumes from v{self.version} and trains its samples again")
         self.version = version
         if full_checkpoint:
             self._full_checkpoint = version

@@ -52,3 +52,30 @@ def publish(lora, model, tok, store, version):
                          content_hash=written["hash"], **lora.fields())
 
 
+
+
+def served_versions(tmp_path, model, tok, make_backend, versions: int = 3, eta: int = 0):
+    """Train ``model``'s adapter (rank 4) a real step per version but the first, publish each version as the trainer
+    does, and load it into the engine ``make_backend(folder)`` builds from the first one's base, as a worker does
+    (``PolicyWeights``, base rule and load probe included); yields (version, published record, engine, the PEFT model,
+    its optimizer's engine) after each load."""
+    from rlstream.policy.weights import PolicyWeights, WeightStore
+    from rlstream.trainer.engine import TorchEngine
+    from rlstream.trainer.lora import LoraTraining
+    from rlstream.trainer.settings import TrainerSettings
+    store = WeightStore(str(tmp_path / "store"))
+    lora = LoraTraining(TrainerSettings(lora_rank=4, lora_alpha=8.0), **({"eta": eta} if eta else {}))
+    peft_model = lora.fresh(model, tok, store, "policy", lead=True)
+    engine = TorchEngine(peft_model, lr=1e-2, max_grad_norm=1.0)
+    weights = PolicyWeights(tmp_path / "cache")
+    backend = None
+    for version in range(versions):
+        if version:
+            train_a_step(engine, version)
+        pv = publish(lora, peft_model, tok, store, version)
+        if backend is None:
+            backend = make_backend(weights.engine_folder(pv))
+            weights.adopt(pv, backend)
+        else:
+            weights.load(pv, backend)
+        yield version, pv, backend, peft_model, engine

@@ -17,7 +17,7 @@ from rlstream.policy.weights import PolicyWeights, WeightStore
 from rlstream.trainer.engine import TorchEngine
 from rlstream.trainer.lora import BaseReference, LoraTraining, check_lora
 from rlstream.trainer.settings import TrainerSettings
-from tests.helpers.lora import SEQ, logprobs, publish, tiny, train_a_step
+from tests.helpers.lora import SEQ, logprobs, publish, served_versions, tiny, train_a_step
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -26,21 +26,7 @@ def test_each_version_served_by_the_transformers_engine_is_peft_merged_forward(t
     merge of that adapter; only the adapter trains (the base stays bit for bit), and only it has Adam state."""
     model, tok = tiny(tied)
     base_before = {k: v.clone() for k, v in model.state_dict().items()}
-    store = WeightStore(str(tmp_path / "store"))
-    lora = LoraTraining(TrainerSettings(lora_rank=4, lora_alpha=8.0))
-    peft_model = lora.fresh(model, tok, store, "policy", lead=True)
-    engine = TorchEngine(peft_model, lr=1e-2, max_grad_norm=1.0)
-    weights = PolicyWeights(tmp_path / "cache")
-    backend = None
-    for version in range(3):
-        if version:
-            train_a_step(engine, version)
-        pv = publish(lora, peft_model, tok, store, version)
-        if backend is None:
-            backend = TransformersBackend(weights.engine_folder(pv))
-            weights.adopt(pv, backend)
-        else:
-            weights.load(pv, backend)
+    for version, pv, backend, peft_model, engine in served_versions(tmp_path, model, tok, TransformersBackend):
         merged = copy.deepcopy(peft_model).merge_and_unload()
         served = torch.tensor(backend.probe_logprobs(SEQ))
         assert torch.allclose(served, logprobs(merged), atol=1e-5), f"v{version} served unlike PEFT's merge"
@@ -55,7 +41,7 @@ def test_each_version_served_by_the_transformers_engine_is_peft_merged_forward(t
     unmerged = {k.replace("base_layer.", ""): v for k, v in base.state_dict().items() if "lora_" not in k}
     assert all(torch.equal(unmerged[k], v) for k, v in base_before.items()), "the frozen base changed"
     # The base in the store is the one the versions name.
-    assert folder_hash(weights.engine_folder(pv)) == pv.base_hash
+    assert folder_hash(PolicyWeights(tmp_path / "cache").engine_folder(pv)) == pv.base_hash
 
 
 def test_the_kl_reference_is_the_base_with_the_adapter_off(tmp_path):
