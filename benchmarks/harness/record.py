@@ -44,7 +44,7 @@ _STARTED = datetime.datetime.now(datetime.timezone.utc)
 _LOAD_BEFORE = os.getloadavg()
 
 #: Figure-name endings and the unit each means, tried in order; a name with none of them is a count or a flag.
-_SUFFIX_UNITS = (("_per_s", "1/s"), ("_per_hour", "1/h"), ("_ms", "ms"), ("_s", "s"), ("_mib", "MiB"),
+_SUFFIX_UNITS = (("_tok_s", "tokens/s"), ("_per_s", "1/s"), ("_per_hour", "1/h"), ("_ms", "ms"), ("_s", "s"), ("_mib", "MiB"),
                  ("_gib", "GiB"), ("_mb", "MB"), ("_ratio", "×"), ("ratio", "×"), ("_vs_rl", "×"), ("_vs_goal", "×"))
 
 
