@@ -232,6 +232,9 @@ class VLLMBackend(InferenceBackend):
         self._adapter = None
         self._lora_ids = 0
         self._merged = None
+        if lora:
+            log.info("vLLM serves this LoRA run's versions %s (--lora-serving %s)", "merged into the base's weights"
+                     if self.lora_serving == "merged" else "through its LoRA slots", lora_serving)
         if self.lora_serving == "merged":
             from rlstream.engine.adapters import MergedTensors
             self._merged = MergedTensors(folder)
