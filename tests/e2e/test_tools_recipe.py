@@ -56,7 +56,8 @@ def test_the_tools_recipe_builds_tiny_and_its_multi_turn_loop_trains_two_version
         assert action.role == "action" and action.tool_call.name == "calc" and observation.role == "observation"
         # The sandbox's answer is what the model saw next; a well-formed product is computed right.
         assert observation.text == f"={action.tool_result.output.strip()}\n", (action, observation)
-        product = re.fullmatch(r"(\d+)\*(\d+)", action.tool_call.arguments)
+        # Well-formed: no leading zeros (Python refuses "015" as a literal, and the sandbox says so instead).
+        product = re.fullmatch(r"(0|[1-9]\d*)\*(0|[1-9]\d*)", action.tool_call.arguments)
         if product:
             assert observation.text == f"={int(product[1]) * int(product[2])}\n"
         # The observation's tokens sit between the two actions, outside the loss.
