@@ -142,6 +142,22 @@ def in_ns(ns: str) -> tuple[str, ...]:
     return ("ip", "netns", "exec", ns)
 
 
+def watch(client: dict, run: str, arrived: queue.SimpleQueue, timeout: float = 120.0) -> TopicTail:
+    """The driver's view of held-out rewards and versions, once it reads every partition of both topics: the
+    topics were just created, and a broker of the three that does not know them yet answers with none (a view
+    begun then would read nothing, ever: seen once in CI, under load)."""
+    topics = ("eval-rewards", "policy-versions")
+    deadline = time.monotonic() + timeout
+    while True:
+        view = TopicTail(client, run, list(topics), name="hosts-view", keep=False, on_record=arrived.put)
+        if {t for t, _ in view.assigned()} == set(topics):
+            return view
+        view.close()
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the driver's view of {', '.join(topics)} found no partitions in {timeout:.0f} s")
+        time.sleep(0.5)
+
+
 def stop_gang(sup: Supervisor, timeout: float = 60.0) -> int | None:
     """Stop the trainer's torchrun job as its ranks expect: SIGTERM to rank 0 itself, which finishes its step and
     tells the other rank to stop; both workers exit 0, and so do both agents. (An agent answers a SIGTERM of its own
@@ -232,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(lambda: sup.stop_all(STOP_ORDER, timeout=60))
         sup.start_all()
         arrived: queue.SimpleQueue = queue.SimpleQueue()
-        view = TopicTail(client, run, ["eval-rewards", "policy-versions"], name="hosts-view", keep=False,
-                         on_record=arrived.put)
+        view = watch(client, run, arrived)
         stack.callback(view.close)
         progress, best, first, reached_s, killed_at = Progress(), None, None, None, None
         while time.monotonic() - started < args.minutes * 60:

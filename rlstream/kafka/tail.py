@@ -199,6 +199,11 @@ class TopicTail:
         with self.lock:
             return len(self.records[topic])
 
+    def assigned(self) -> set[tuple[str, int]]:
+        """The (topic, partition) pairs this tail reads: those the broker's metadata named when it began (a topic
+        just created on a cluster of several brokers may not be known yet to the one that answered)."""
+        return set(self._reader.eof)
+
     def caught_up(self) -> bool:
         """Every partition has reached its end (its last stable offset) since its last record."""
         return self._reader.at_end()
