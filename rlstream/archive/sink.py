@@ -366,7 +366,8 @@ class ArchiveSink:
                     self._pending_bytes += sum(map(len, fresh))
                 # After an assignment, what the partitions' last owner left is inserted once a poll finds nothing
                 # more: those records have waited already (a takeover's first commit is its recovery).
-                caught_up, self._catching_up = self._catching_up and not fresh, self._catching_up and bool(fresh)
+                caught_up = self._catching_up and not fresh
+                self._catching_up = self._catching_up and bool(fresh)
                 if self._pending and (len(self._pending) >= batch_rows or time.monotonic() - oldest >= flush_s
                                       or self._pending_bytes >= self.settings.archive_batch_bytes or caught_up):
                     self._flush()

@@ -46,6 +46,17 @@ def read_adapter(folder: Path) -> tuple[float, dict[str, tuple]]:
     return scale, {p: (ab["A"], ab["B"]) for p, ab in pairs.items()}
 
 
+def scaled_product(folder: Path, name: str, a, b, scale: float, shape, device=None):
+    """``s·B·A`` of one layer in float32 on ``device``, ValueError unless it is the layer's ``shape``. Scaled in place
+    on the one product, so that adding ``W0`` to it is the same fp32 sum as ``W0 + s·B·A``, bit for bit, without
+    two more whole-layer temporaries (a 1.1 B model's merge is memory traffic)."""
+    import torch
+    product = torch.mm(b.to(device=device, dtype=torch.float32), a.to(device=device, dtype=torch.float32))
+    if product.shape != shape:
+        raise ValueError(f"{folder}: the adapter of {name} is {tuple(product.shape)}, the layer {tuple(shape)}")
+    return product.mul_(scale)
+
+
 class MergedAdapters:
     """The base's weights that adapters touch, kept, and the current version's adapter merged over them."""
 
@@ -68,13 +79,7 @@ class MergedAdapters:
                 p = params[name]
                 if name not in self.base:
                     self.base[name] = p.detach().clone()
-                # In place on the one fp32 product: the sum is the same fp32 addition as (W0 + s·B·A), bit for
-                # bit, without two more whole-layer temporaries (a 1.1 B model's merge is memory traffic).
-                merged = torch.mm(b.to(p.device, torch.float32), a.to(p.device, torch.float32))
-                if merged.shape != p.shape:
-                    raise ValueError(f"{folder}: the adapter of {name} is {tuple(merged.shape)}, the layer "
-                                     f"{tuple(p.shape)}")
-                p.copy_(merged.mul_(scale).add_(self.base[name]))
+                p.copy_(scaled_product(folder, name, a, b, scale, p.shape, p.device).add_(self.base[name]))
 
 
 class MergedTensors:
@@ -104,18 +109,15 @@ class MergedTensors:
         if missing:
             raise ValueError(f"{folder}: the adapter names layers this model does not have: {missing[:3]}")
         modules = {p.rsplit(".", 1)[0] for p in pairs}
-        wanted = [n for n in self.files if n.rsplit(".", 2)[0] in modules | self.held]
+        loaded = modules | self.held
+        wanted = [n for n in self.files if n.rsplit(".", 2)[0] in loaded]
         out = {}
         for shard in sorted({self.files[n] for n in wanted}):
             with safe_open(shard, framework="pt") as f:
                 out.update({n: f.get_tensor(n) for n in wanted if self.files[n] == shard})
         for path, (a, b) in pairs.items():
             w0 = out[f"{path}.weight"]
-            merged = torch.mm(b.to(torch.float32), a.to(torch.float32))
-            if merged.shape != w0.shape:
-                raise ValueError(f"{folder}: the adapter of {path} is {tuple(merged.shape)}, the layer "
-                                 f"{tuple(w0.shape)}")
-            out[f"{path}.weight"] = merged.mul_(scale).add_(w0.to(torch.float32))
+            out[f"{path}.weight"] = scaled_product(folder, path, a, b, scale, w0.shape).add_(w0.to(torch.float32))
         self.held = modules
         return out
 
