@@ -11,7 +11,6 @@ import pytest
 from rlstream.config import KafkaSettings
 from rlstream.runtime.runner import StageRunner
 from rlstream.runtime.settings import RuntimeSettings
-from rlstream.schemas import headers as hdr
 from rlstream.stages.rollout import RolloutSettings, RolloutStage
 from tests.helpers.engines import FakeBackend, FakeWatcher, pv
 from tests.helpers.kafka import make_task, produce, read_all
@@ -53,8 +52,11 @@ def test_an_eval_prompt_behind_a_backlog_is_served_first_when_pipelined(bootstra
                                                  for i in range(BACKLOG)])
         read_all(bootstrap, run_name, "actions", expect=1, timeout=60)  # working through the backlog
         evaluation = make_task(10_000, group_size=1)
-        sent_at = hdr.now_ms()
         produce(bootstrap, run_name, "eval-prompts", [(evaluation.task_id.encode(), evaluation, None)])
+        # From the eval prompt's own timestamp (set as it is produced), not from before the test's producer starts:
+        # a new producer's connection and metadata took 0.4 s in CI, 8 training turns counted against the stage.
+        [sent] = read_all(bootstrap, run_name, "eval-prompts", expect=1, timeout=30)
+        sent_at = sent.timestamp_ms
         actions = read_all(bootstrap, run_name, "actions", expect=BACKLOG + 1, timeout=60)
     finally:
         runner.request_stop()
