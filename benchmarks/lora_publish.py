@@ -10,7 +10,7 @@ The default model, built in code (random init, no download), has TinyLlama's sha
 a Qwen2 of hidden 2048, 22 layers, MLP 5632, 32 heads over 4 KV heads, a 32k vocabulary, untied (1.1 B).
 ``--hidden/--layers/--intermediate/--vocab`` size it down.
 
-Each mode (``full``, then ``lora``) is a trainer process of its own, a child of this one, so its peak RSS
+Each mode (``full``, ``lora``, ``lora-adapter``) is a trainer process of its own, a child of this one, so its peak RSS
 (``VmHWM``) is the trainer's alone: the model in ``--dtype`` (bf16 by default, so the 1 B full
 fine-tune's weights, gradients and AdamW moments, about 9 GB, fit a 24 GB machine beside the worker; ``fp32`` doubles
 them), the trainer's engine (``trainer.sharding.make_engine``: AdamW over what requires a gradient, a LoRA run's
@@ -23,8 +23,8 @@ version). The RSS after the imports, before the model exists, is reported too: a
 
 This process is the rollout worker, as the stage is: a ``PolicyWatcher`` sees the committed record,
 ``PolicyWeights`` prefetches and loads the version into the in-process transformers engine (whole weights swapped in;
-a LoRA version's adapter merged over the base the engine was built from, after the base-hash rule), which samples
-one token. The clock runs from the version's creation (after its optimizer step, before its folder is written; the
+a LoRA version's adapter, after the base-hash rule, merged over the base the engine was built from in mode ``lora``,
+into PEFT's layers unmerged in mode ``lora-adapter``: ``--lora-serving``), which samples one token. The clock runs from the version's creation (after its optimizer step, before its folder is written; the
 trainer's ``created_at``) to that token (``time.monotonic``, one clock for both processes). The trainer waits for
 the worker's token before its next step, so neither side's CPU is in the other's figure. Version 0 builds the
 worker's engine and is not counted. Needs a broker ($RLSTREAM_BOOTSTRAP).
@@ -51,7 +51,10 @@ from benchmarks.harness.record import Goal, record
 from benchmarks.harness.stats import percentile
 from rlstream.models.resources import peak_rss
 
-POLICY = {"full": "full", "lora": "lora"}
+#: Each mode's policy: whole weights; LoRA served merged (the transformers engine's default); LoRA served unmerged
+#: (``--lora-serving adapter``: PEFT's layers in the engine, a load moving the adapter alone).
+POLICY = {"full": "full", "lora": "lora", "lora-adapter": "lora-adapter"}
+SERVING = {"lora": "merged", "lora-adapter": "adapter"}
 PROTOCOL = "@@ "  # a line of the trainer child's stdout meant for this process
 
 
@@ -93,7 +96,7 @@ def trainer(args) -> None:
     from rlstream.trainer.sharding import make_engine
     torch.set_num_threads(args.threads)
     imported = peak_rss()
-    policy, lora = POLICY[args.mode], args.mode == "lora"
+    policy, lora = POLICY[args.mode], args.mode in SERVING
     kafka = KafkaSettings(bootstrap=args.bootstrap, run=args.run)
     store = WeightStore(str(Path(args.work) / f"store-{args.mode}"))
     model, tok = build_model(args)
@@ -127,8 +130,8 @@ def trainer(args) -> None:
                 on_content(content, digest)
             written["content"], written["digest"] = writer.write(folder, on_content=hand_over)
 
-        probe_ids, probe_lps = trainer_probe(model)
         pending = PendingVersion(writes, store, policy, version, write)
+        probe_ids, probe_lps = trainer_probe(model)  # while the folder is written, as TrainerService._publish does
 
         def body():
             uri = None
@@ -184,7 +187,8 @@ def worker(args, mode: str, run: str, work: Path, client_config: dict) -> dict:
             pv = watcher.latest
             t0 = time.monotonic()
             if backend is None:  # the worker's start: its engine built from the version's (or its base's) folder
-                backend = TransformersBackend(weights.engine_folder(pv), threads=args.threads)
+                backend = TransformersBackend(weights.engine_folder(pv), threads=args.threads,
+                                              lora_serving=SERVING.get(mode, "auto"))
                 backend.version = pv.version  # what the rollout stage's build says of the engine it built
                 weights.adopt(pv, backend)
                 weights.verify_first(pv, backend)
@@ -197,7 +201,7 @@ def worker(args, mode: str, run: str, work: Path, client_config: dict) -> dict:
             assert backend.version == v, (backend.version, v)
             rows.append({"version": v, "total": done - msg["created"], "publish": msg["publish_s"],
                          "load": loaded - t0, "mb": msg["version_mb"]})
-            print(f"{mode:>5} v{v}: {msg['version_mb']:9.2f} MB, created->generating {done - msg['created']:.3f} s "
+            print(f"{mode:>12} v{v}: {msg['version_mb']:9.2f} MB, created->generating {done - msg['created']:.3f} s "
                   f"(trainer's publish {msg['publish_s']:.3f} s, worker's load {loaded - t0:.3f} s)", flush=True)
             child.stdin.write("next\n")
             child.stdin.flush()
@@ -248,26 +252,28 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  commit {commit}  "
           f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}  cores {os.cpu_count()}", flush=True)
-    got = {mode: worker(args, mode, run, work, client) for mode in ("full", "lora")}
+    got = {mode: worker(args, mode, run, work, client) for mode in POLICY}
     full, lora = got["full"], got["lora"]
     p99 = {m: percentile([r["total"] for r in got[m]["rows"]], 99) for m in got}
     p50 = {m: percentile([r["total"] for r in got[m]["rows"]], 50) for m in got}
     mb = {m: percentile([r["mb"] for r in got[m]["rows"]], 50) for m in got}
     print(f"model: {full['params'] / 1e6:.1f} M parameters in {args.dtype}; LoRA rank {args.rank} trains "
           f"{lora['trainable'] / 1e6:.2f} M; transport {args.transport}")
-    for m in ("full", "lora"):
-        print(f"{m:>5}: n={len(got[m]['rows'])} version {mb[m]:.2f} MB; created->generating p50 {p50[m]:.3f} s "
+    for m in POLICY:
+        print(f"{m:>12}: n={len(got[m]['rows'])} version {mb[m]:.2f} MB; created->generating p50 {p50[m]:.3f} s "
               f"p99 {p99[m]:.3f} s; trainer peak RSS {got[m]['peak_rss'] / 2**20:.0f} MiB (after its imports "
               f"{got[m]['import_rss'] / 2**20:.0f} MiB)")
     record("lora_publish", dict(
         params_m=full["params"] / 1e6, trainable_m=lora["trainable"] / 1e6, rank=args.rank, steps=args.steps,
         transport=args.transport, dtype=args.dtype, full_version_mb=mb["full"], lora_version_mb=mb["lora"],
         full_p50_s=p50["full"], full_p99_s=p99["full"], lora_p50_s=p50["lora"], lora_p99_s=p99["lora"],
-        lora_vs_full_p99_ratio=p99["lora"] / p99["full"],
+        lora_vs_full_p99_ratio=p99["lora"] / p99["full"], lora_adapter_p50_s=p50["lora-adapter"],
+        lora_adapter_p99_s=p99["lora-adapter"], lora_adapter_vs_full_p99_ratio=p99["lora-adapter"] / p99["full"],
         full_rss_mib=full["peak_rss"] / 2**20, lora_rss_mib=lora["peak_rss"] / 2**20,
         import_rss_mib=full["import_rss"] / 2**20, lora_vs_full_rss_ratio=lora["peak_rss"] / full["peak_rss"]),
         # The goals, set for 1 B parameters (the default size); smaller models only show the path works.
         [Goal("lora_p99_s", "<=", 0.3), Goal("lora_vs_full_p99_ratio", "<=", 0.1),
+         Goal("lora_adapter_p99_s", "<=", 0.3), Goal("lora_adapter_vs_full_p99_ratio", "<=", 0.1),
          Goal("lora_vs_full_rss_ratio", "<=", 0.5)])
 
 

@@ -1,6 +1,7 @@
-"""LoRA adapters by merging, for engines that serve them at the base's speed: each version's adapter folded into
-the base's weights (the transformers engine, in place: ``MergedAdapters``; in-process vLLM without LoRA slots, as
-tensors it loads in place: ``MergedTensors``).
+"""LoRA adapters in engines that load them themselves: by merging, each version's adapter folded into the base's
+weights, served at the base's speed (the transformers engine, in place: ``MergedAdapters``; in-process vLLM without
+LoRA slots, as tensors it loads in place: ``MergedTensors``); or unmerged, PEFT's layers in the transformers model
+(``AdapterLayers``: a version's load is its adapter's tensors alone).
 
 A version's linear weight is ``W0 + s·B·A`` (``s`` = alpha / rank, or alpha / sqrt(rank) with rsLoRA), which is
 what PEFT's forward computes unmerged; merged, the engine's forward costs what the base's does. ``W0`` of every
@@ -80,6 +81,39 @@ class MergedAdapters:
                 if name not in self.base:
                     self.base[name] = p.detach().clone()
                 p.copy_(scaled_product(folder, name, a, b, scale, p.shape, p.device).add_(self.base[name]))
+
+
+class AdapterLayers:
+    """LoRA versions served unmerged by a transformers model (``--lora-serving adapter``): PEFT's LoRA layers injected
+    once, from the first version's adapter config, and each version's A and B copied into them
+    (``set_peft_model_state_dict``). A load moves the adapter's tensors alone (no merge, which at 1 B parameters is
+    seconds of memory traffic on a CPU), and every forward pays the adapter's two small products per layer. Every
+    version of a run has its first version's shape (rank, alpha, targets: the trainer's one LoraConfig); one that
+    does not is refused."""
+
+    def __init__(self, model):
+        self.model = model
+        self.shape: tuple | None = None  # (rank, alpha, rsLoRA, targets) of the injected layers
+
+    def apply(self, folder: Path) -> None:
+        from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+        _, pairs = read_adapter(folder)  # refuses what is not a LoRA adapter of linear layers
+        config = LoraConfig.from_pretrained(str(folder))
+        shape = (config.r, config.lora_alpha, config.use_rslora, tuple(sorted(pairs)))
+        if self.shape is None:
+            inject_adapter_in_model(config, self.model)
+            self.model.eval()  # the injected layers are built in training mode: their dropout would sample
+            self.shape = shape
+        elif shape != self.shape:
+            raise ValueError(f"{folder}: an adapter of rank {config.r}, alpha {config.lora_alpha} over "
+                             f"{len(pairs)} layers, where this engine's layers were made for rank {self.shape[0]}, "
+                             f"alpha {self.shape[1]} over {len(self.shape[3])}: one run's versions share one shape")
+        state = {f"{path}.lora_{part}.weight": t for path, ab in pairs.items() for part, t in zip("AB", ab)}
+        result = set_peft_model_state_dict(self.model, state)
+        unfilled = [k for k in result.missing_keys if ".lora_" in k]
+        if result.unexpected_keys or unfilled:
+            raise ValueError(f"{folder}: the adapter does not fit this engine's LoRA layers: unexpected "
+                             f"{result.unexpected_keys[:3]}, not given {unfilled[:3]}")
 
 
 class MergedTensors:

@@ -48,7 +48,8 @@ def make_backend(kind: str, folder: Path, threads: int = 1, urls: tuple[str, ...
     ``gpu_memory_utilization`` is the share of a GPU's memory in-process vLLM may take (weights and KV cache; its CPU
     build sizes the cache by VLLM_CPU_KVCACHE_SPACE); ``enforce_eager`` its CUDA graphs (``resolve_enforce_eager``);
     ``attn_implementation`` the transformers engine's attention (``models.loading.resolve_attention``);
-    ``lora_serving`` how in-process vLLM serves a LoRA run (``engine.local.resolve_lora_serving``). ``threads``
+    ``lora_serving`` how an in-process engine serves a LoRA run (vLLM: ``engine.local.resolve_lora_serving``; the
+    transformers engine merges unless asked for adapter). ``threads``
     0 follows the machine (``models.devices.resolve_threads``).
 
     A server kind (``vllm-server``, ``sglang``, ``openai``) gets a fleet of ``urls``: each must answer, and its
@@ -77,7 +78,7 @@ def _make_local(kind: str, folder: Path, threads: int, dtype: str, max_context: 
         place = resolve_device(device)
         attention = resolve_attention(attn_implementation, place.type, place.type == "cuda" and flash_attn_installed())
         return TransformersBackend(folder, threads=threads, dtype=dtype, device=str(place),
-                                   attn_implementation=attention)
+                                   attn_implementation=attention, lora_serving=lora_serving)
     if kind == "vllm":
         from rlstream.models.devices import check_vllm_device
         check_vllm_device(device)

@@ -30,8 +30,12 @@ class TransformersBackend(InferenceBackend):
     serves_adapters = True
 
     def __init__(self, folder: Path, threads: int = 1, device: str = "cpu", dtype: str = "auto",
-                 attn_implementation: str | None = None):
+                 attn_implementation: str | None = None, lora_serving: str = "auto"):
         import torch
+        if lora_serving not in LORA_SERVING:
+            raise UsageError(f"--lora-serving {lora_serving!r}: one of {', '.join(LORA_SERVING)}")
+        # auto is merged: the base's generation speed, for a merge per version (engine/adapters.py).
+        self.lora_serving = "adapter" if lora_serving == "adapter" else "merged"
         torch.set_num_threads(max(1, threads))
         self.torch = torch
         self.device = device
@@ -40,12 +44,12 @@ class TransformersBackend(InferenceBackend):
                                 attn_implementation=attn_implementation).to(device).eval()
         self.eos = _stop_ids(self.model, self.tokenizer)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]
-        self._adapters = None  # LoRA versions merged over the base (engine/adapters.py), from the first one on
+        self._adapters = None  # LoRA versions over the base (engine/adapters.py), from the first one on
 
     def load_adapter(self, folder: Path, version: int) -> None:
-        from rlstream.engine.adapters import MergedAdapters
+        from rlstream.engine.adapters import AdapterLayers, MergedAdapters
         if self._adapters is None:
-            self._adapters = MergedAdapters(self.model)
+            self._adapters = (AdapterLayers if self.lora_serving == "adapter" else MergedAdapters)(self.model)
         self._adapters.apply(folder)
         self.version = version
 
@@ -60,6 +64,10 @@ class TransformersBackend(InferenceBackend):
         self.load_tensors(state, version)
 
     def load_tensors(self, tensors: dict, version: int) -> None:
+        from rlstream.engine.adapters import AdapterLayers
+        if isinstance(self._adapters, AdapterLayers):
+            raise ValueError(f"v{version} is whole weights, and this engine holds LoRA layers (--lora-serving "
+                             "adapter): a run's versions are adapters or whole weights, not both")
         # Tied embeddings are saved once; strict=False keeps lm_head tied to embed_tokens.
         missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
@@ -258,6 +266,10 @@ class VLLMBackend(InferenceBackend):
         self._reload({"weights_path": str(folder)}, version)
 
     def load_tensors(self, tensors: dict, version: int) -> None:
+        from rlstream.engine.adapters import AdapterLayers
+        if isinstance(self._adapters, AdapterLayers):
+            raise ValueError(f"v{version} is whole weights, and this engine holds LoRA layers (--lora-serving "
+                             "adapter): a run's versions are adapters or whole weights, not both")
         # The engine runs in this process (no V1 multiprocessing): the tensors reach its worker as they are.
         self._reload({"weights_iterator": iter(tensors.items())}, version)
 

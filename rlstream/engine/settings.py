@@ -76,10 +76,12 @@ class EngineSettings(DeviceSettings):
                                "max_position_embeddings)")
     enforce_eager: str = knob("auto", "In-process vLLM: on (no CUDA graphs), off, or auto (off on CUDA: graphs "
                                       "capture the decode steps; on for the CPU)", choices=("auto", "on", "off"))
-    lora_serving: str = knob("auto", "In-process vLLM, a LoRA run's versions: adapter (vLLM's LoRA slots, a "
-                                     "LoRARequest per version), merged (each version's adapter merged into the "
-                                     "base's weights and loaded in place: the base's generation speed, a merge per "
-                                     "version), or auto (merged on the CPU, adapter on a GPU)",
+    lora_serving: str = knob("auto", "In-process engines, a LoRA run's versions: adapter (vLLM's LoRA slots, a "
+                                     "LoRARequest per version; in the transformers engine PEFT's LoRA layers, a "
+                                     "load moving the adapter alone), merged (each version's adapter merged into "
+                                     "the base's weights and loaded in place: the base's generation speed, a merge "
+                                     "per version), or auto (vLLM: merged on the CPU, adapter on a GPU; "
+                                     "transformers: merged)",
                              choices=("auto", "adapter", "merged"))
 
     @property

@@ -399,10 +399,11 @@ class TrainerService:
             if full_checkpoint:
                 shards.adopt(staging, folder, manifest)
 
-        # The load probe every engine must reproduce for this version (rlstream.policy.probe); a sharded model has no
-        # whole copy on this rank to run it on, so its versions go unprobed.
-        probe_ids, probe_lps = ([], []) if self.engine.sharded else trainer_probe(self.model)
         pending = PendingVersion(self._writes, self.store, policy, version, write)
+        # The load probe every engine must reproduce for this version (rlstream.policy.probe), while the folder is
+        # written (both only read the weights; the next step waits for the folder); a sharded model has no whole
+        # copy on this rank to run it on, so its versions go unprobed.
+        probe_ids, probe_lps = ([], []) if self.engine.sharded else trainer_probe(self.model)
         if self.weight_log is None:
             pending.uri()  # nothing to send before the folder is there: the transaction stays short
         clock = {"committing": time.monotonic()}

@@ -44,6 +44,37 @@ def test_each_version_served_by_the_transformers_engine_is_peft_merged_forward(t
     assert folder_hash(PolicyWeights(tmp_path / "cache").engine_folder(pv)) == pv.base_hash
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_transformers_engine_serving_adapters_unmerged_gives_peft_forward(tmp_path, tied):
+    """``--lora-serving adapter``: PEFT's layers in the engine's model, each version's A and B copied in; its
+    log-probs are PEFT's own forward, version after version, and the base's weights are never touched."""
+    model, tok = tiny(tied)
+    base_before = {k: v.clone() for k, v in model.state_dict().items()}
+    versions = served_versions(tmp_path, model, tok, lambda folder: TransformersBackend(folder, lora_serving="adapter"))
+    for version, pv, backend, peft_model, engine in versions:
+        served = torch.tensor(backend.probe_logprobs(SEQ))
+        assert torch.allclose(served, logprobs(peft_model), atol=1e-5), f"v{version} served unlike PEFT's forward"
+        held = {k.replace("base_layer.", ""): v for k, v in backend.model.state_dict().items() if ".lora_" not in k}
+        assert all(torch.equal(held[k], v) for k, v in base_before.items()), "the served base was merged into"
+    assert version >= 2 and not torch.allclose(served, logprobs(BaseReference(engine)), atol=1e-4)
+    with pytest.raises(ValueError, match="whole weights.*LoRA layers"):
+        backend.load_tensors(base_before, version + 1)
+
+
+def test_an_adapter_of_another_shape_is_refused_by_an_engine_serving_adapters(tmp_path):
+    model, tok = tiny(False)
+    first = LoraTraining(TrainerSettings(lora_rank=4, lora_alpha=8.0))
+    other = LoraTraining(TrainerSettings(lora_rank=2, lora_alpha=8.0))
+    store = WeightStore(str(tmp_path / "store"))
+    a = publish(first, first.fresh(copy.deepcopy(model), tok, store, "policy", lead=True), tok, store, 1)
+    b = publish(other, other.fresh(copy.deepcopy(model), tok, store, "policy", lead=True), tok, store, 2)
+    weights = PolicyWeights(tmp_path / "cache")
+    backend = TransformersBackend(weights.engine_folder(a), lora_serving="adapter")
+    backend.load_adapter(weights.folder(a), 1)
+    with pytest.raises(ValueError, match="rank 2.*made for rank 4"):
+        backend.load_adapter(weights.folder(b), 2)
+
+
 def test_the_kl_reference_is_the_base_with_the_adapter_off(tmp_path):
     model, tok = tiny(False)
     base = copy.deepcopy(model)
