@@ -85,8 +85,7 @@ class MergedAdapters:
 
 class AdapterLayers:
     """LoRA versions served unmerged by a transformers model (``--lora-serving adapter``): PEFT's LoRA layers injected
-    once, from the first version's adapter config, and each version's A and B copied into them
-    (``set_peft_model_state_dict``). A load moves the adapter's tensors alone (no merge, which at 1 B parameters is
+    once, from the first version's adapter config, and each version's A and B copied into them. A load moves the adapter's tensors alone (no merge, which at 1 B parameters is
     seconds of memory traffic on a CPU), and every forward pays the adapter's two small products per layer. Every
     version of a run has its first version's shape (rank, alpha, targets: the trainer's one LoraConfig); one that
     does not is refused."""
@@ -94,26 +93,39 @@ class AdapterLayers:
     def __init__(self, model):
         self.model = model
         self.shape: tuple | None = None  # (rank, alpha, rsLoRA, targets) of the injected layers
+        self.params: dict[str, object] = {}  # the adapter's tensor name -> the injected layer's parameter
 
     def apply(self, folder: Path) -> None:
-        from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+        import torch
         _, pairs = read_adapter(folder)  # refuses what is not a LoRA adapter of linear layers
+        from peft import LoraConfig
         config = LoraConfig.from_pretrained(str(folder))
         shape = (config.r, config.lora_alpha, config.use_rslora, tuple(sorted(pairs)))
         if self.shape is None:
-            inject_adapter_in_model(config, self.model)
-            self.model.eval()  # the injected layers are built in training mode: their dropout would sample
+            self._inject(folder, config, pairs)
             self.shape = shape
         elif shape != self.shape:
             raise ValueError(f"{folder}: an adapter of rank {config.r}, alpha {config.lora_alpha} over "
                              f"{len(pairs)} layers, where this engine's layers were made for rank {self.shape[0]}, "
                              f"alpha {self.shape[1]} over {len(self.shape[3])}: one run's versions share one shape")
-        state = {f"{path}.lora_{part}.weight": t for path, ab in pairs.items() for part, t in zip("AB", ab)}
-        result = set_peft_model_state_dict(self.model, state)
-        unfilled = [k for k in result.missing_keys if ".lora_" in k]
-        if result.unexpected_keys or unfilled:
-            raise ValueError(f"{folder}: the adapter does not fit this engine's LoRA layers: unexpected "
-                             f"{result.unexpected_keys[:3]}, not given {unfilled[:3]}")
+        # Straight into the parameters found once: PEFT's set_peft_model_state_dict remaps every name and loads the
+        # whole model's state dict, 0.1 s of a 135 M model's 0.2 s load here.
+        with torch.no_grad():
+            for path, ab in pairs.items():
+                for part, tensor in zip("AB", ab):
+                    self.params[f"{path}.lora_{part}.weight"].copy_(tensor)
+
+    def _inject(self, folder: Path, config, pairs: dict) -> None:
+        from peft import inject_adapter_in_model
+        inject_adapter_in_model(config, self.model)
+        self.model.eval()  # the injected layers are built in training mode: their dropout would sample
+        modules = dict(self.model.named_modules())
+        for path in pairs:
+            layer = modules.get(path)
+            if layer is None or not hasattr(layer, "lora_A") or "default" not in layer.lora_A:
+                raise ValueError(f"{folder}: PEFT made no LoRA layer for {path} in this engine's model")
+            self.params[f"{path}.lora_A.weight"] = layer.lora_A["default"].weight
+            self.params[f"{path}.lora_B.weight"] = layer.lora_B["default"].weight
 
 
 class MergedTensors:
