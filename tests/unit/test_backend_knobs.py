@@ -64,10 +64,12 @@ def test_transformers_backend_goes_to_the_device_asked(monkeypatch, tmp_path):
     placed = {}
     import rlstream.engine.local as local
     monkeypatch.setattr(local.TransformersBackend, "__init__",
-                        lambda self, folder, threads=1, device="cpu", dtype="auto", attn_implementation=None:
-                        placed.update(device=device, threads=threads, attn=attn_implementation))
-    make_backend("transformers", tmp_path, device="cpu", threads=3, attn_implementation="eager")
-    assert placed == {"device": "cpu", "threads": 3, "attn": "eager"}
+                        lambda self, folder, threads=1, device="cpu", dtype="auto", attn_implementation=None,
+                        lora_serving="auto": placed.update(device=device, threads=threads, attn=attn_implementation,
+                                                           lora=lora_serving))
+    make_backend("transformers", tmp_path, device="cpu", threads=3, attn_implementation="eager",
+                 lora_serving="adapter")
+    assert placed == {"device": "cpu", "threads": 3, "attn": "eager", "lora": "adapter"}
     make_backend("transformers", tmp_path, device="cpu")
     assert placed["attn"] is None  # auto off CUDA: transformers' own choice
     import torch
