@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
+from rlstream.errors import UserError
 from rlstream.kafka.topics import MAX_MESSAGE_BYTES, TOPICS, topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
@@ -35,6 +36,12 @@ log = logging.getLogger(__name__)
 
 #: Records taken per wake-up once the first one is there.
 BATCH = 500
+#: How long a reader waits for a topic the broker does not know before it says so.
+UNKNOWN_TOPIC_WAIT_S = 10.0
+
+
+class UnknownTopic(UserError):
+    """A reader was asked for a topic that does not exist (a misspelt run, or one whose topics were never made)."""
 
 
 @dataclass
@@ -79,7 +86,7 @@ class _Reader:
         parts = []
         try:
             for physical, logical in self._logical.items():
-                for p in self._consumer.list_topics(physical, timeout=30).topics[physical].partitions:
+                for p in self._partitions(physical, run):
                     if only and (logical, p) not in (offsets or {}):
                         continue
                     start = (offsets or {}).get((logical, p), OFFSET_BEGINNING)
@@ -92,6 +99,21 @@ class _Reader:
         except BaseException:
             self._consumer.close()
             raise
+
+    def _partitions(self, physical: str, run: str) -> list[int]:
+        """The topic's partitions, asked again while the broker does not know it (a topic just created, whose
+        metadata has not reached every broker of a cluster yet); ``UnknownTopic`` past ``UNKNOWN_TOPIC_WAIT_S``.
+        A reader assigned no partition would read a missing topic as an empty one: a misspelt run would look like a
+        run with nothing in it, and a follower would wait for ever."""
+        deadline = time.monotonic() + UNKNOWN_TOPIC_WAIT_S
+        while True:
+            meta = self._consumer.list_topics(physical, timeout=30).topics.get(physical)
+            if meta is not None and meta.partitions:
+                return sorted(meta.partitions)
+            if time.monotonic() > deadline:
+                raise UnknownTopic(f"topic {physical} (of run {run!r}) does not exist on the broker: check the run's "
+                                   f"name (--run), or create its topics with `rlstream topics --run {run}`")
+            time.sleep(0.2)
 
     def _high_watermark(self, tp: TopicPartition, timeout: float = 30.0) -> int:
         """The partition's high watermark, asked again while its leader is not known yet (a topic just created)."""

@@ -136,3 +136,18 @@ def test_the_policy_watcher_and_the_last_announced_version(bootstrap, run_name):
         watcher.close()
     assert last_policy_version(client, run_name, "policy").version == 2
     assert last_policy_version(client, run_name, "other").version == 5
+
+
+@pytest.mark.parametrize("read", ["read_to_end", "tail"])
+def test_a_topic_that_does_not_exist_is_an_error_that_says_what_to_do(bootstrap, monkeypatch, read):
+    """A misspelt run is neither an empty read nor a follower that waits for ever: the reader names the topic and the
+    command that makes a run's topics."""
+    from rlstream.kafka import tail
+    monkeypatch.setattr(tail, "UNKNOWN_TOPIC_WAIT_S", 1.0)
+    client = {"bootstrap.servers": bootstrap}
+    with pytest.raises(tail.UnknownTopic, match=r"topic nosuchrun\.prompts \(of run 'nosuchrun'\) does not exist.*"
+                                               r"rlstream topics --run nosuchrun"):
+        if read == "read_to_end":
+            read_to_end(client, "nosuchrun", "prompts", timeout=15)
+        else:
+            TopicTail(client, "nosuchrun", ["prompts"]).close()
