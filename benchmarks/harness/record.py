@@ -8,7 +8,7 @@ A benchmark calls ``record`` once, at its end::
 It prints the ``RESULT <name> …`` line (``result.py``: what ``make bench`` and its smoke test look for) and
 appends one line holding: ``benchmark``; ``command`` (the interpreter's whole argv) and ``args`` (the script's
 arguments, which tell one configuration from another in the tables); ``commit`` (the full hash of HEAD) and
-``dirty`` (tracked files differ from it), both read when this module is imported, so a commit made during a long
+``dirty`` (tracked files but the raw results differ from it: ``result.CODE``), both read when this module is imported, so a commit made during a long
 run is not taken for the code it ran; ``started`` and ``date`` (UTC, ISO 8601: when this module was imported,
 which each benchmark does at its top, and when ``record`` ran); ``load_before`` and ``load_after`` (1/5/15-minute
 load averages at those two moments); ``machine`` (cores, memory, CPU model, GPUs as ``nvidia-smi`` lists them);
@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.harness.result import result
+from benchmarks.harness.result import CODE, result
 from benchmarks.harness.verdict import Goal
 
 __all__ = ["Goal", "record", "results_dir", "unit_of"]
@@ -75,7 +75,7 @@ def _git(*args: str) -> str | None:
 
 def _commit() -> tuple[str, bool | None]:
     """(HEAD's full hash or 'unknown', whether tracked files differ from it; None when git cannot say)."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE)
     return _git("rev-parse", "HEAD") or "unknown", (bool(status) if status is not None else None)
 
 

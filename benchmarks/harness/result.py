@@ -10,12 +10,17 @@ import os
 import subprocess
 
 
+#: What a run's code is: every tracked file but the raw results, which each run of a queue appends to (a second
+#: benchmark of the queue ran the committed code, not a change to it).
+CODE = (":(top)", ":(top,exclude)benchmarks/results")
+
+
 def commit() -> str:
     """The short commit of the working tree, ``+dirty`` when tracked files differ from it."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE],
+                               capture_output=True, text=True).stdout.strip()
         return out.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

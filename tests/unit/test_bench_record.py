@@ -56,3 +56,26 @@ def test_a_goal_on_a_figure_it_does_not_report_keeps_the_run(tmp_path, monkeypat
                                         ("stage_over_direct", "×"), ("opd_vs_rl", "×"), ("lost", "")])
 def test_units_from_names(name, unit):
     assert unit_of(name) == unit
+
+
+def test_a_raw_line_that_an_earlier_run_appended_is_not_a_change_to_the_code(tmp_path, monkeypatch):
+    """The runs of a queue append to benchmarks/results/ one after another: the second ran the committed code, and
+    its line says so; a change to any other tracked file makes it dirty."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "probe.jsonl").write_text("{}\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "code")
+    monkeypatch.setattr(rec, "ROOT", tmp_path)
+    assert rec._commit()[1] is False
+    with open(tmp_path / "benchmarks" / "results" / "probe.jsonl", "a") as f:
+        f.write("{}\n")
+    assert rec._commit()[1] is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert rec._commit()[1] is True
