@@ -8,12 +8,12 @@ A benchmark calls ``record`` once, at its end::
 It prints the ``RESULT <name> …`` line (``result.py``: what ``make bench`` and its smoke test look for) and
 appends one line holding: ``benchmark``; ``command`` (the interpreter's whole argv) and ``args`` (the script's
 arguments, which tell one configuration from another in the tables); ``commit`` (the full hash of HEAD) and
-``dirty`` (tracked files but the raw results differ from it: ``result.CODE``), both read when this module is imported, so a commit made during a long
-run is not taken for the code it ran; ``started`` and ``date`` (UTC, ISO 8601: when this module was imported,
-which each benchmark does at its top, and when ``record`` ran); ``load_before`` and ``load_after`` (1/5/15-minute
-load averages at those two moments); ``machine`` (cores, memory, CPU model, GPUs as ``nvidia-smi`` lists them);
-``seed``; ``figures`` (name → value; NaN and infinities written as null); ``units`` (name → unit, see
-``unit_of``); ``goals`` (``verdict.Goal``: figure, op, target).
+``dirty`` (tracked files other than the raw results differ from it: ``result.CODE``), both read when this module
+is imported, so a commit made during a long run is not taken for the code it ran; ``started`` and ``date`` (UTC,
+ISO 8601: when this module was imported, which each benchmark does at its top, and when ``record`` ran);
+``load_before`` and ``load_after`` (1/5/15-minute load averages at those two moments); ``machine`` (cores,
+memory, CPU model, GPUs as ``nvidia-smi`` lists them); ``seed``; ``figures`` (name → value; NaN and infinities
+written as null); ``units`` (name → unit, see ``unit_of``); ``goals`` (``verdict.Goal``: figure, op, target).
 
 Where the line goes: ``RLSTREAM_BENCH_RESULTS=DIR`` writes ``DIR/<benchmark>.jsonl`` instead (the smoke test's
 tmp dir; ``run_all.sh`` sets it to ``$OUT/results`` under ``SMOKE=1``); ``RLSTREAM_BENCH_RECORD=0`` writes no line

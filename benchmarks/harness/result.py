@@ -16,7 +16,8 @@ CODE = (":(top)", ":(top,exclude)benchmarks/results")
 
 
 def commit() -> str:
-    """The short commit of the working tree, ``+dirty`` when tracked files differ from it."""
+    """The short commit of the working tree, ``+dirty`` when tracked files other than the raw results differ from
+    it."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE],
