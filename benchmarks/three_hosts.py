@@ -51,7 +51,7 @@ from rlstream.config import LoopSettings
 from rlstream.demo import DemoSettings, Progress, fold, latest_complete_round
 from rlstream.infra import broker
 from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
-from rlstream.kafka.tail import TopicTail
+from rlstream.kafka.tail import TopicTail, UnknownTopic
 from rlstream.kafka.topics import create_topics
 
 HOSTS = ("a", "b", "c")
@@ -149,10 +149,14 @@ def watch(client: dict, run: str, arrived: queue.SimpleQueue, timeout: float = 1
     topics = ("eval-rewards", "policy-versions")
     deadline = time.monotonic() + timeout
     while True:
-        view = TopicTail(client, run, list(topics), name="hosts-view", keep=False, on_record=arrived.put)
-        if {t for t, _ in view.assigned()} == set(topics):
+        try:
+            view = TopicTail(client, run, list(topics), name="hosts-view", keep=False, on_record=arrived.put)
+        except UnknownTopic:  # the reader's own wait for the topics' metadata ran out: this one has a longer
+            view = None
+        if view is not None and {t for t, _ in view.assigned()} == set(topics):
             return view
-        view.close()
+        if view is not None:
+            view.close()
         if time.monotonic() > deadline:
             raise SystemExit(f"the driver's view of {', '.join(topics)} found no partitions in {timeout:.0f} s")
         time.sleep(0.5)
