@@ -25,12 +25,13 @@ new reward version) handles them as usual.
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
 from rlstream.kafka.records import Consumed, Decoder, Incoming, Rejected
-from rlstream.runtime.handlers import Handlers
+from rlstream.runtime.handlers import Handlers, resolve as _resolve
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.runtime.stage import Output, Stage
 
@@ -76,7 +77,8 @@ class ChainHandlers:
         return self.first.loop
 
     def close(self) -> None:
-        self.first.close()  # the second shares its loop and pool
+        self.first.close()
+        self.second.close()  # its own timeouts' watcher; the loop and pool are the first's
 
     # -- the hand-over -------------------------------------------------------------------------------------------
 
@@ -133,7 +135,56 @@ class ChainHandlers:
     # -- pipelined ------------------------------------------------------------------------------------------------
 
     def submit(self, items: list[Incoming]) -> list[Future]:
+        if self.first.sync is not None and self.second.sync is not None:
+            return [self._both_sync(item) for item in items]
         return self.first.submit(items, run=self._both)
+
+    def _both_sync(self, item: Incoming) -> Future:
+        """Both stages sync (``Stage.sync_handler``): the first's handler on the pool, then each handed-over
+        record's as a call of its own, each with its own stage's timeout and timeout outcome (a hung judge gives its
+        judge_timeout reward, as unchained); the record's future resolves when the last of them does. No event
+        loop: its per-record wake-ups cost a chain more than it saved (``benchmarks/loop_cost.py``, fused)."""
+        outer: Future = Future()
+        first = self.first.submit_sync(item)
+        outer.add_done_callback(lambda f: f.cancelled() and first.cancel())
+
+        def after_first(done: Future) -> None:
+            # A done-callback's exception would be logged and dropped, leaving the record unresolved for good:
+            # every failure here resolves it instead.
+            try:
+                if done.cancelled() or outer.done():
+                    outer.cancel()
+                    return
+                result = done.result()
+                if isinstance(result, Rejected):
+                    _resolve(outer, result)
+                    return
+                chained = self._hand_over(item, result)
+                seconds = [self.second.submit_sync(i) for i in self._second_items(chained)]
+            except Rejected as rej:
+                _resolve(outer, rej)
+                return
+            except Exception as exc:
+                _resolve(outer, self.first.rejection(exc))
+                return
+            if not seconds:
+                _resolve(outer, self._finish(chained, []))
+                return
+            left, lock = [len(seconds)], threading.Lock()
+
+            def after_second(_done: Future) -> None:
+                with lock:
+                    left[0] -= 1
+                    if left[0]:
+                        return
+                try:
+                    _resolve(outer, self._finish(chained, [f.result() for f in seconds]))
+                except Exception as exc:  # cancelled meanwhile (a rewind), or an output that breaks the encoder
+                    _resolve(outer, self.first.rejection(exc))
+            for f in seconds:
+                f.add_done_callback(after_second)
+        first.add_done_callback(after_first)
+        return outer
 
     async def _both(self, item: Incoming) -> "Chained | Rejected":
         result = await self.first.handle_one(item)

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import wait
 from typing import Any, Callable, Sequence
 
 from rlstream import metrics
@@ -179,7 +179,7 @@ class StageRunner:
         loop = self.handlers.loop
         worker = threading.Thread(target=loop.run_forever, name=f"{self.stage.name}-loop", daemon=True)
         worker.start()
-        commits, idle_since, ready_since = 0, time.monotonic(), None
+        commits, idle_since, ready_since, running = 0, time.monotonic(), None, False
         window = self._window
         limit = self.in_flight_limit()
         try:
@@ -196,18 +196,15 @@ class StageRunner:
                 self._observe(msgs, now_ms)
                 admitted = [slot for slot in (self._admit(m, now) for m in msgs) if slot is not None]
                 for slot, future in zip(admitted, self.handlers.submit([slot.item for slot in admitted])):
-                    slot.attach(future)
+                    window.attach(slot, future)
                 if msgs or busy:
                     idle_since = now
                 elif idle_exit_s is not None and now - idle_since > idle_exit_s:
                     break
-                if not msgs:
-                    running = window.unfinished()
-                    if running:
-                        # Nothing new arrived: sleep until a handler finishes, looking for new records now and then.
-                        wait(running, timeout=0.05 if room > 0 else self.settings.poll_timeout_s,
-                             return_when=FIRST_COMPLETED)
-                still_running, ready = window.progress()  # one pass over the window per turn, not one per question
+                if not msgs and running:
+                    # Nothing new arrived: sleep until a handler finishes, looking for new records now and then.
+                    window.wait_finished(0.05 if room > 0 else self.settings.poll_timeout_s)
+                running, ready = window.progress()  # one pass over the window per turn, not one per question
                 if not ready:
                     ready_since = None
                     continue
@@ -216,7 +213,7 @@ class StageRunner:
                 # nothing runs and nothing came: a fast handler must not get a transaction per record.
                 if (ready >= self.settings.batch_size
                         or time.monotonic() - ready_since >= self.settings.commit_interval_s
-                        or (not msgs and not still_running)):
+                        or (not msgs and not running)):
                     self._commit_ready()
                     ready_since = None
                     commits += 1
@@ -253,10 +250,10 @@ class StageRunner:
         if slot.emitted:
             return None  # handled before a crash or rebalance; the committed offset metadata says so
         if c.rejected is not None:
-            slot.resolve(c.rejected)
+            self._window.resolve(slot, c.rejected)
             return None
         if self._handled_before(c):
-            slot.resolve([])
+            self._window.resolve(slot, [])
             return None
         slot.item = c.item
         return slot

@@ -5,6 +5,7 @@ takes its inputs decoded from a source, calls it, encodes its outputs and commit
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -12,7 +13,7 @@ from rlstream.config import KafkaSettings
 from rlstream.kafka.records import Incoming
 from rlstream.schemas.records import Record
 
-__all__ = ["Incoming", "InvalidRecord", "Output", "Stage", "StageContext"]
+__all__ = ["Incoming", "InvalidRecord", "Output", "Stage", "StageContext", "SyncHandler"]
 
 
 class InvalidRecord(ValueError):
@@ -31,10 +32,25 @@ class Output:
     extra_headers: tuple[tuple[str, str], ...] = ()  # headers of the stage's own (the teacher's version)
 
 
+@dataclass(frozen=True)
+class SyncHandler:
+    """A per-record handler the runtime calls straight on a pool thread, with no event loop in between (a task, an
+    executor hop and a loop wake-up per record cost more than an exact-match judge or a single-turn env).
+
+    A sync handler cannot be interrupted: one still running ``timeout_s`` after it started (None: the runtime's
+    handler timeout, if that is shorter) is given up on, its thread left to finish and its result dropped, and its
+    record gets ``timed_out(item)``'s outputs (None: dead-lettered as ``handler_timeout``)."""
+
+    fn: Callable[[Incoming], list[Output]]
+    timeout_s: float | None = None
+    timed_out: Callable[[Incoming], list[Output]] | None = None
+
+
 class Stage:
     """A stream processor: override ``handle`` (per record) or ``handle_batch``.
 
-    ``handle`` may be sync (run in a thread) or ``async``; both get a timeout.
+    ``handle`` may be sync (run in a pool thread, ``SyncHandler``) or ``async`` (on the runtime's event loop); both
+    get a timeout.
 
     The runner drives a stage one of two ways, asking ``batched`` once when it starts: one batch per transaction
     (``handle_batch``), or pipelined (``handle`` per record, records in flight across polls, each committed as it
@@ -64,6 +80,12 @@ class Stage:
 
     def handle(self, item: Incoming) -> list[Output]:
         raise NotImplementedError
+
+    def sync_handler(self) -> SyncHandler | None:
+        """The pipelined runtime's per-record handler when it is sync (None: ``handle`` runs on the event loop).
+        By default ``handle`` itself when it is not ``async``; a stage whose ``handle`` awaits something that may
+        be sync (the reward stage's function) offers its sync path here."""
+        return None if inspect.iscoroutinefunction(self.handle) else SyncHandler(self.handle)
 
     def handle_batch(self, items: list[Incoming]) -> list[list[Output] | Exception] | None:
         """Handle a whole batch at once (e.g. batched generation); None means per record.

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 #: Packed token-array kinds -> array typecodes (int32, uint8, float32 on every platform we run on).
 TYPECODES = {"int32": "i", "uint8": "B", "float32": "f"}
 _BIG_ENDIAN = sys.byteorder == "big"
+_SIZES = {kind: array(code).itemsize for kind, code in TYPECODES.items()}
 
 
 def _forgets(name: str):
@@ -93,11 +94,20 @@ def unpack(data: bytes | str, kind: str, view: bool = False) -> "TokenList | Tok
 class TokenView(Sequence):
     """A read-only per-token array over its packed little-endian bytes (see the module docstring)."""
 
-    __slots__ = ("_kind", "_data", "_view")
+    __slots__ = ("_kind", "_data", "_cast")
 
     def __init__(self, kind: str, data: bytes):
-        self._kind, self._data = kind, data
-        self._view = memoryview(data).cast(TYPECODES[kind])  # TypeError (a ValueError's place) on a ragged length
+        if len(data) % _SIZES[kind]:
+            raise ValueError(f"{len(data)} bytes are not a whole number of {kind} elements")
+        self._kind, self._data, self._cast = kind, data, None
+
+    @property
+    def _view(self) -> memoryview:
+        # Made on the first read: a pass-through stage (reward) hands most views on unread, and a cast per array
+        # was a tenth of its decode.
+        if self._cast is None:
+            self._cast = memoryview(self._data).cast(TYPECODES[self._kind])
+        return self._cast
 
     def packed_as(self, kind: str) -> bytes | None:
         """The bytes this view reads, if they are of ``kind``."""
@@ -107,7 +117,7 @@ class TokenView(Sequence):
         return self._view.tolist()
 
     def __len__(self) -> int:
-        return len(self._view)
+        return len(self._data) // _SIZES[self._kind]
 
     def __getitem__(self, index):
         if isinstance(index, slice):

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from rlstream.config import knob
 from rlstream.rewards import as_result, check_turn_scores, judging, load_reward
-from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
+from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, SyncHandler
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Reward, ScoredTrajectory, Trajectory, scored_topic
 
@@ -81,6 +81,20 @@ class RewardStage(Stage):
         started = time.perf_counter()
         reward = self._failed(traj) if traj.status == "failed" else await self._judge(traj, started)
         return self._scored(item, reward)
+
+    def sync_handler(self) -> SyncHandler | None:
+        """A sync reward function is called straight on a pool thread (``handle`` awaits it through the event loop,
+        for a chain and for async functions): given up on at ``judge_timeout_s``, as ``handle`` gives up on it,
+        with the same judge_timeout reward."""
+        if self._async:
+            return None
+        return SyncHandler(self._handle_sync, self.settings.judge_timeout_s,
+                           lambda item: self._scored(item, self._timed_out(
+                               time.perf_counter() - self.settings.judge_timeout_s)))
+
+    def _handle_sync(self, item: Incoming) -> list[Output]:
+        traj: Trajectory = item.record
+        return self._scored(item, self._failed(traj) if traj.status == "failed" else self._judge_sync(traj))
 
     def handle_batch(self, items: list[Incoming]) -> list[list[Output] | Exception] | None:
         """A whole unpipelined batch in one call when the reward function is sync: an exact-match judge costs

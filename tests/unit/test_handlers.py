@@ -1,5 +1,6 @@
 """The pipelined runner's hand-off of records to the handlers' event loop (rlstream.runtime.handlers): one wake-up
-for a poll's records, each record's outcome on its own future, and a cancelled future cancels its handler."""
+for a poll's records, each record's outcome on its own future, and a cancelled future cancels its handler; a sync
+handler's records straight on the pool instead, given up on at their timeout."""
 from __future__ import annotations
 
 import asyncio
@@ -100,3 +101,106 @@ def test_the_runtime_picks_batch_or_pipelined_per_stage_instance_and_takes_the_s
     assert not batched and timeout > 100 * 5
     assert fleet.max_in_flight == 32  # a record per request slot of the two servers
     assert RolloutStage(RolloutSettings(backend="sglang", engine_url=("http://a:1",))).max_in_flight is None
+
+
+# -- sync handlers: straight on the pool, no event loop, timeouts watched by one thread ---------------------------
+
+
+class Blocking(Stage):
+    """A sync handler that sleeps the seconds its record says (-1 raises), counting the records it started."""
+
+    name = "blocking"
+
+    def __init__(self):
+        self.started: list[float] = []
+
+    def handle(self, item):
+        self.started.append(item.record)
+        if item.record < 0:
+            raise ValueError("bad record")
+        threading.Event().wait(item.record)
+        return []
+
+
+def items_of(*records):
+    return [Incoming("in", 0, i, None, {}, 0, r) for i, r in enumerate(records)]
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_handler_runs_on_the_pool_without_the_event_loop_and_is_given_up_on_at_its_timeout():
+    stage = Blocking()
+    h = Handlers(stage, RuntimeSettings(concurrency=4, handler_timeout_s=0.5))
+    try:
+        assert not h.loop.is_running()  # nothing here goes through the loop: its records would never resolve
+        quick, bad, hung = h.submit(items_of(0.0, -1, 3.0))
+        wait([quick, bad], timeout=10)
+        assert quick.result() == []
+        assert (bad.result().reason, str(bad.result())) == ("handler_error", "ValueError: bad record")
+        # Resolved at its 0.5 s timeout while its thread sleeps on; its own result, when it comes, is dropped.
+        assert isinstance(hung.result(timeout=10), Rejected) and hung.result().reason == "handler_timeout"
+        assert stage.started == [0.0, -1, 3.0]
+    finally:
+        h.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_record_cancelled_while_it_waits_for_a_thread_never_starts():
+    stage = Blocking()
+    h = Handlers(stage, RuntimeSettings(concurrency=1, handler_timeout_s=30))
+    try:
+        first, second = h.submit(items_of(0.5, 0.0))
+        assert second.cancel()  # the one thread is busy with the first: the second has not started
+        assert first.result(timeout=10) == [] and stage.started == [0.5]
+        threading.Event().wait(0.2)
+        assert stage.started == [0.5], "a cancelled record's handler ran"
+    finally:
+        h.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_reward_function_is_given_up_on_at_the_judge_timeout_with_a_judge_timeout_reward():
+    """The reward stage offers its sync path (RewardStage.sync_handler): a judge past --judge-timeout-s gives the
+    judge_timeout reward the event-loop path gives, at that timeout rather than at the handler's."""
+    from rlstream.stages.reward import RewardSettings, RewardStage
+    from tests.unit.test_verifiers import traj
+    stage = RewardStage(RewardSettings(reward="tests.unit.test_verifiers:sleepy", judge_timeout_s=0.3))
+    assert stage.sync_handler() is not None
+    assert RewardStage(RewardSettings(reward="tests.unit.test_verifiers:async_sleepy")).sync_handler() is None
+    h = Handlers(stage, RuntimeSettings(handler_timeout_s=30))
+    try:
+        [late] = h.submit([Incoming("trajectories", 0, 0, b"g", {}, 0, traj("5"))])
+        [out] = late.result(timeout=0.9)  # the judge sleeps 1 s
+        assert (out.record.reward.failure_class, out.record.reward.total) == ("judge_timeout", 0.0)
+        assert out.record.reward.violations == ["judge_timeout: no judgement within 0.3s"]
+    finally:
+        h.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_chain_of_two_sync_stages_runs_on_the_pool_and_keeps_the_second_stages_timeout_outcome():
+    """env+reward with a sync judge (runtime/chain.py ``_both_sync``): no event loop; the env's trajectory is
+    handed over, and a judge past --judge-timeout-s still gives its judge_timeout reward within the chain."""
+    from rlstream.kafka import records
+    from rlstream.kafka.topics import topic_name
+    from rlstream.runtime.chain import ChainHandlers, Chained
+    from rlstream.schemas import headers as hdr
+    from rlstream.stages.env import EnvSettings, EnvStage
+    from rlstream.stages.reward import RewardSettings, RewardStage
+    from tests.integration.test_chain import episode
+
+    def encode(item, out):
+        return (topic_name("r", out.topic), out.key, records.encode(out.topic, out.record),
+                hdr.build(item.policy_version, hdr.child_traceparent(item.traceparent)))
+    chain = ChainHandlers(EnvStage(EnvSettings(sandbox="subprocess")),
+                          RewardStage(RewardSettings(reward="tests.unit.test_verifiers:sleepy", judge_timeout_s=0.3)),
+                          RuntimeSettings(handler_timeout_s=30), "r", encode)
+    try:
+        assert not chain.loop.is_running()
+        headers = {"policy_version": b"2", "traceparent": hdr.new_traceparent().encode()}
+        [future] = chain.submit([Incoming("actions", 0, 0, b"g", headers, 2, episode(0, "cba"))])
+        chained = future.result(timeout=0.9)  # the judge sleeps 1 s
+        assert isinstance(chained, Chained) and [out.topic for out, _ in chained.first] == ["trajectories"]
+        [(_, [(scored, _)])] = chained.handed
+        assert (scored.record.reward.failure_class, scored.record.reward.total) == ("judge_timeout", 0.0)
+    finally:
+        chain.close()

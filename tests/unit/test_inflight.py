@@ -136,3 +136,42 @@ def test_done_ahead_offsets_list_each_partitions_records_past_its_offset_and_wha
     kept = decode_done_ahead(10, point[3])
     assert left_out > 0 and len(kept) + left_out == len(far)
     assert kept == {o for _, _, o in far[:len(kept)]}
+
+
+def scanned(w: OffsetWindow, slots) -> tuple[bool, int]:
+    """What ``progress`` reports, found by looking at every held slot (what it did before it kept counts)."""
+    held = [s for s in slots if not s.gone and s in list(w)]
+    return (any(s.future is not None and not s.done and not s.emitted for s in held),
+            sum(1 for s in held if s.done and not s.emitted))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "finish", "reject", "commit", "drop", "rewind"]),
+                          st.integers(0, 2)), min_size=1, max_size=80), st.randoms())
+def test_the_windows_counts_match_a_scan_through_finishes_commits_drops_and_rewinds(ops, rnd):
+    """progress() keeps counts as handlers finish (on their threads, here this one) instead of scanning the window;
+    whatever happens to the slots meanwhile, the counts are what a scan finds."""
+    w, next_offset, slots = OffsetWindow(), {}, []
+    for op, partition in ops:
+        if op in ("add", "reject"):
+            offset = next_offset.get(partition, 0)
+            next_offset[partition] = offset + 1
+            s = w.add(Slot(Msg("t", partition, offset)))
+            if op == "reject":
+                w.resolve(s, "rejected")
+            else:
+                w.attach(s, Future())
+            slots.append(s)
+        elif op == "finish":
+            running = [s for s in slots if s.future is not None and not s.future.done()]
+            if running:
+                rnd.choice(running).future.set_result([])
+        elif op == "commit":
+            w.progress()
+            w.ready()
+            w.mark_committed(w.commit_points())
+        elif op == "drop":
+            w.drop([("t", partition)])
+        else:
+            w.rewind()
+        assert w.progress() == scanned(w, slots)
