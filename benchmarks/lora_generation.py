@@ -4,7 +4,7 @@ for no adapter, by that engine through a rank-``--rank`` adapter, and by the bas
 into its weights.
 
     python -m benchmarks.lora_generation --model .rlstream/recipes/smollm2/model [--prompts 32] [--rounds 2]
-        [--modes base,slots,adapter,merged]
+        [--modes base,slots,adapter,merged,tf-base,tf-adapter,tf-merged]
     python -m benchmarks.lora_generation --smoke     # the demo's tiny model built in code: does it still run
 
 Each mode is a child process (one vLLM engine per process, built as rlstream's in-process engine builds one:
@@ -19,8 +19,17 @@ the adapter's rank, as a LoRA run's rollout asks for):
   (``engine.adapters.MergedTensors``, ``--lora-serving merged``, the CPU's default), its merge and load timed
   (``merged_load_s``: what each version costs this way).
 
-Every request generates exactly ``--max-tokens`` tokens (``ignore_eos``), so the modes do the same work whatever
-they sample. A mode's figure is its generated tokens per second, timed around ``LLM.generate`` alone (engine start
+The same three for rlstream's transformers engine (``engine.local.TransformersBackend``, ``--backend
+transformers``), each over its own baseline ``tf-base``:
+
+- ``tf-adapter``: the adapter's layers injected beside the base's (``--lora-serving adapter``: a version loads in
+  a fraction of a merge, and each token pays the adapter's products);
+- ``tf-merged``: the adapter merged into the base's weights (``--lora-serving merged``, the engine's default), its
+  merge timed (``tf_merged_load_s``).
+
+Every vLLM request generates exactly ``--max-tokens`` tokens (``ignore_eos``), so the modes do the same work
+whatever they sample; the transformers engine stops a request at its end of sequence, so its figure counts the
+tokens it generated. A mode's figure is its generated tokens per second, timed around ``LLM.generate`` alone (engine start
 and adapter load are reported apart); each round runs every mode once, the order rotating from round to round; the
 ratios are each mode's rate over ``base``'s (median over rounds; below 1: slower).
 """
@@ -38,7 +47,7 @@ from pathlib import Path
 
 from benchmarks.harness.record import record
 
-MODES = ("base", "slots", "adapter", "merged")
+MODES = ("base", "slots", "adapter", "merged", "tf-base", "tf-adapter", "tf-merged")
 PROTOCOL = "@@ "
 
 
@@ -51,14 +60,14 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="rounds of every mode")
     p.add_argument("--threads", type=int, default=int(os.environ.get("RLSTREAM_ROLLOUT_THREADS", "0") or 0),
                    help="vLLM's CPU threads (0: every core)")
-    p.add_argument("--modes", default=",".join(MODES), help="modes to run (comma-separated; base is the ratios' baseline)")
+    p.add_argument("--modes", default=",".join(MODES), help="modes to run (comma-separated; base and tf-base are the ratios' baselines)")
     p.add_argument("--smoke", action="store_true",
                    help="the tiny model, 4 prompts of 8 tokens, the adapter and merged modes once: do they still run")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--adapter-dir", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
-        args.prompts, args.max_tokens, args.rounds, args.modes = 4, 8, 1, "adapter,merged"
+        args.prompts, args.max_tokens, args.rounds, args.modes = 4, 8, 1, "adapter,merged,tf-adapter,tf-merged"
     asked = [m for m in args.modes.split(",") if m]
     if not asked or set(asked) - set(MODES):
         p.error(f"--modes {args.modes!r}: some of {', '.join(MODES)}, comma-separated")
@@ -89,8 +98,45 @@ def prepare(args, work: Path) -> tuple[Path, Path]:
     return model_dir, adapter
 
 
+def baseline(mode: str) -> str:
+    """The mode a mode's ratio is over: its own engine's base."""
+    return "tf-base" if mode.startswith("tf-") else "base"
+
+
+def prompt_texts(n: int) -> list[str]:
+    return [f"Question {i}: what is {i} plus {2 * i + 1}? Answer with a number." for i in range(n)]
+
+
+def child_transformers(args) -> None:
+    """A ``tf-`` mode: rlstream's transformers engine, as a LoRA run's rollout builds it."""
+    from rlstream.engine.local import TransformersBackend
+    from rlstream.schemas.records import SamplingParams
+    mode, started = args.child, time.monotonic()
+    serving = "adapter" if mode == "tf-adapter" else "merged"
+    engine = TransformersBackend(Path(args.model), threads=args.threads or os.cpu_count(), dtype="fp32",
+                                 lora_serving=serving)
+    built = time.monotonic() - started
+    load_s = None
+    if mode != "tf-base":
+        t = time.perf_counter()
+        engine.load_adapter(Path(args.adapter_dir), 1)
+        load_s = time.perf_counter() - t
+    prompts = [engine.tokenizer(p)["input_ids"] for p in prompt_texts(args.prompts)]
+    params = SamplingParams(temperature=0.7, max_tokens=args.max_tokens, seed=0)
+    engine.generate(prompts[:2], SamplingParams(temperature=0.7, max_tokens=4, seed=0))  # warm-up
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - t
+    tokens = sum(len(o.token_ids) for o in outs)
+    print(PROTOCOL + json.dumps({"mode": mode, "tokens": tokens, "seconds": seconds, "build_s": built,
+                                    "load_s": load_s}), flush=True)
+
+
 def child(args) -> None:
     """One mode: build the engine, generate the prompts once to warm it, then once timed; print the figures."""
+    if args.child.startswith("tf-"):
+        child_transformers(args)
+        return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -117,8 +163,7 @@ def child(args) -> None:
         llm.reset_prefix_cache()
         load_s = time.perf_counter() - t
     tok = llm.get_tokenizer()
-    prompts = [f"Question {i}: what is {i} plus {2 * i + 1}? Answer with a number." for i in range(args.prompts)]
-    prompts = [{"prompt_token_ids": tok(p)["input_ids"]} for p in prompts]
+    prompts = [{"prompt_token_ids": tok(p)["input_ids"]} for p in prompt_texts(args.prompts)]
     params = SamplingParams(temperature=0.7, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     llm.generate(prompts[:2], params, lora_request=lora, use_tqdm=False)  # warm-up (and the adapter's load)
     t = time.perf_counter()
@@ -150,26 +195,28 @@ def main(argv=None) -> int:
         modes = args.modes
         rates: dict[str, list[float]] = {m: [] for m in modes}
         builds: dict[str, list[float]] = {m: [] for m in modes}
-        loads: list[float] = []
+        loads: dict[str, list[float]] = {}
         for r in range(args.rounds):
             for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
                 out = run_mode(args, mode, model, adapter)
                 rates[mode].append(out["tokens"] / out["seconds"])
                 builds[mode].append(out["build_s"])
                 if out["load_s"] is not None:
-                    loads.append(out["load_s"])
+                    loads.setdefault(mode, []).append(out["load_s"])
                 print(f"round {r}: {mode}: {out['tokens']} tokens in {out['seconds']:.2f} s "
                       f"({rates[mode][-1]:.1f} tok/s; engine built in {out['build_s']:.1f} s)", flush=True)
     figures = {"model": Path(args.model).name if args.model else "tiny", "prompts": args.prompts,
                "max_tokens": args.max_tokens, "rank": args.rank, "rounds": args.rounds}
     for mode in modes:
-        figures[f"{mode}_tok_s"] = round(statistics.median(rates[mode]), 2)
-        figures[f"{mode}_build_s"] = round(statistics.median(builds[mode]), 1)
-    if loads:
-        figures["merged_load_s"] = round(statistics.median(loads), 3)
-    for mode in [m for m in modes if m != "base" and "base" in modes]:
-        figures[f"{mode}_ratio"] = round(statistics.median(rates[mode]) / statistics.median(rates["base"]), 3)
-        figures[f"{mode}_ratio_spread"] = "/".join(f"{a / b:.3f}" for a, b in zip(rates[mode], rates["base"]))
+        figures[f"{mode.replace('-', '_')}_tok_s"] = round(statistics.median(rates[mode]), 2)
+        figures[f"{mode.replace('-', '_')}_build_s"] = round(statistics.median(builds[mode]), 1)
+    for mode, seconds in loads.items():  # merged: the merge and load; tf-adapter: the layers' injection
+        figures[f"{mode.replace('-', '_')}_load_s"] = round(statistics.median(seconds), 3)
+    for mode in [m for m in modes if m != baseline(m) and baseline(m) in modes]:
+        base = baseline(mode)
+        key = mode.replace("-", "_")
+        figures[f"{key}_ratio"] = round(statistics.median(rates[mode]) / statistics.median(rates[base]), 3)
+        figures[f"{key}_ratio_spread"] = "/".join(f"{a / b:.3f}" for a, b in zip(rates[mode], rates[base]))
     record("lora_generation", figures, [])
     return 0
 

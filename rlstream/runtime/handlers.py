@@ -218,9 +218,9 @@ class Deadlines:
     record). A record past its deadline whose future is not done yet is resolved with the outcome its entry names;
     the handler's own result, if it ever comes, is then dropped (``resolve``).
 
-    Entries are added in deadline order (one timeout per stage, the deadline taken under the lock), so the watcher
-    only ever looks at the oldest, and ``add`` drops finished ones from the front: the queue holds the records still
-    running, not every record of the last timeout's span."""
+    Entries arrive in deadline order but for the few microseconds between handlers' starts (one timeout per stage,
+    taken as each handler starts), so the watcher only ever looks at the oldest, and ``add`` drops finished ones
+    from the front: the queue holds about the records still running, not every record of the last timeout's span."""
 
     def __init__(self) -> None:
         self._entries: deque = deque()
