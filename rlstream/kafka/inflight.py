@@ -15,9 +15,9 @@ the same way.
 from __future__ import annotations
 
 import base64
+import threading
 from collections import deque
 from dataclasses import dataclass, field
-import threading
 from typing import Any, Callable, Iterable, Iterator
 
 #: Prefix of the committed-offset metadata this module writes; other metadata is ignored.
@@ -42,7 +42,6 @@ class Slot:
     _done: bool = field(default=False, repr=False)
     _watched: bool = field(default=False, repr=False)
     _on_done: Any = field(default=None, repr=False)
-    gone: bool = field(default=False, repr=False)  # dropped from its window (a rewind, a revoked partition)
     counted: int = field(default=0, repr=False)  # in its window's counts: 0 not, 1 running, 2 ready
 
     def __post_init__(self) -> None:
@@ -297,7 +296,6 @@ class OffsetWindow:
     def _count_out(self, slots: Iterable[Slot]) -> None:
         """Dropped slots leave the counts (a handler of one finishing later is not counted again)."""
         for slot in slots:
-            slot.gone = True
             if slot.counted == 1:
                 self._running -= 1
             elif slot.counted == 2:

@@ -143,7 +143,7 @@ class ChainHandlers:
         """Both stages sync (``Stage.sync_handler``): the first's handler on the pool, then each handed-over
         record's as a call of its own, each with its own stage's timeout and timeout outcome (a hung judge gives its
         judge_timeout reward, as unchained); the record's future resolves when the last of them does. No event
-        loop: its per-record wake-ups cost a chain more than it saved (``benchmarks/loop_cost.py``, fused)."""
+        loop, as for one sync stage (``Handlers.submit``)."""
         outer: Future = Future()
         first = self.first.submit_sync(item)
         outer.add_done_callback(lambda f: f.cancelled() and first.cancel())

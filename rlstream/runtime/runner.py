@@ -204,7 +204,7 @@ class StageRunner:
                 if not msgs and running:
                     # Nothing new arrived: sleep until a handler finishes, looking for new records now and then.
                     window.wait_finished(0.05 if room > 0 else self.settings.poll_timeout_s)
-                running, ready = window.progress()  # one pass over the window per turn, not one per question
+                running, ready = window.progress()  # counts kept as handlers finish: no pass over the window
                 if not ready:
                     ready_since = None
                     continue

@@ -93,6 +93,7 @@ class RewardStage(Stage):
                                time.perf_counter() - self.settings.judge_timeout_s)))
 
     def _handle_sync(self, item: Incoming) -> list[Output]:
+        """One trajectory through a sync function on this thread (the pool's, or a batch's)."""
         traj: Trajectory = item.record
         return self._scored(item, self._failed(traj) if traj.status == "failed" else self._judge_sync(traj))
 
@@ -108,10 +109,8 @@ class RewardStage(Stage):
             return None
         out: list[list[Output] | Exception] = []
         for item in items:
-            traj: Trajectory = item.record
             try:
-                reward = self._failed(traj) if traj.status == "failed" else self._judge_sync(traj)
-                out.append(self._scored(item, reward))
+                out.append(self._handle_sync(item))
             except Exception as exc:  # this record alone is dead-lettered (InvalidRecord: reason invalid)
                 out.append(exc)
         return out
