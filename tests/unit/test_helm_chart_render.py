@@ -53,6 +53,9 @@ def command_of(container: dict) -> tuple[str, list[str]]:
     return (args[1] if args[0] == "run" else args[0]), args
 
 
+# Parsing rollout's flags imports it, and torch with it: seconds alone, minutes on a loaded machine (CI at 9b2ca42
+# met the 60 s default here, and the import pytest-timeout broke off left torch half-registered for the next shapes).
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", VALUES_FILES, ids=lambda p: p.name)
 def test_each_shape_renders_the_codes_topics_groups_variables_and_flags(helm, path):
     v = merged(path)
