@@ -6,6 +6,7 @@ the transaction, manifest and PolicyVersion inside it), also as a process a test
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 
@@ -52,6 +53,22 @@ def publish(txn: TransactionalProducer, writer: WeightLogWriter, content: Conten
     assert txn.transact(body), f"the transaction announcing v{version} aborted"
     writer.committed()
     return out["pv"]
+
+
+def start_worker(bootstrap, run, home):
+    """A rollout worker in a thread with its own home (no shared store): it loads versions from the weights log."""
+    from rlstream.config import LoopSettings
+    from rlstream.runtime.runner import StageRunner
+    from rlstream.runtime.settings import RuntimeSettings
+    from rlstream.stages.rollout import RolloutSettings, RolloutStage
+
+    loop = LoopSettings(run=run, home=str(home), group_size=2, eta=8)
+    stage = RolloutStage(RolloutSettings(backend="transformers", swap="step", wait_policy_s=120, retry_load_s=0.5),
+                         loop)
+    runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run), RuntimeSettings(batch_size=4))
+    thread = threading.Thread(target=runner.run, name=f"rollout-{home.name}", daemon=True)
+    thread.start()
+    return stage, runner, thread
 
 
 if __name__ == "__main__":

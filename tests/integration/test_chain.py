@@ -9,21 +9,10 @@ import pytest
 
 from rlstream.runtime.chain import HANDLED_BY
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.records import Episode, SamplingParams, Task, Turn
+from tests.helpers.episodes import one_action_episode
 from tests.helpers.kafka import produce, read_all, wait_consumed, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
-
-
-def episode(i: int, action: str, env: str = "single") -> Episode:
-    """A one-action episode as rollout writes it to ``actions`` (v2's tokens)."""
-    task = Task(task_id=f"task-{i}", group_id=f"group-{i % 40}", task_name=env, env_name=env, env_version="1",
-                prompt="abc>", sampling=SamplingParams(), created_at=hdr.now_ms(), answer="cba",
-                max_turns=1 if env == "single" else 4)
-    ep = Episode(episode_id=f"group-{i % 40}:{i}", group_id=task.group_id, sample_index=i, task=task)
-    ep.token_ids, ep.loss_mask, ep.behaviour_logprobs = [1, 2, 3], [1, 1, 1], [-1.0] * 3
-    ep.turns.append(Turn("action", action, 0, 3, policy_version=2, finish_reason="stop"))
-    return ep
 
 
 @pytest.mark.parametrize("mode", [(), ("--no-pipeline",)], ids=["pipelined", "batch"])
@@ -31,10 +20,10 @@ def episode(i: int, action: str, env: str = "single") -> Episode:
 def test_env_and_reward_chained_keep_every_topic_and_a_kill_loses_and_duplicates_nothing(bootstrap, run_name,
                                                                                          start_stage, mode):
     n = 400
-    eps = [episode(i, "cba" if i % 3 else "abc") for i in range(n)]
-    tool_call = episode(n, "calc(2+3)", env="calculator")  # a tool call: an observation back to rollout
-    unknown_env = episode(n + 1, "x", env="nosuchenv")  # env's dead letter
-    unjudgeable = episode(n + 2, "nan")  # reward's dead letter (tests.reward_fns:slow_picky gives NaN)
+    eps = [one_action_episode(i, "cba" if i % 3 else "abc") for i in range(n)]
+    tool_call = one_action_episode(n, "calc(2+3)", env="calculator")  # a tool call: an observation back to rollout
+    unknown_env = one_action_episode(n + 1, "x", env="nosuchenv")  # env's dead letter
+    unjudgeable = one_action_episode(n + 2, "nan")  # reward's dead letter (tests.reward_fns:slow_picky gives NaN)
     everything = [*eps, tool_call, unknown_env, unjudgeable]
     produce(bootstrap, run_name, "actions", [(ep.episode_id.encode(), ep, hdr.build(2, hdr.new_traceparent()))
                                              for ep in everything])

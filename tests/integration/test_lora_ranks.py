@@ -12,8 +12,8 @@ from rlstream.trainer.lora import BaseReference, wrap
 from rlstream.trainer.microbatch import train_step
 from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.update import UpdateConfig
+from tests.helpers.batches import STEPS, TOLERANCE, fixed_batches
 from tests.helpers.cores import require_cores
-from tests.integration.test_trainer_ranks import STEPS, TOLERANCE, fixed_batches
 
 
 def train_lora(ranks, out: str, budget: int) -> None:

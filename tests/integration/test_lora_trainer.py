@@ -11,7 +11,7 @@ from rlstream.policy.adapters import is_adapter
 from rlstream.policy.deltas import folder_hash
 from rlstream.policy.watcher import last_policy_version
 from rlstream.policy.weights import PolicyWeights, local_path
-from tests.integration.test_trainer import produce_groups, start, wait_version
+from tests.helpers.trainer import produce_groups, start, wait_version
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_target_modules=("q_proj,v_proj", "down_proj"), kl_coef=0.1,

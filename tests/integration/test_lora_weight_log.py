@@ -18,7 +18,7 @@ from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion
 from tests.helpers.kafka import produce, read_all, wait_for
 from tests.helpers.policy import scored_group
-from tests.integration.test_weight_log import start_worker
+from tests.helpers.weights import start_worker
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

@@ -107,7 +107,7 @@ def _trainer(bootstrap, run, uri):
 @pytest.mark.timeout(600)
 def test_trainer_publishes_to_s3_a_worker_loads_it_checked_and_a_restart_resumes_from_it(s3_bucket, bootstrap,
                                                                                          run_name, tmp_path):
-    from tests.integration.test_trainer import produce_groups  # the scored groups the trainer tests train on
+    from tests.helpers.trainer import produce_groups  # the scored groups the trainer tests train on
 
     uri = f"s3://{s3_bucket}/{run_name}"
     trainer, thread = _trainer(bootstrap, run_name, uri)

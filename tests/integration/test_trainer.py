@@ -1,75 +1,15 @@
 """The trainer against the real broker: staleness bound, resume after restart, dead letters."""
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 
-from rlstream.config import KafkaSettings, LoopSettings
-from rlstream.runtime.settings import RuntimeSettings
+from rlstream.config import KafkaSettings
 from rlstream.schemas import headers as hdr
-from rlstream.schemas.records import Reward, ScoredTrajectory
 from rlstream.trainer.shards import holds_state
-from rlstream.trainer.service import TrainerService, TrainerSettings
-from tests.helpers.kafka import make_trajectory, produce, read_all, wait_for
+from tests.helpers.kafka import produce, read_all, wait_for
+from tests.helpers.trainer import G, produce_groups, scored_group, start, wait_version
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
-G = 4
-
-
-class SpyTrainer(TrainerService):
-    """The real trainer; the spy only records which groups reached each update, and counts its reads."""
-
-    def __init__(self, settings, loop):
-        super().__init__(settings, loop)
-        self.trained: list[tuple[int, list[str]]] = []  # (version before the step, group ids)
-        self.reads = 0  # passes of the serve loop's read (each followed by its step check)
-
-    def _step(self, groups):
-        self.trained.append((self.version, [g.group_id for g in groups]))
-        super()._step(groups)
-
-    def _consume_once(self, runtime):
-        super()._consume_once(runtime)
-        self.reads += 1
-
-    def settled(self, timeout: float = 60.0) -> None:
-        """Wait until what it has read has been through the step check: two more reads end, so the read in progress
-        now and the step check after it are over."""
-        seen = self.reads
-        wait_for(lambda: self.reads >= seen + 2, timeout, "the trainer's next reads")
-
-
-def scored_group(gid: int, rewards=(1.0, 0.0, 0.0, 1.0)):
-    out = []
-    for i, r in enumerate(rewards):
-        traj = make_trajectory(gid * 100 + i, group=gid, response="cba" if r else "abc", n_tokens=4)
-        traj.task.group_size = G
-        traj.task.prompt_token_ids = [1, 5, 6, 7, 40]
-        out.append(ScoredTrajectory(traj, Reward(total=r, reward_version="v1")))
-    return out
-
-
-def produce_groups(bootstrap, run, gids, version):
-    produce(bootstrap, run, "rewards", [(f"task-{g}".encode(), s, hdr.build(version, hdr.new_traceparent(), "v1"))
-                                        for g in gids for s in scored_group(g)])
-
-
-def start(bootstrap, run, tmp_path, **kw):
-    settings = TrainerSettings(weights=str(tmp_path / "weights"), warmup_steps=0, window_groups=4, **kw)
-    trainer = SpyTrainer(settings, LoopSettings(groups_per_step=2, eta=1))
-    thread = threading.Thread(target=trainer.serve, args=(KafkaSettings(bootstrap=bootstrap, run=run),
-                                                          RuntimeSettings(poll_timeout_s=0.1)), daemon=True)
-    thread.start()
-    return trainer, thread
-
-
-def wait_version(trainer, version, timeout=120):
-    deadline = time.monotonic() + timeout
-    while trainer.version < version:
-        assert time.monotonic() < deadline, f"trainer stuck at v{trainer.version}, wanted v{version}"
-        time.sleep(0.2)
 
 
 @pytest.mark.timeout(1350)

@@ -13,9 +13,10 @@ from rlstream.infra.supervisor import StageProc, stage_env
 from rlstream.kafka.topics import create_topics
 from rlstream.schemas import headers as hdr
 from rlstream.trainer.distributed import Launched, check_launcher, free_port, launcher_ranks
+from tests.helpers.batches import TOLERANCE
 from tests.helpers.cores import require_cores
 from tests.helpers.kafka import produce, read_all, wait_for
-from tests.integration.test_trainer_ranks import TOLERANCE, varied_group
+from tests.helpers.trainer import varied_group
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 TRAINER = ("run", "trainer", "--threads", "1", "--window-groups", "2", "--groups-per-step", "2", "--eta", "1",

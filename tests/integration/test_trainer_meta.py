@@ -32,7 +32,7 @@ def meta_rank(ranks, folder: str, out: str) -> None:
     from rlstream.trainer.microbatch import train_step
     from rlstream.trainer.sharding import make_engine
     from rlstream.trainer.update import UpdateConfig
-    from tests.integration.test_trainer_ranks import fixed_batches
+    from tests.helpers.batches import fixed_batches
     folder = Path(folder)
 
     def losses(engine):
@@ -103,7 +103,7 @@ def zero3_rank(ranks, out: str) -> None:
     from rlstream.trainer.microbatch import train_step
     from rlstream.trainer.sharding import make_engine
     from rlstream.trainer.update import UpdateConfig
-    from tests.integration.test_trainer_ranks import fixed_batches
+    from tests.helpers.batches import fixed_batches
     engine = make_engine(build_model(build_tokenizer(), seed=0), lr=1e-2, sharding="zero3", world_size=ranks.world)
     assert engine.streams
     for b in fixed_batches()[:2]:
@@ -136,7 +136,7 @@ def zero3_init_rank(ranks, folder: str, out: str) -> None:
     from rlstream.trainer.microbatch import train_step
     from rlstream.trainer.sharding import make_engine
     from rlstream.trainer.update import UpdateConfig
-    from tests.integration.test_trainer_ranks import fixed_batches
+    from tests.helpers.batches import fixed_batches
     folder = Path(folder)
 
     def losses(engine):

@@ -19,34 +19,15 @@ from rlstream.trainer.distributed import Ranks, cpu_cores, launch
 from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.microbatch import train_step
 from rlstream.trainer.update import UpdateConfig
+from tests.helpers.batches import STEPS, TOLERANCE, fixed_batches
 from tests.helpers.cores import require_cores
 from tests.helpers.kafka import produce, read_all, wait_for
-from tests.integration.test_trainer import G, produce_groups, scored_group
-from tests.unit.test_microbatch import mixed_batch
+from tests.helpers.trainer import G, produce_groups, varied_group
 
 
 @pytest.fixture(autouse=True)
 def two_cores():
     require_cores(2)
-
-
-STEPS = 4
-#: Losses of 2 ranks against 1, for every engine: the same sums in another order and gradients averaged across ranks
-#: (all-reduced, or reduce-scattered onto shards), in float32, so rounding differences only; 1e-5 relative holds
-#: them with room.
-TOLERANCE = 1e-5
-
-
-def fixed_batches():
-    """STEPS batches of long and short sequences, each with its own rewards (so each step's gradient differs)."""
-    out = []
-    for step in range(STEPS):
-        batch = mixed_batch()
-        g = torch.Generator().manual_seed(step)
-        batch.advantages = torch.randn(batch.advantages.shape, generator=g)
-        batch.behaviour_logprobs = batch.behaviour_logprobs - 0.1 * step
-        out.append(batch)
-    return out
 
 
 def train_fixed(ranks, out: str, sharding: str, budget: int) -> None:
@@ -260,15 +241,6 @@ def _zombie(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     except OSError:
         return True
-
-
-def varied_group(gid: int):
-    """A group whose samples' tokens differ (``scored_group``'s are alike, so their advantages cancel to a zero
-    gradient)."""
-    group = scored_group(gid)
-    for i, sample in enumerate(group):
-        sample.trajectory.token_ids = [7 + (i * 5 + k) % 30 for k in range(len(sample.trajectory.token_ids))]
-    return group
 
 
 @pytest.mark.kafka

@@ -15,13 +15,13 @@ from rlstream.kafka import records
 from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.policy.deltas import Content, content_hash, read_folder
 from rlstream.policy.weight_log import WeightLogWriter, parse_uri
-from rlstream.runtime.runner import StageRunner
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion
-from rlstream.stages.rollout import RolloutSettings, RolloutStage
+from rlstream.stages.rollout import RolloutStage
 from tests.helpers.kafka import make_task, produce, read_all, wait_for
 from tests.helpers.policy import scored_group, start_log_trainer
+from tests.helpers.weights import start_worker
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -31,16 +31,6 @@ def held_hash(stage: RolloutStage, like: Content) -> str:
     with stage._engine_lock:  # no swap while we read
         state = stage.backend.model.state_dict()
         return content_hash(Content({n: state[n].clone() for n in like.tensors}, {}, like.files))
-
-
-def start_worker(bootstrap, run, home):
-    loop = LoopSettings(run=run, home=str(home), group_size=2, eta=8)
-    stage = RolloutStage(RolloutSettings(backend="transformers", swap="step", wait_policy_s=120, retry_load_s=0.5),
-                         loop)
-    runner = StageRunner(stage, KafkaSettings(bootstrap=bootstrap, run=run), RuntimeSettings(batch_size=4))
-    thread = threading.Thread(target=runner.run, name=f"rollout-{home.name}", daemon=True)
-    thread.start()
-    return stage, runner, thread
 
 
 @pytest.mark.timeout(300)
@@ -127,7 +117,7 @@ def test_a_trainer_on_a_new_host_resumes_from_the_weights_log_and_trains_no_samp
     B, with an empty store, resumes at v3 rebuilt from the log, skips the samples A trained past the head (the
     committed offsets' metadata says which), and trains on from v3."""
     from rlstream.trainer.service import TrainerSettings
-    from tests.integration.test_trainer import G, SpyTrainer, produce_groups, scored_group, wait_version
+    from tests.helpers.trainer import G, SpyTrainer, produce_groups, scored_group, wait_version
     caplog.set_level(logging.INFO)
     kafka = KafkaSettings(bootstrap=bootstrap, run=run_name)
 

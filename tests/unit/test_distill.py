@@ -14,7 +14,7 @@ from rlstream.trainer.distill import DistillConfig, coef_at, distill_loss, teach
 from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.losses import OUTSIDE_TOPK_LOG_FLOOR, masked_mean, sampled_token_kl, topk_kl
 from rlstream.trainer.update import UpdateConfig, build_batch, policy_update
-from tests.unit.test_update import scored
+from tests.helpers.batches import scored
 
 
 def close(t, expected, tol=1e-4):

@@ -12,7 +12,7 @@ from rlstream.trainer.distill import DistillConfig, teacher_terms
 from rlstream.trainer.gate import admit_feedback, feedback_mismatch
 from rlstream.trainer.service import TrainerService, TrainerSettings
 from rlstream.trainer.update import build_batch
-from tests.unit.test_update import scored
+from tests.helpers.batches import scored
 
 
 def feedback(k: int = 0, status: str = "ok", n_lp: int = 3, version: str = "t1") -> TeacherFeedback:

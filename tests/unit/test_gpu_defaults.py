@@ -23,7 +23,7 @@ from rlstream.trainer.precision import Precision, resolve_precision
 from rlstream.trainer.settings import TrainerSettings
 from rlstream.trainer.sharded import deepspeed_config
 from rlstream.trainer.update import UpdateConfig
-from tests.unit.test_microbatch import mixed_batch
+from tests.helpers.batches import mixed_batch
 
 SMOL = ModelShape(params=134_515_008, hidden=576, layers=30, vocab=49152)
 QWEN_7B = ModelShape(params=7_600_000_000, hidden=3584, layers=28, vocab=152064)

@@ -162,7 +162,7 @@ def test_a_sync_reward_function_is_given_up_on_at_the_judge_timeout_with_a_judge
     """The reward stage offers its sync path (RewardStage.sync_handler): a judge past --judge-timeout-s gives the
     judge_timeout reward the event-loop path gives, at that timeout rather than at the handler's."""
     from rlstream.stages.reward import RewardSettings, RewardStage
-    from tests.unit.test_verifiers import traj
+    from tests.helpers.episodes import traj
     stage = RewardStage(RewardSettings(reward="tests.unit.test_verifiers:sleepy", judge_timeout_s=0.3))
     assert stage.sync_handler() is not None
     assert RewardStage(RewardSettings(reward="tests.unit.test_verifiers:async_sleepy")).sync_handler() is None
@@ -186,7 +186,7 @@ def test_a_chain_of_two_sync_stages_runs_on_the_pool_and_keeps_the_second_stages
     from rlstream.schemas import headers as hdr
     from rlstream.stages.env import EnvSettings, EnvStage
     from rlstream.stages.reward import RewardSettings, RewardStage
-    from tests.integration.test_chain import episode
+    from tests.helpers.episodes import one_action_episode as episode
 
     def encode(item, out):
         return (topic_name("r", out.topic), out.key, records.encode(out.topic, out.record),

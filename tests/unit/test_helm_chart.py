@@ -4,58 +4,14 @@ chart is checked against the same sources by test_helm_chart_render.py where hel
 from __future__ import annotations
 
 import ast
-import dataclasses
 import re
-from pathlib import Path
 
 import pytest
-import yaml
 
 from rlstream import cli, config
-from rlstream.config import KafkaSettings, LoopSettings, env_name
 from rlstream.kafka.topics import CO_PARTITIONED, MAX_MESSAGE_BYTES, TOPICS
-from rlstream.runtime.settings import RuntimeSettings
-
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "deploy" / "helm" / "rlstream"
-VALUES_FILES = [CHART / "values.yaml", *sorted((CHART / "ci").glob("*-values.yaml"))]
-SHARED = (LoopSettings, KafkaSettings, RuntimeSettings)
-#: Variables the chart sets that are no settings field: read by config.KafkaSettings.client_config and the archive.
-EXTRA_ENV = {*config.KAFKA_SECRET_ENV, config.CLICKHOUSE_USER_ENV, config.CLICKHOUSE_PASSWORD_ENV}
-
-
-def values(path: Path = CHART / "values.yaml") -> dict:
-    return yaml.safe_load(path.read_text())
-
-
-def merged(path: Path) -> dict:
-    """A shape's values over the chart's defaults, merged as helm merges maps (lists and scalars replace)."""
-    def merge(base, over):
-        if isinstance(base, dict) and isinstance(over, dict):
-            return {k: merge(base.get(k), over[k]) if k in over else base[k] for k in {**base, **over}}
-        return over
-    return merge(values(), values(path)) if path.name != "values.yaml" else values()
-
-
-def settings_classes(command: str) -> dict[type, tuple[str, ...] | None]:
-    """The settings classes whose flags and variables a chart workload's process reads (and which of their fields,
-    None: all), as its command's parser adds them."""
-    if command in cli.STAGES:
-        _, settings_cls = cli._stage_parts(command)
-        return {**dict.fromkeys(SHARED), **({settings_cls: None} if settings_cls else {})}
-    if command == "gateway":
-        from rlstream.gateway.server import GatewaySettings
-        return {**dict.fromkeys(SHARED), GatewaySettings: None}  # flags for a few, but every variable is read
-    if command == "prompts":
-        from rlstream.sources.prompts import PromptSettings
-        return {LoopSettings: None, KafkaSettings: None, PromptSettings: None}
-    raise AssertionError(f"no rlstream command {command}")
-
-
-def env_names(classes: dict[type, tuple[str, ...] | None]) -> set[str]:
-    return {f.metadata.get("env", env_name(cls, f.name)) for cls, only in classes.items()
-            for f in dataclasses.fields(cls) if only is None or f.name in only}
-
+from tests.helpers import ROOT
+from tests.helpers.chart import CHART, EXTRA_ENV, VALUES_FILES, env_names, merged, settings_classes, values
 
 COMMANDS = [*cli.STAGES, "gateway", "prompts"]
 

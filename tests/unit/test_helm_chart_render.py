@@ -9,14 +9,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
 from rlstream import cli
 from rlstream.kafka.topics import TOPICS, partition_counts, topic_name
-from tests.unit.test_helm_chart import CHART, EXTRA_ENV, ROOT, VALUES_FILES, env_names, merged, settings_classes
+from tests.helpers import ROOT
+from tests.helpers.chart import CHART, EXTRA_ENV, VALUES_FILES, env_names, merged, settings_classes
 
 pytestmark = pytest.mark.helm
 

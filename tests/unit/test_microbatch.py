@@ -8,22 +8,8 @@ from rlstream.models.devices import resolve_device
 from rlstream.models.tiny import build_model, build_tokenizer
 from rlstream.trainer.engine import TorchEngine
 from rlstream.trainer.microbatch import accumulated_update, plan, rows_of
-from rlstream.trainer.update import UpdateConfig, batch_loss, build_batch
-from tests.unit.test_update import scored
-
-
-def mixed_batch():
-    """Two groups of long and short responses (lengths 4..13 tokens), rewards that give non-zero advantages."""
-    groups = []
-    for g, gid in enumerate("ab"):
-        group = []
-        for i in range(4):
-            n = 1 + (3 * i + 5 * g) % 10
-            s = scored(gid, i, float(i % 2), response=tuple(range(7, 7 + n)), mask=(1,) * n)
-            s.trajectory.behaviour_logprobs = [-1.0 - 0.1 * k for k in range(n)]
-            group.append(s)
-        groups.append(group)
-    return build_batch(groups, "grpo", pad_id=0)
+from rlstream.trainer.update import UpdateConfig, batch_loss
+from tests.helpers.batches import mixed_batch
 
 
 def test_plan_packs_sorted_rows_within_the_budget_and_keeps_every_row_once():

@@ -11,7 +11,7 @@ from rlstream.models.tiny import build_model, build_tokenizer
 from rlstream.trainer.engine import TorchEngine
 from rlstream.trainer.microbatch import accumulated_update, plan
 from rlstream.trainer.update import UpdateConfig, batch_loss, sequence_logprobs
-from tests.unit.test_microbatch import mixed_batch
+from tests.helpers.batches import mixed_batch
 
 #: Packed and padded forwards run the same arithmetic on the same tokens with other mask shapes (a block-diagonal
 #: mask over one sequence against a causal mask per row), so they differ by float32 rounding only (seen: ~1e-7).

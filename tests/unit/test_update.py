@@ -7,18 +7,10 @@ import pytest
 import torch
 
 from rlstream.models.tiny import build_model, build_tokenizer
-from rlstream.schemas.records import Reward, SamplingParams, ScoredTrajectory, Task, TeacherFeedback, Trajectory
+from rlstream.schemas.records import TeacherFeedback
 from rlstream.trainer.sharding import make_engine
 from rlstream.trainer.update import UpdateConfig, build_batch, policy_update
-
-
-def scored(gid: str, i: int, reward: float, prompt=(1, 5, 6), response=(7, 8, 2), mask=(1, 0, 1)):
-    task = Task(task_id=gid, group_id=gid, task_name="reverse", env_name="single", env_version="1", prompt="x",
-                sampling=SamplingParams(), created_at=0, prompt_token_ids=list(prompt), group_size=2)
-    traj = Trajectory(trajectory_id=f"{gid}:{i}", group_id=gid, sample_index=i, task=task, response="", 
-                      min_policy_version=0, max_policy_version=0, token_ids=list(response), loss_mask=list(mask),
-                      behaviour_logprobs=[-1.0, 0.0, -2.0])
-    return ScoredTrajectory(traj, Reward(reward, "v1"))
+from tests.helpers.batches import scored
 
 
 def test_batch_aligns_masks_and_logprobs_with_targets():

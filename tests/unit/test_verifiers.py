@@ -15,23 +15,11 @@ from rlstream.rewards import (JUDGE_FAILURES, RewardResult, extract_answer, load
                               regex_reward, verifiers)
 from rlstream.runtime.stage import Incoming, InvalidRecord
 from rlstream.sandbox import Sandbox, SandboxLimits
-from rlstream.schemas import headers as hdr
-from rlstream.schemas.records import Failure, SamplingParams, Task, Trajectory, Turn
+from rlstream.schemas.records import Failure, Trajectory
 from rlstream.stages.reward import RewardSettings, RewardStage
+from tests.helpers.episodes import traj
 
 HERE = "tests.unit.test_verifiers"
-
-
-def traj(response: str, answer: str | None = "5", metadata: dict[str, str] | None = None, n_tokens: int = 4,
-         max_tokens: int = 64) -> Trajectory:
-    """A one-turn trajectory whose model generated ``n_tokens`` tokens."""
-    task = Task(task_id="t", group_id="g", task_name="q", env_name="single", env_version="1", prompt="p",
-                sampling=SamplingParams(max_tokens=max_tokens), created_at=hdr.now_ms(), answer=answer,
-                metadata=metadata or {})
-    return Trajectory(trajectory_id="g:0", group_id="g", sample_index=0, task=task, response=response,
-                      min_policy_version=0, max_policy_version=0, token_ids=list(range(n_tokens)),
-                      loss_mask=[1] * n_tokens, behaviour_logprobs=[-1.0] * n_tokens,
-                      turns=[Turn("action", response, 0, n_tokens)])
 
 
 def score(name: str, t: Trajectory) -> RewardResult:
