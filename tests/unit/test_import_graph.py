@@ -76,3 +76,13 @@ def test_no_circle_between_modules(graph):
         if m not in index:
             visit(m)
     assert not circles, circles
+
+
+def test_no_test_module_imports_another():
+    """What tests share lives in tests/helpers (fixtures in conftest.py), so that moving, renaming or deleting a test
+    module never breaks another's imports."""
+    tests = grimp.build_graph("tests")
+    suites = ("tests.unit", "tests.integration", "tests.e2e")
+    imported = {m: sorted(tests.find_modules_that_directly_import(m)) for m in tests.modules
+                if m.startswith(tuple(s + "." for s in suites))}
+    assert not {m: by for m, by in imported.items() if by}, "import these from tests/helpers instead"
