@@ -1,12 +1,16 @@
-"""Consumer-group scaling of the reward stage with an I/O-bound judge: throughput at 1, 2, 4, 8 processes.
+"""Consumer-group scaling of the reward stage: throughput at 1, 2, 4, 8 processes, with an I/O-bound judge (the
+default) or a CPU-bound one (``--judge cpu``).
 
-    python -m benchmarks.reward_scaling [--consumers 1,2,4,8] [--per-consumer 800] [--concurrency 2]
+    python -m benchmarks.reward_scaling [--consumers 1,2,4,8] [--per-consumer 800] [--concurrency 2] [--judge io|cpu]
 
 Each point is a fresh run (8 partitions per topic) whose reward group is N separate ``rlstream run reward``
 processes with benchmarks/harness/workloads.py:io_judge (asyncio.sleep of 50 ms, no CPU). An async judge lets one
 process keep --concurrency judgements in flight, so one process alone could absorb the whole load; --concurrency 2 caps
 each process at about 2 / 50 ms = 40 records/s, which makes one consumer the bottleneck and the group's size
-what is measured. Once the group is stable with N members, per-consumer x N trajectories are produced evenly
+what is measured. ``--judge cpu`` is benchmarks/harness/workloads.py:cpu_judge instead: ``--judge-s`` of its
+thread's CPU time, holding the GIL, so a process scores on one core and a group can scale only as far as the
+machine's cores (less the broker's and the producer's share): its goal is 0.9x min(N, cores).
+Once the group is stable with N members, per-consumer x N trajectories are produced evenly
 over the partitions; throughput is counted from the group's committed offsets, from the first commit to the last.
 """
 from __future__ import annotations
@@ -28,7 +32,8 @@ from rlstream.kafka.topics import topic_name
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 
-JUDGE = "benchmarks.harness.workloads:io_judge"
+#: --judge -> the reward function each process loads.
+JUDGES = {"io": "benchmarks.harness.workloads:io_judge", "cpu": "benchmarks.harness.workloads:cpu_judge"}
 
 
 def stable_members(admin: AdminClient, group: str) -> int:
@@ -46,7 +51,7 @@ def one_point(n: int, args) -> dict:
     """Throughput of a reward group of ``n`` processes."""
     loop = Loop(f"rscale-{n}", partitions=args.partitions, BENCH_JUDGE_S=str(args.judge_s))
     for i in range(n):
-        loop.reward(JUDGE, instance=i, concurrency=args.concurrency, batch_size=args.batch_size)
+        loop.reward(JUDGES[args.judge], instance=i, concurrency=args.concurrency, batch_size=args.batch_size)
     loop.start()
     admin = AdminClient({"bootstrap.servers": loop.bootstrap})
     group = f"{loop.run}.reward"
@@ -94,6 +99,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--per-consumer", type=int, default=800, help="records per consumer (N x this in all)")
     ap.add_argument("--concurrency", type=int, default=2, help="judgements in flight per process")
     ap.add_argument("--batch-size", type=int, default=16, help="records per transaction")
+    ap.add_argument("--judge", choices=sorted(JUDGES), default="io",
+                    help="io: asyncio.sleep(--judge-s); cpu: --judge-s of CPU time in the judge's thread")
     ap.add_argument("--judge-s", type=float, default=0.05)
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=300)
@@ -102,17 +109,20 @@ def main(argv=None) -> dict:
     log("scaling", f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     points = [one_point(int(n), args) for n in args.consumers.split(",")]
     base = points[0]["records_per_s"] / points[0]["consumers"]
-    print(f"reward stage, io judge {args.judge_s * 1000:.0f} ms, concurrency {args.concurrency} per process, "
+    cores = os.cpu_count() or 1
+    # A CPU-bound judge cannot scale past the cores; an I/O-bound one should scale with the group.
+    bound = (lambda n: min(n, cores)) if args.judge == "cpu" else (lambda n: n)
+    print(f"reward stage, {args.judge} judge {args.judge_s * 1000:.0f} ms, concurrency {args.concurrency} per process, "
           f"batch {args.batch_size}, {args.partitions} partitions")
     for p in points:
         p["ratio"] = p["records_per_s"] / base
         print(f"{p['consumers']} consumers  {p['records_per_s']:8.1f} records/s  ratio {p['ratio']:5.2f}x  "
-              f"(goal >= {0.9 * p['consumers']:.1f}x)")
+              f"(goal >= {0.9 * bound(p['consumers']):.1f}x)")
     if args.json:
         Path(args.json).write_text(json.dumps({"points": points, "load_average": os.getloadavg()[0]}, indent=1))
     record("reward_scaling", {"judge_ms": args.judge_s * 1000, "concurrency": args.concurrency,
                               **{f"ratio_{p['consumers']}": p["ratio"] for p in points}},
-           [Goal(f"ratio_{p['consumers']}", ">=", 0.9 * p["consumers"]) for p in points if p["consumers"] > 1])
+           [Goal(f"ratio_{p['consumers']}", ">=", 0.9 * bound(p["consumers"])) for p in points if p["consumers"] > 1])
     return {"points": points}
 
 

@@ -20,8 +20,10 @@ export PYTHONWARNINGS=ignore TOKENIZERS_PARALLELISM=false
 started=$(date +%s)
 failed=()
 
-# bench NAME LIMIT_S "FULL ARGS" "SMOKE ARGS": run benchmarks.NAME, keep stdout+stderr in $OUT/NAME.log, show its
-# last lines, and fail the step unless it exited 0 and printed its `RESULT NAME ...` line (benchmarks/harness/result).
+# bench NAME LIMIT_S "FULL ARGS" "SMOKE ARGS" [VARIANT]: run benchmarks.NAME, keep stdout+stderr in $OUT/NAME.log,
+# show its last lines, and fail the step unless it exited 0 and printed its `RESULT NAME ...` line
+# (benchmarks/harness/result). VARIANT, a second configuration of the same script, logs under that name instead and
+# runs in the full run only (the smoke run has already been through the script once).
 # JOBS=N runs up to N benchmarks at once: only for SMOKE=1 (CI), whose figures mean nothing anyway, and where most
 # of each script's time is process start, imports and fixed waits rather than CPU; a timed run keeps JOBS=1, since
 # two benchmarks side by side make each other's figures noise. Each report is printed in the listed order.
@@ -32,32 +34,33 @@ if [[ $SMOKE != 1 && $JOBS != 1 ]]; then
 fi
 names=()
 run_one() {
-  local name=$1 limit=$2 args=$3 code t0=$SECONDS
+  local name=$1 limit=$2 args=$3 log=$4 code t0=$SECONDS
   {
-    echo "== $name $args (at most ${limit}s; load average $(cut -d' ' -f1 /proc/loadavg))"
+    echo "== $log $args (at most ${limit}s; load average $(cut -d' ' -f1 /proc/loadavg))"
     # shellcheck disable=SC2086  # the argument strings are word-split on purpose
-    timeout --kill-after=30 "$limit" "$PY" -m "benchmarks.$name" $args >"$OUT/$name.log" 2>&1
+    timeout --kill-after=30 "$limit" "$PY" -m "benchmarks.$name" $args >"$OUT/$log.log" 2>&1
     code=$?
-    grep -v '^\[' "$OUT/$name.log" | grep -v -E '^(INFO|WARNING|DEBUG)|Warning|warn\(' | tail -12
-    if [[ $code != 0 ]] || ! grep -q "^RESULT $name " "$OUT/$name.log"; then
-      echo "   $name FAILED (exit $code, or no RESULT line): see $OUT/$name.log"
-      touch "$OUT/$name.failed"
+    grep -v '^\[' "$OUT/$log.log" | grep -v -E '^(INFO|WARNING|DEBUG)|Warning|warn\(' | tail -12
+    if [[ $code != 0 ]] || ! grep -q "^RESULT $name " "$OUT/$log.log"; then
+      echo "   $log FAILED (exit $code, or no RESULT line): see $OUT/$log.log"
+      touch "$OUT/$log.failed"
     fi
-    echo "   $name took $((SECONDS - t0)) s"
-  } >"$OUT/$name.report" 2>&1
+    echo "   $log took $((SECONDS - t0)) s"
+  } >"$OUT/$log.report" 2>&1
 }
 # BENCH_SKIP=NAME,... leaves those out of a SMOKE=1 run: the smoke test skips what another test already runs bigger.
 BENCH_SKIP=${BENCH_SKIP:-}
 if [[ $SMOKE != 1 && -n $BENCH_SKIP ]]; then echo "BENCH_SKIP is for SMOKE=1 only" >&2; exit 2; fi
 bench() {
-  local args=$3
+  local args=$3 log=${5:-$1}
   [[ $SMOKE == 1 ]] && args=$4
+  if [[ $SMOKE == 1 && -n ${5:-} ]]; then return; fi
   if [[ ",$BENCH_SKIP," == *",$1,"* ]]; then echo "== $1 skipped (BENCH_SKIP)"; return; fi
-  names+=("$1")
-  rm -f "$OUT/$1.failed"
-  if ((JOBS == 1)); then run_one "$1" "$2" "$args"; cat "$OUT/$1.report"; return; fi
+  names+=("$log")
+  rm -f "$OUT/$log.failed"
+  if ((JOBS == 1)); then run_one "$1" "$2" "$args" "$log"; cat "$OUT/$log.report"; return; fi
   while (($(jobs -rp | wc -l) >= JOBS)); do wait -n || true; done
-  run_one "$1" "$2" "$args" &
+  run_one "$1" "$2" "$args" "$log" &
 }
 # barrier: the benchmarks started so far have finished (for one that reads what an earlier one wrote).
 barrier() { wait; }
@@ -69,6 +72,9 @@ bench trainer_ranks 300 "--steps 8" "--steps 2 --warmup 1 --groups-per-step 2"
 bench weight_log 300 "" "--steps 3 --anchor-every 2 --hidden 32 --layers 1 --vocab 256"
 bench lora_publish 2400 "" "--hidden 64 --layers 2 --intermediate 128 --vocab 512 --steps 2"
 bench reward_scaling 200 "--per-consumer 400 --json $OUT/reward_scaling.json" "--consumers 1,2 --per-consumer 20"
+# The same group with a judge that computes for 10 ms instead of waiting: it can scale only as far as the cores.
+bench reward_scaling 200 "--judge cpu --judge-s 0.01 --per-consumer 200 --json $OUT/reward_scaling_cpu.json" "" \
+  reward_scaling-cpu
 bench archive_ingest 300 "--count 20000 --tokens 1000" "--count 300 --tokens 1000"
 bench analytics_queries 600 "--rows 200000" "--rows 2000 --repeat 1"
 bench replay_throughput 300 "--count 5000 --archive" "--count 200 --archive"

@@ -100,6 +100,16 @@ async def io_judge(trajectory) -> float:
     return 1.0
 
 
+def cpu_judge(trajectory) -> float:
+    """A CPU-bound judge: BENCH_JUDGE_S of this thread's CPU time (a verifier that computes), holding the GIL, so
+    one process scores on one core whatever its --concurrency."""
+    end = time.thread_time() + JUDGE_S
+    n = 0
+    while time.thread_time() < end:
+        n += sum(range(200))
+    return 1.0
+
+
 # -- TRL reward functions (a batch of completions; dataset columns arrive as keyword lists) -------------
 
 def trl_exact(prompts, completions, answer, **_) -> list[float]:
