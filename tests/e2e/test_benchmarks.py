@@ -58,5 +58,10 @@ def test_every_benchmark_prints_its_result_line_at_smoke_size(tmp_path, bootstra
         assert raw[0]["figures"] and set(raw[0]["units"]) == set(raw[0]["figures"]), raw[0]
         assert {g["figure"] for g in raw[0]["goals"]} <= set(raw[0]["figures"]), raw[0]
         assert raw[0]["commit"] and raw[0]["date"] and len(raw[0]["load_before"]) == 3, raw[0]
+        # A rate below zero is a broken clock, not a slow run (replay_throughput's baseline once timed a path the
+        # stage no longer took and printed -0.17/s).
+        negative = {k: v for k, v in raw[0]["figures"].items() if k.endswith("_per_s")
+                    and isinstance(v, (int, float)) and v < 0}
+        assert not negative, f"{name}: negative rates {negative}"
     assert {p.name: p.read_bytes() for p in (ROOT / "benchmarks" / "results").glob("*.jsonl")} == committed
     assert done.returncode == 0, done.stdout[-4000:]
