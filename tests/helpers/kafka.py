@@ -18,6 +18,11 @@ from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import SamplingParams, Task, Trajectory, Turn
 
+#: librdkafka's fetch.wait.max.ms, which the stages' consumers keep (its default): a record written while a fetch
+#: of its partition is waiting at the broker may reach the consumer only when that fetch returns, up to this late. A
+#: test of what a stage does once it has a record counts from this long after the record was written.
+FETCH_WAIT_MS = 500
+
 
 def produce(bootstrap: str, run: str, logical: str, items: list[tuple], flush: bool = True) -> None:
     """Produce (key, record-or-bytes, headers-or-None[, timestamp ms]) tuples, not in a transaction; records get
