@@ -104,9 +104,8 @@ def cpu_judge(trajectory) -> float:
     """A CPU-bound judge: BENCH_JUDGE_S of this thread's CPU time (a verifier that computes), holding the GIL, so
     one process scores on one core whatever its --concurrency."""
     end = time.thread_time() + JUDGE_S
-    n = 0
     while time.thread_time() < end:
-        n += sum(range(200))
+        sum(range(200))
     return 1.0
 
 

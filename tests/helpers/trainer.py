@@ -3,7 +3,6 @@ on, produced to the real broker's ``rewards``."""
 from __future__ import annotations
 
 import threading
-import time
 
 from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.runtime.settings import RuntimeSettings
@@ -74,7 +73,4 @@ def start(bootstrap, run, tmp_path, **kw):
 
 
 def wait_version(trainer, version, timeout=120):
-    deadline = time.monotonic() + timeout
-    while trainer.version < version:
-        assert time.monotonic() < deadline, f"trainer stuck at v{trainer.version}, wanted v{version}"
-        time.sleep(0.2)
+    wait_for(lambda: trainer.version >= version, timeout, f"the trainer to reach v{version}", interval=0.2)

@@ -57,6 +57,7 @@ def publish(txn: TransactionalProducer, writer: WeightLogWriter, content: Conten
 
 def start_worker(bootstrap, run, home):
     """A rollout worker in a thread with its own home (no shared store): it loads versions from the weights log."""
+    # Imported here: this module also runs as the publishing process a test kills, which needs none of rollout.
     from rlstream.config import LoopSettings
     from rlstream.runtime.runner import StageRunner
     from rlstream.runtime.settings import RuntimeSettings
