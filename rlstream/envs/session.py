@@ -36,21 +36,19 @@ START_TIMEOUT_S = 30.0
 
 # The command server, run by the sandbox's init as its one program; its folder holds the FIFO it reads.
 _SERVER = r'''
-import json, os, signal, subprocess, sys, threading, time
+import fcntl, json, os, select, signal, subprocess, sys, threading, time
 MAX_OUTPUT, EXE = {max_output}, {exe!r}
 groups = set()
 
 def answer(**kw):
     os.write(1, (json.dumps(kw) + "\n").encode())
 
-def drain(pipe, buf, done):
-    while True:
-        chunk = pipe.read1(65536) if hasattr(pipe, "read1") else pipe.read(65536)
-        if not chunk:
-            break
-        if len(buf) <= MAX_OUTPUT:
-            buf += chunk
-    done.set()
+def drop(pipe):
+    # What a call's background children print after its answer: read so they never block, kept nowhere.
+    os.set_blocking(pipe.fileno(), True)
+    while os.read(pipe.fileno(), 65536):
+        pass
+    pipe.close()
 
 def kill(pgid):
     try:
@@ -71,8 +69,20 @@ def run(req):
             proc.stdin.close()
         except OSError:
             pass
-    buf, done = bytearray(), threading.Event()
-    threading.Thread(target=drain, args=(proc.stdout, buf, done), daemon=True).start()
+    fd, buf, eof = proc.stdout.fileno(), bytearray(), [False]
+    os.set_blocking(fd, False)
+    capacity = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+
+    def pump(most):  # what is in the pipe now (up to ``most`` bytes), without waiting
+        while not eof[0] and most > 0:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            eof[0], most = not chunk, most - len(chunk)
+            if len(buf) <= MAX_OUTPUT:
+                buf.extend(chunk)
+
     deadline, timed_out, status, cpu = started + req["timeout"], False, None, 0.0
     while status is None:
         pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
@@ -82,11 +92,19 @@ def run(req):
         elif time.monotonic() > deadline:
             kill(proc.pid)
             timed_out = True
-        else:
+        elif eof[0]:
             time.sleep(0.005)
-    done.wait(0.05)  # what it printed last; a background child may hold the pipe for longer
+        else:
+            select.select([fd], [], [], 0.005)
+            pump(capacity)
+    # Everything the call wrote before it exited is in the pipe by now (one pipe's capacity at most), so this
+    # read ends its output however late this process is scheduled (a timed wait for a reader thread lost it on a
+    # loaded machine), and a background child that keeps writing cannot hold the answer.
+    pump(capacity)
     if timed_out:
         kill(proc.pid)
+    if not eof[0]:  # a background child still holds the pipe
+        threading.Thread(target=drop, args=(proc.stdout,), daemon=True).start()  # keeps the pipe open
     out = bytes(buf)
     answer(id=req["id"], output=out[:MAX_OUTPUT].decode("utf-8", "replace"), truncated=len(out) > MAX_OUTPUT,
            exit=status, cpu_s=cpu, timed_out=timed_out)

@@ -3,6 +3,7 @@
 isolation. What each layer does is the package docstring's (rlstream/sandbox/__init__.py)."""
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -164,21 +165,29 @@ class Sandbox:
     def _collect(self, proc: subprocess.Popen, deadline: float) -> tuple[bytes, bool, bool]:
         """Read output up to the limit (draining the rest so the child never blocks) until exit or deadline."""
         limit, buf, truncated = self.limits.max_output_bytes, bytearray(), False
-        fd = proc.stdout.fileno()
+        fd, after_exit = proc.stdout.fileno(), None
         with selectors.DefaultSelector() as sel:
             sel.register(fd, selectors.EVENT_READ)
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return bytes(buf), truncated, True
-                if sel.select(min(remaining, 0.05)):
+                # Once it has exited, what it wrote is all in the pipe (one pipe's capacity at most): read that
+                # much, or until the pipe is empty, before giving up on a descendant that still holds it open.
+                if after_exit is None and proc.poll() is not None:
+                    after_exit = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+                if after_exit is not None and after_exit <= 0:
+                    break
+                if sel.select(0 if after_exit is not None else min(remaining, 0.05)):
                     chunk = os.read(fd, 65536)
                     if not chunk:
                         break  # every writer is gone
+                    if after_exit is not None:
+                        after_exit -= len(chunk)
                     room = limit - len(buf)
                     buf += chunk[:max(room, 0)]
                     truncated = truncated or len(chunk) > room
-                elif proc.poll() is not None:
+                elif after_exit is not None:
                     break  # the sandbox ended; a leftover descendant still holds the pipe
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))

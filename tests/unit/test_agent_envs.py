@@ -49,7 +49,8 @@ def test_workspace_keeps_files_across_calls_confines_paths_and_is_removed(sandbo
     r = ws.shell("cat a/b.txt && echo more >> a/b.txt && touch made-by-shell")
     assert (r.output, r.exit_code, r.failure_class) == ("hello", 0, None)
     assert ws.read_file("a/b.txt").output == "hellomore\n"
-    assert ws.python("import os; print(sorted(os.listdir('.')))").output == "['a', 'made-by-shell']\n"
+    r = ws.python("import os; print(sorted(os.listdir('.')))")
+    assert (r.output, r.exit_code, r.failure_class) == ("['a', 'made-by-shell']\n", 0, None), r
     assert ws.shell("exit 3").exit_code == 3
     for outside in ("../x", "/etc/passwd", "a/../../x"):
         assert ws.read_file(outside).exit_code == 2 and ws.write_file(outside, "x").exit_code == 2
@@ -59,6 +60,22 @@ def test_workspace_keeps_files_across_calls_confines_paths_and_is_removed(sandbo
     path = ws.path
     ws.close()
     assert not os.path.exists(path)
+
+
+def test_a_call_answers_with_all_it_printed_while_a_child_it_left_keeps_writing(sandbox):
+    """The answer comes when the call exits, with everything it wrote (read from the pipe after its exit, not by a
+    reader given a fixed time), and a background child that never stops writing holds neither the answer nor the
+    next call."""
+    ws = Workspace(sandbox, "g1:0")
+    try:
+        r = ws.shell("(while true; do echo spam; done) & seq 1 3000")
+        assert (r.exit_code, r.failure_class) == (0, None), r
+        numbers = [line for line in r.output.splitlines() if line != "spam"]
+        assert numbers == [str(n) for n in range(1, 3001)] or r.truncated, r.output[-200:]
+        r = ws.python("print('x' * 5000)")
+        assert (r.output, r.exit_code, r.failure_class) == ("x" * 5000 + "\n", 0, None), r
+    finally:
+        ws.close()
 
 
 class Counter(Env):
