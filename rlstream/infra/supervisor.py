@@ -4,7 +4,7 @@ Used by ``rlstream demo``, the benchmarks (chaos, the loop benchmarks, memory) a
 process runs in its own session, so a signal to it (or a Ctrl-C in the terminal) reaches that process group and
 nothing else on the machine; it appends to its own log. A restarted process keeps its argv, so a stage keeps its
 ``--instance``: its new transactional producer fences the old one's zombie transactions, and its static group
-membership takes its partitions back at once.
+membership takes its partitions back at once. A process stops when its supervisor is gone (``SUPERVISOR_ENV``).
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from rlstream.runtime.lifecycle import SUPERVISOR_ENV
 
 #: One compute thread per process: a small machine runs every stage at once.
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -70,7 +72,9 @@ class StageProc:
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== start {self.starts} at {time.strftime('%H:%M:%S')} ===\n".encode())
             log.flush()
-            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", self.module, *self.argv], env=self.env,
+            # It stops (gracefully) when this process is gone, however this process ends (runtime/lifecycle.py).
+            env = dict(self.env, **{SUPERVISOR_ENV: str(os.getpid())})
+            self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", self.module, *self.argv], env=env,
                                          cwd=self.cwd,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.asked_to_stop = False

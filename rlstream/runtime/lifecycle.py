@@ -15,6 +15,11 @@ The rules (enforced here, but for the error codes):
 - **Exit codes**: 0 stopped or done; ``EXIT_DEADLINE``; 128 + N; and, from ``cli.main``, 1 for a UserError (the
   broker never answered, a missing optional package, a bad setup) and 2 for a UsageError.
 - **The metrics server** starts with the work (``serve_metrics``) and stops when the process leaves.
+- **A supervised process does not outlive its supervisor**: one started with ``SUPERVISOR_ENV`` in its environment
+  (``infra/supervisor.py`` sets it: the demo, the benchmarks, the tests' stage processes) stops as on a SIGTERM
+  when its parent is gone, however that parent ended (a SIGKILL, a crash, a ``pkill`` of a benchmark), instead of
+  working on, orphaned, against whatever broker it can still reach. A parent-death signal would not do: the kernel
+  sends it when the parent's *thread* that forked the process exits, and supervisors restart stages from threads.
 
 A process has one lifecycle (its signal handlers are the process's): ``process()`` returns it, and the first call
 from the main thread installs the handlers. A loop run outside ``rlstream run`` (a replay's runner, a runner or a
@@ -43,6 +48,10 @@ SAME_SIGNAL_S = 1.0
 THREAD_GRACE_S = 5.0
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: In a process's environment: the pid of the supervisor it must not outlive (module docstring).
+SUPERVISOR_ENV = "RLSTREAM_SUPERVISOR_PID"
+#: How often a supervised process looks for its parent.
+PARENT_POLL_S = 1.0
 
 
 def _exit_now(code: int) -> None:
@@ -56,6 +65,16 @@ def _exit_now(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process
+    return True
 
 
 class Lifecycle:
@@ -72,11 +91,34 @@ class Lifecycle:
         self._stop_asked_at: float | None = None
         self._metrics = None
         self.installed = False
+        self._watching = False
 
     def configure(self, name: str, stop_timeout_s: float | None) -> "Lifecycle":
         """Name the process and set its stop deadline (the CLI does, once it has read its settings)."""
         self.name, self.stop_timeout_s = name, stop_timeout_s
+        self.watch_supervisor()
         return self
+
+    def watch_supervisor(self) -> bool:
+        """When ``SUPERVISOR_ENV`` is set, stop (as on SIGTERM) once this process's parent is gone: at once if the
+        supervisor was gone before this process looked, else when the parent changes (the orphan is re-parented).
+        False when no supervisor is named, or it is watched already."""
+        named = os.environ.get(SUPERVISOR_ENV, "")
+        if not named.isdigit() or self._watching:
+            return False
+        self._watching, parent = True, os.getppid()
+        if parent != int(named) and not _exists(int(named)):
+            self.stop("supervisor's exit")
+            return True
+
+        def watch() -> None:
+            while not self._done.wait(PARENT_POLL_S):
+                if os.getppid() != parent:
+                    log.warning("%s: its supervisor (pid %d) is gone: stopping", self.name, parent)
+                    self.stop("supervisor's exit")
+                    return
+        threading.Thread(target=watch, name="supervisor-watch", daemon=True).start()
+        return True
 
     # -- stopping ------------------------------------------------------------------------------------------------
 

@@ -150,3 +150,46 @@ def test_an_unreachable_broker_is_waited_for_then_a_non_zero_exit(tmp_path):
     assert code == 1, out
     assert f"waiting for the Kafka broker at 127.0.0.1:{port} to answer" in out
     assert f"no Kafka broker answered at 127.0.0.1:{port}" in out and "Traceback" not in out
+
+
+SUPERVISOR = """
+import sys, time
+from pathlib import Path
+from rlstream.infra.supervisor import StageProc, stage_env
+bootstrap, run, log = sys.argv[1:4]
+stage = StageProc("reward", ["run", "reward", "--reward", "tests.reward_fns:picky"], stage_env(bootstrap, run),
+                  Path(log), cwd=Path.cwd()).start()
+print(stage.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie waiting for whoever adopted it to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_stops_and_commits_when_its_supervisor_is_sigkilled(bootstrap, run_name, tmp_path):
+    """A supervisor killed without a word (SIGKILL: no cleanup runs) leaves no stage working on, orphaned."""
+    import sys
+
+    from tests.helpers import ROOT
+    log = tmp_path / "reward.log"
+    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, bootstrap, run_name, str(log)], cwd=ROOT,
+                                  stdout=subprocess.PIPE, text=True)
+    try:
+        stage = int(supervisor.stdout.readline())
+        produce(bootstrap, run_name, "trajectories", [(b"k", make_trajectory(1, response="ok"), None)])
+        assert read_all(bootstrap, run_name, "rewards", expect=1), "the stage never scored the record"
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+    wait_for(lambda: not _running(stage), 30, "the orphaned stage to stop")
+    out = log.read_text()
+    assert f"its supervisor (pid {supervisor.pid}) is gone: stopping" in out, out[-3000:]
+    assert committed_offsets(bootstrap, f"{run_name}.reward", run_name, "trajectories"), out[-3000:]
