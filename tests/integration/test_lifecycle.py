@@ -6,12 +6,14 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 
 import pytest
 
 from rlstream.schemas import headers as hdr
+from tests.helpers import ROOT
 from tests.helpers.kafka import committed_offsets, make_trajectory, produce, read_all, wait_for
 from tests.helpers.servers import free_port
 
@@ -125,7 +127,6 @@ def test_a_sigtermed_trainer_exits_0_with_what_it_trained_committed(bootstrap, r
 def test_a_sigtermed_paced_prompt_source_flushes_and_exits_0(bootstrap, run_name, tmp_path):
     """An orchestrator stops `rlstream prompts --paced` (which never ends by itself) with SIGTERM."""
     from rlstream.infra.supervisor import StageProc, stage_env
-    from tests.helpers import ROOT
     proc = StageProc("prompts", ["prompts", "--task", "reverse", "--count", "0", "--paced"],
                      stage_env(bootstrap, run_name), tmp_path / "prompts.log", cwd=ROOT).start()
     try:
@@ -141,7 +142,6 @@ def test_a_sigtermed_paced_prompt_source_flushes_and_exits_0(bootstrap, run_name
 
 def test_an_unreachable_broker_is_waited_for_then_a_non_zero_exit(tmp_path):
     from rlstream.infra.supervisor import StageProc, stage_env
-    from tests.helpers import ROOT
     port = free_port()
     proc = StageProc("monitor", ["run", "monitor", "--bootstrap", f"127.0.0.1:{port}", "--broker-wait-s", "5"],
                      stage_env(f"127.0.0.1:{port}", "never"), tmp_path / "monitor.log", cwd=ROOT).start()
@@ -176,9 +176,6 @@ def _running(pid: int) -> bool:
 @pytest.mark.timeout(120)
 def test_a_stage_stops_and_commits_when_its_supervisor_is_sigkilled(bootstrap, run_name, tmp_path):
     """A supervisor killed without a word (SIGKILL: no cleanup runs) leaves no stage working on, orphaned."""
-    import sys
-
-    from tests.helpers import ROOT
     log = tmp_path / "reward.log"
     supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, bootstrap, run_name, str(log)], cwd=ROOT,
                                   stdout=subprocess.PIPE, text=True)
