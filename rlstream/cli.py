@@ -110,6 +110,8 @@ def _make_stage(name: str, args: argparse.Namespace):
 def _run_process(args: argparse.Namespace, life, runtime) -> None:
     kafka = kafka_settings(args)  # waits for the broker (--broker-wait-s), then a UserError
     from rlstream.runtime.chain import CHAINS
+    from rlstream.runtime.profile import maybe_start
+    maybe_start(args.stage)  # a chain too: its file is named env+reward-PID
     if args.stage in CHAINS:  # two stages, one process, one transaction each batch (runtime/chain.py)
         first, second = (_make_stage(name, args) for name in CHAINS[args.stage])
         life.serve_metrics(runtime.metrics_port, runtime.metrics_addr)
@@ -118,8 +120,6 @@ def _run_process(args: argparse.Namespace, life, runtime) -> None:
         return
     stage = _make_stage(args.stage, args)
     life.serve_metrics(runtime.metrics_port, runtime.metrics_addr)
-    from rlstream.runtime.profile import maybe_start
-    maybe_start(args.stage)
     if STAGES[args.stage][0] == SERVICE:
         # A service: ``serve(kafka, runtime)`` runs its loop until ``stop()`` (or its own end).
         forget = life.on_stop(stage.stop)

@@ -150,12 +150,23 @@ class Handlers:
         _settle(future, task)
         self._start_waiting()
 
-    def submit_sync(self, item: Incoming) -> Future:
-        """One record through the stage's sync handler on the pool; its future resolves on the pool's thread (or
-        the deadline watcher's, at its timeout)."""
-        future: Future = Future()
+    def submit_sync(self, item: Incoming, future: Future | None = None) -> Future:
+        """One record through the stage's sync handler on the pool; its future (``future``, else a new one)
+        resolves on the pool's thread (or the deadline watcher's, at its timeout)."""
+        future = Future() if future is None else future
         self.pool.submit(self._call_sync, self.sync, item, future)
         return future
+
+    def call_sync_here(self, item: Incoming, future: Future) -> None:
+        """``submit_sync`` on the calling thread, which must be one of the pool's: the handler runs now, its timeout
+        watched as on the pool (at the deadline ``future`` resolves with the timeout outcome, and its callbacks run,
+        whatever this thread is still doing: attach them first). A chain's second stage runs so on the thread that
+        finished the first."""
+        self._call_sync(self.sync, item, future)
+
+    def on_deadline_watcher(self) -> bool:
+        """Whether the calling thread is this stage's timeout watcher, which must never run a handler."""
+        return self._deadlines is not None and self._deadlines.watching()
 
     def _call_sync(self, sync: SyncHandler, item: Incoming, future: Future) -> None:
         """On a pool thread: the record's handler, its timeout watched from when it starts (as on the loop, a record
@@ -239,6 +250,9 @@ class Deadlines:
                 self._thread.start()
             elif len(entries) == 1:
                 self._cond.notify()
+
+    def watching(self) -> bool:
+        return self._thread is threading.current_thread()
 
     def close(self) -> None:
         with self._cond:

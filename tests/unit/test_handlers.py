@@ -204,3 +204,84 @@ def test_a_chain_of_two_sync_stages_runs_on_the_pool_and_keeps_the_second_stages
         assert (scored.record.reward.failure_class, scored.record.reward.total) == ("judge_timeout", 0.0)
     finally:
         chain.close()
+
+
+#: The thread each call of ``noting_judge`` ran on (the chain tests below read it).
+JUDGED_ON: list[str] = []
+
+
+def noting_judge(trajectory):
+    """A sync judge that notes the thread it runs on."""
+    JUDGED_ON.append(threading.current_thread().name)
+    return 1.0
+
+
+def _env_reward_chain(env, **runtime):
+    from rlstream.kafka import records
+    from rlstream.kafka.topics import topic_name
+    from rlstream.runtime.chain import ChainHandlers
+    from rlstream.schemas import headers as hdr
+    from rlstream.stages.reward import RewardSettings, RewardStage
+
+    def encode(item, out):
+        return (topic_name("r", out.topic), out.key, records.encode(out.topic, out.record),
+                hdr.build(item.policy_version, hdr.child_traceparent(item.traceparent)))
+    return ChainHandlers(env, RewardStage(RewardSettings(reward="tests.unit.test_handlers:noting_judge")),
+                         RuntimeSettings(**runtime), "r", encode)
+
+
+def _action(i: int) -> Incoming:
+    from rlstream.schemas import headers as hdr
+    from tests.helpers.episodes import one_action_episode as episode
+    headers = {"policy_version": b"2", "traceparent": hdr.new_traceparent().encode()}
+    return Incoming("actions", 0, i, b"g", headers, 2, episode(i, "cba"))
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_chain_judges_on_the_thread_that_ran_the_env_and_never_on_the_timeout_watcher():
+    """``_both_sync``: the second stage's call runs on the pool thread that finished the first (no second pool
+    task per record); a first stage given up on at its timeout, whose outcome still feeds the second, has its
+    second call sent to the pool, never run on the deadline watcher (which would stall every other timeout)."""
+    from rlstream.runtime.chain import Chained
+    from rlstream.runtime.stage import SyncHandler
+    from rlstream.stages.env import EnvSettings, EnvStage
+
+    class NotingEnv(EnvStage):
+        """The real env, noting its thread; with ``hang`` its handler overruns a 0.3 s timeout whose outcome is
+        the env's own outputs (a stage whose timed_out feeds the second; this env's own would dead-letter)."""
+
+        def __init__(self, hang: bool):
+            super().__init__(EnvSettings(sandbox="subprocess"))
+            self.hang, self.ran_on = hang, []
+
+        def sync_handler(self):
+            def fn(item):
+                self.ran_on.append(threading.current_thread().name)
+                if self.hang:
+                    threading.Event().wait(1.0)
+                return self.handle(item)
+            return SyncHandler(fn, 0.3, self.handle) if self.hang else SyncHandler(fn)
+
+    env = NotingEnv(hang=False)
+    chain = _env_reward_chain(env, handler_timeout_s=30, concurrency=4)
+    try:
+        JUDGED_ON.clear()
+        futures = chain.submit([_action(i) for i in range(8)])
+        for f in futures:
+            chained = f.result(timeout=30)
+            assert isinstance(chained, Chained) and len(chained.handed) == 1
+            assert chained.handed[0][1][0][0].record.reward.total == 1.0
+        assert sorted(JUDGED_ON) == sorted(env.ran_on) and all(n.startswith("env-handler") for n in JUDGED_ON)
+    finally:
+        chain.close()
+
+    env = NotingEnv(hang=True)
+    chain = _env_reward_chain(env, handler_timeout_s=30, concurrency=4)
+    try:
+        JUDGED_ON.clear()
+        [future] = chain.submit([_action(0)])
+        chained = future.result(timeout=0.9)  # the env's handler waits 1 s; its timeout is 0.3 s
+        assert isinstance(chained, Chained) and chained.handed[0][1][0][0].record.reward.total == 1.0
+        assert len(JUDGED_ON) == 1 and JUDGED_ON[0].startswith("env-handler"), JUDGED_ON
+    finally:
+        chain.close()
