@@ -59,6 +59,13 @@ class Slot:
         if self._on_done is not None:
             self._on_done(self)
 
+    def release(self) -> None:
+        """Behind the commit point, its outputs produced: let go of its future, input and outputs. The future's
+        done-callback (``_finished``) refers back to this slot, a reference cycle per record around its decoded
+        input and its outputs that only the cyclic garbage collector would otherwise free (runtime/chain.py's
+        ``_BothSync`` measures what such cycles cost)."""
+        self.future = self.item = self.result = None
+
     def resolve(self, result: Any) -> None:
         """Settle the slot without a handler (e.g. rejected at decode)."""
         self.result, self._has_result = result, True
@@ -264,6 +271,7 @@ class OffsetWindow:
                 last = slots.popleft()
                 self.size -= 1
                 base = last.msg.offset() + 1
+                last.release()
             if slots:
                 base = slots[0].msg.offset()
                 ahead = [s.msg.offset() for s in slots if s.emitted]

@@ -103,25 +103,30 @@ def test_every_record_is_emitted_once_and_commit_points_never_pass_an_unfinished
         offset = next_offset.get(partition, 0)
         next_offset[partition] = offset + 1
         slots.append(w.add(slot(partition, offset)))
+    futures = [s.future for s in slots]  # a slot lets go of its future once behind the commit point
     order = list(range(len(slots)))
     rnd.shuffle(order)
     emitted: list[tuple[int, int]] = []
     for n, i in enumerate(order, 1):  # finish in any order, commit every few
-        slots[i].future.set_result([])
+        futures[i].set_result([])
         if n % every and n != len(order):
             continue
         emitted += [(s.msg.partition(), s.msg.offset()) for s in w.ready()]
         for (_, p), (base, meta) in w.commit_points().items():
-            unfinished = [s.msg.offset() for s in slots if s.msg.partition() == p and not s.future.done()]
+            unfinished = [s.msg.offset() for s, f in zip(slots, futures) if s.msg.partition() == p and not f.done()]
             assert not unfinished or base <= min(unfinished), "committed past an unfinished record"
             listed = decode_done_ahead(base, meta)
-            assert all(slots_done(slots, p, o) for o in listed) and not listed & set(unfinished)
+            assert all(slots_done(slots, futures, p, o) for o in listed) and not listed & set(unfinished)
     assert sorted(emitted) == sorted({(s.msg.partition(), s.msg.offset()) for s in slots})
     assert w.size == 0
+    # Passed by the commit point, every slot has let go of its future (whose callback refers back to the slot: a
+    # reference cycle per record otherwise), its input and its outputs.
+    assert all(s.future is None and s.item is None and s.result is None for s in slots)
 
 
-def slots_done(slots, partition, offset):
-    return any(s.msg.partition() == partition and s.msg.offset() == offset and s.future.done() for s in slots)
+def slots_done(slots, futures, partition, offset):
+    return any(s.msg.partition() == partition and s.msg.offset() == offset and f.done()
+               for s, f in zip(slots, futures))
 
 
 def test_done_ahead_offsets_list_each_partitions_records_past_its_offset_and_what_did_not_fit():
