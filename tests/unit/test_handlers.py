@@ -285,3 +285,46 @@ def test_a_sync_chain_judges_on_the_thread_that_ran_the_env_and_never_on_the_tim
         assert len(JUDGED_ON) == 1 and JUDGED_ON[0].startswith("env-handler"), JUDGED_ON
     finally:
         chain.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_chain_record_cancelled_while_its_env_runs_is_never_judged_and_lets_go_of_it():
+    """A rewind cancels a record's future while its first stage runs (``_BothSync``): the env finishes, the judge
+    never runs, and the chain holds nothing of the record afterwards."""
+    import time
+
+    from rlstream.runtime.stage import SyncHandler
+    from rlstream.stages.env import EnvSettings, EnvStage
+
+    class GatedEnv(EnvStage):
+        def __init__(self):
+            super().__init__(EnvSettings(sandbox="subprocess"))
+            self.entered, self.go, self.left = threading.Event(), threading.Event(), threading.Event()
+
+        def sync_handler(self):
+            def fn(item):
+                self.entered.set()
+                self.go.wait(10)
+                try:
+                    return self.handle(item)
+                finally:
+                    self.left.set()
+            return SyncHandler(fn)
+
+    env = GatedEnv()
+    chain = _env_reward_chain(env, handler_timeout_s=30, concurrency=4)
+    try:
+        JUDGED_ON.clear()
+        [future] = chain.submit([_action(0)])
+        assert env.entered.wait(10)
+        future.cancel()  # a running first stage cannot be stopped, but the record is
+        assert future.cancelled()
+        call = next(cb.__self__ for cb in future._done_callbacks)  # the record's _BothSync
+        env.go.set()
+        assert env.left.wait(10)
+        time.sleep(0.2)  # the env's future resolves, and its callback runs, on the pool thread
+        assert JUDGED_ON == []
+        # Let go of: nothing it holds refers back to it through a future's callbacks any more.
+        assert (call.outer, call.first, call.item, call.chained, call.seconds) == (None, None, None, None, [])
+    finally:
+        chain.close()
