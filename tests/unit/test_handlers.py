@@ -180,24 +180,16 @@ def test_a_sync_reward_function_is_given_up_on_at_the_judge_timeout_with_a_judge
 def test_a_chain_of_two_sync_stages_runs_on_the_pool_and_keeps_the_second_stages_timeout_outcome():
     """env+reward with a sync judge (runtime/chain.py ``_both_sync``): no event loop; the env's trajectory is
     handed over, and a judge past --judge-timeout-s still gives its judge_timeout reward within the chain."""
-    from rlstream.kafka import records
-    from rlstream.kafka.topics import topic_name
-    from rlstream.runtime.chain import ChainHandlers, Chained
-    from rlstream.schemas import headers as hdr
+    from rlstream.runtime.chain import Chained
     from rlstream.stages.env import EnvSettings, EnvStage
-    from rlstream.stages.reward import RewardSettings, RewardStage
-    from tests.helpers.episodes import one_action_episode as episode
+    from rlstream.stages.reward import RewardSettings
 
-    def encode(item, out):
-        return (topic_name("r", out.topic), out.key, records.encode(out.topic, out.record),
-                hdr.build(item.policy_version, hdr.child_traceparent(item.traceparent)))
-    chain = ChainHandlers(EnvStage(EnvSettings(sandbox="subprocess")),
-                          RewardStage(RewardSettings(reward="tests.unit.test_verifiers:sleepy", judge_timeout_s=0.3)),
-                          RuntimeSettings(handler_timeout_s=30), "r", encode)
+    chain = _env_reward_chain(EnvStage(EnvSettings(sandbox="subprocess")),
+                              RewardSettings(reward="tests.unit.test_verifiers:sleepy", judge_timeout_s=0.3),
+                              handler_timeout_s=30)
     try:
         assert not chain.loop.is_running()
-        headers = {"policy_version": b"2", "traceparent": hdr.new_traceparent().encode()}
-        [future] = chain.submit([Incoming("actions", 0, 0, b"g", headers, 2, episode(0, "cba"))])
+        [future] = chain.submit([_action(0)])
         chained = future.result(timeout=0.9)  # the judge sleeps 1 s
         assert isinstance(chained, Chained) and [out.topic for out, _ in chained.first] == ["trajectories"]
         [(_, [(scored, _)])] = chained.handed
@@ -216,7 +208,9 @@ def noting_judge(trajectory):
     return 1.0
 
 
-def _env_reward_chain(env, **runtime):
+def _env_reward_chain(env, reward=None, **runtime):
+    """``env`` chained with a reward stage of ``reward`` (RewardSettings; else judged by ``noting_judge``), outputs
+    encoded as the runner would."""
     from rlstream.kafka import records
     from rlstream.kafka.topics import topic_name
     from rlstream.runtime.chain import ChainHandlers
@@ -226,8 +220,8 @@ def _env_reward_chain(env, **runtime):
     def encode(item, out):
         return (topic_name("r", out.topic), out.key, records.encode(out.topic, out.record),
                 hdr.build(item.policy_version, hdr.child_traceparent(item.traceparent)))
-    return ChainHandlers(env, RewardStage(RewardSettings(reward="tests.unit.test_handlers:noting_judge")),
-                         RuntimeSettings(**runtime), "r", encode)
+    reward = reward or RewardSettings(reward="tests.unit.test_handlers:noting_judge")
+    return ChainHandlers(env, RewardStage(reward), RuntimeSettings(**runtime), "r", encode)
 
 
 def _action(i: int) -> Incoming:
