@@ -12,7 +12,9 @@ Modes (``--modes``): ``fast`` is the trainer's defaults; ``checkpoint-every-vers
 benchmark, a full checkpoint (weights, tokenizer, optimizer state) written to the store for every version and
 loaded from there by rollout (``--checkpoint-every 1 --weights-transport store``), so one run compares them;
 ``fast-transformers`` is ``fast`` with rollout on plain transformers instead of vLLM; ``fused`` is ``fast`` with
-env and reward chained in one process and one transaction (``rlstream run env+reward``, rlstream/runtime/chain.py).
+env and reward chained in one process and one transaction (``rlstream run env+reward``, rlstream/runtime/chain.py);
+``batch`` and ``fused-batch`` are ``fast`` and ``fused`` with env and reward unpipelined (``--no-pipeline``: each
+poll's records in one call of each stage's ``handle_batch``, one transaction per poll).
 
 ``RLSTREAM_PROFILE=DIR`` (``rlstream.runtime.profile``) on this command profiles every stage process too.
 """
@@ -35,7 +37,11 @@ MODES = {"fast": ([], None),
          # The same loop with rollout on plain transformers: what vLLM's engine costs around a 0.5 M model.
          "fast-transformers": ([], "transformers"),
          # fast, with env and reward chained in one process and one transaction (rlstream run env+reward).
-         "fused": ([], None)}
+         "fused": ([], None),
+         # fast and fused with env and reward unpipelined (--no-pipeline): each poll's records one call per stage
+         # (EnvStage/RewardStage.handle_batch on a single-turn task and a sync judge), one transaction per poll.
+         "batch": ([], None),
+         "fused-batch": ([], None)}
 
 
 def transactions(loop: Loop) -> dict[str, float]:
@@ -76,11 +82,12 @@ def run_mode(mode: str, args) -> dict:
     trainer_flags, backend = MODES[mode]
     loop.trainer(eta=2, groups_per_step=16, lr=1e-4, warmup_steps=args.warmup_steps, extra=tuple(trainer_flags))
     loop.rollout(eta=2, backend=backend or args.backend)
-    if mode == "fused":
-        loop.env_reward("benchmarks.harness.workloads:exact", concurrency=256)
+    stage_flags = ("--no-pipeline",) if mode.endswith("batch") else ()
+    if mode.startswith("fused"):
+        loop.env_reward("benchmarks.harness.workloads:exact", concurrency=256, extra=stage_flags)
     else:
-        loop.env_stage()
-        loop.reward("benchmarks.harness.workloads:exact", concurrency=256)
+        loop.env_stage(extra=stage_flags)
+        loop.reward("benchmarks.harness.workloads:exact", concurrency=256, extra=stage_flags)
     versions = Versions(loop)
     source = PacedSource(loop, versions, mode="async", eta=2, groups_per_step=16)
     try:

@@ -96,20 +96,22 @@ class Loop:
                         ["run", "rollout", "--backend", backend, "--eta", str(eta), "--threads", "1",
                          "--instance", str(instance), "--batch-size", str(batch_size)])
 
-    def env_stage(self) -> StageProc:
+    def env_stage(self, extra: tuple = ()) -> StageProc:
         """The env stage, tools in subprocess sandboxes."""
-        return self.add("env", ["run", "env", "--instance", "0", "--sandbox", "subprocess"])
+        return self.add("env", ["run", "env", "--instance", "0", "--sandbox", "subprocess", *extra])
 
-    def env_reward(self, fn: str, *, concurrency: int = 256, batch_size: int = 256) -> StageProc:
+    def env_reward(self, fn: str, *, concurrency: int = 256, batch_size: int = 256, extra: tuple = ()) -> StageProc:
         """env and reward chained in one process and one transaction (``rlstream run env+reward``)."""
         return self.add("env+reward", ["run", "env+reward", "--instance", "0", "--sandbox", "subprocess", "--reward",
-                                       fn, "--concurrency", str(concurrency), "--batch-size", str(batch_size)])
+                                       fn, "--concurrency", str(concurrency), "--batch-size", str(batch_size),
+                                       *extra])
 
-    def reward(self, fn: str, *, instance: int = 0, concurrency: int = 256, batch_size: int = 256) -> StageProc:
+    def reward(self, fn: str, *, instance: int = 0, concurrency: int = 256, batch_size: int = 256,
+               extra: tuple = ()) -> StageProc:
         """A reward worker with reward function ``fn`` (a dotted path)."""
         return self.add("reward" if instance == 0 else f"reward{instance}",
                         ["run", "reward", "--reward", fn, "--instance", str(instance),
-                         "--concurrency", str(concurrency), "--batch-size", str(batch_size)])
+                         "--concurrency", str(concurrency), "--batch-size", str(batch_size), *extra])
 
     def start(self) -> None:
         """Start every stage."""

@@ -26,6 +26,9 @@ class Environment:
 
     name = "base"
     version = "1"
+    #: Whether ``step`` returns at once, running nothing (no sandbox, no server): such an env's episodes may be
+    #: stepped one after another on one thread (the env stage's ``handle_batch``) without one waiting on another.
+    instant = False
 
     def reset(self, task: Task) -> dict:
         """Initial state of an episode of ``task`` (raise InvalidRecord for a task this env cannot run)."""
@@ -61,6 +64,7 @@ class SingleTurn(Environment):
     """One action, then done: the reward stage judges the response."""
 
     name = "single"
+    instant = True
 
     def step(self, episode: Episode) -> StepResult:
         return StepResult(done=True)

@@ -143,6 +143,38 @@ class EnvStage(Stage):
             env = self._envs[name] = ENVIRONMENTS[name](self.sandbox)  # racing threads build equal ones
         return env
 
+    @property
+    def batched(self) -> bool:
+        # Per record by default (pipelined: an episode's tool call never waits for another's); handle_batch serves
+        # the unpipelined runs (--no-pipeline).
+        return False
+
+    def handle_batch(self, items: list[Incoming]) -> list[list[Output] | Exception] | None:
+        """A whole unpipelined batch in one call on this thread when no episode of it can block: each already
+        finished or failed, or of a built-in env whose step runs nothing (``Environment.instant``: single-turn).
+        Such a step costs microseconds, less than the thread hop and event-loop turn per record of the per-record
+        path. Any other batch takes that path (None), where tool calls and env servers overlap."""
+        if not all(self._instant(item.record) for item in items):
+            return None
+        out: list[list[Output] | Exception] = []
+        for item in items:
+            try:
+                out.append(self.handle(item))
+            except Exception as exc:  # this record alone is dead-lettered (InvalidRecord: reason invalid)
+                out.append(exc)
+        return out
+
+    def _instant(self, ep: Episode) -> bool:
+        """Whether ``handle`` on this episode returns at once, running no tool, plugin or server call."""
+        if ep.failure is not None or ep.done:
+            return True
+        if self.plugin(ep.task.env_name) is not None:
+            return False
+        try:
+            return self.environment(ep.task.env_name).instant
+        except InvalidRecord:
+            return True  # handle refuses it at once (dead-lettered as invalid)
+
     def handle(self, item: Incoming) -> list[Output]:
         ep: Episode = item.record
         if ep.failure is not None or ep.done:

@@ -163,6 +163,39 @@ def test_invalid_episodes_are_rejected(stage):
             stage.handle(incoming(ep))
 
 
+def test_an_unpipelined_batch_of_single_turn_episodes_is_one_call_with_what_each_record_gives_alone(stage):
+    """EnvStage.handle_batch (--no-pipeline): episodes that cannot block are stepped on the calling thread, each
+    with the outputs ``handle`` gives it, a bad one refused alone; pipelined stays the default."""
+    failed = make_episode("single", ("x",))
+    failed.failure, failed.done = Failure("prompt_too_long", "no room", "rollout"), True
+    finished_tool = make_episode("calculator", ("calc(1+1)",), max_turns=3)
+    finished_tool.done = True  # a tool env's finished episode runs no tool
+    misaligned = make_episode("single", ("x",))
+    misaligned.loss_mask.append(1)
+    episodes = [make_episode("single", ("cba",)), failed, finished_tool, make_episode("nosuchenv", ("x",)),
+                misaligned]
+    out = stage.handle_batch([incoming(ep) for ep in episodes])
+    assert stage.batched is False
+    assert len(out) == 5 and all(isinstance(o, list) for o in out[:3])
+    alone = [stage.handle(incoming(ep)) for ep in episodes[:3]]
+    for got, want in zip(out[:3], alone):
+        assert [(o.topic, o.key, o.policy_version, o.record.status, o.record.response) for o in got] == \
+               [(o.topic, o.key, o.policy_version, o.record.status, o.record.response) for o in want]
+    assert [o.record.status for o, in out[:3]] == ["ok", "failed", "ok"]
+    assert isinstance(out[3], InvalidRecord) and "unknown env" in str(out[3])
+    assert isinstance(out[4], InvalidRecord)
+
+
+@pytest.mark.parametrize("episode", [make_episode("calculator", ("calc(1+1)",), max_turns=3),
+                                     make_episode("python", ("```python\nprint(1)\n```",), max_turns=3),
+                                     make_episode("tools", ("x",), max_turns=3)],
+                         ids=["calculator", "python", "tools-plugin"])
+def test_a_batch_with_an_episode_that_may_run_a_tool_keeps_the_per_record_path(stage, episode):
+    """One episode whose step may run a sandbox or plugin sends the whole batch per record (None), where steps
+    overlap rather than queue behind one thread."""
+    assert stage.handle_batch([incoming(make_episode("single", ("cba",))), incoming(episode)]) is None
+
+
 def test_env_version_recorded(monkeypatch):
     class V2(Environment):
         name, version = "v2env", "2"
