@@ -148,6 +148,10 @@ def render_configuration(name: str, runs: list[Run]) -> str:
             + (f", seed {', '.join(map(str, seeds))}" if seeds else "")
             + f"; 1-minute load {_span([ln['load_before'][0] for ln in lines])} "
             f"before, {_span([ln['load_after'][0] for ln in lines])} after; {' / '.join(machines)}")
+    recovered = sum(1 for ln in lines if ln.get("recovered"))
+    if recovered:  # a line rebuilt from what its run printed (its `recovered` says how), never a figure made up
+        head += (f"; {recovered} of the lines rebuilt from their runs' printed RESULT lines (`recovered` and "
+                 "`result_line` in the raw line)")
     goals: dict[str, Goal] = {}
     for ln in lines:  # the latest run's goal for a figure, if the goal moved
         goals.update({g["figure"]: Goal.from_json(g) for g in ln.get("goals", [])})

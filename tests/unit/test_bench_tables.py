@@ -37,6 +37,13 @@ def test_configurations_apart_and_the_verdict_per_figure(tmp_path):
     assert "load 1.5 before, 2.5 after" in full
 
 
+def test_a_line_rebuilt_from_its_printed_result_is_counted_in_the_head(tmp_path):
+    rebuilt = {**_line(["--n", "10"], 0.9), "recovered": "from the run's RESULT line", "result_line": "RESULT hop"}
+    text = render("hop", _results(tmp_path, {"hop": [_line(["--n", "10"], 0.8), rebuilt]})["hop"])
+    assert "1 of the lines rebuilt from their runs' printed RESULT lines" in text
+    assert "rebuilt" not in render("hop", _results(tmp_path, {"hop": [_line(["--n", "10"], 0.8)]})["hop"])
+
+
 def test_where_a_run_writes_is_not_its_configuration(tmp_path):
     results = _results(tmp_path, {"hop": [_line(["--n", "10", "--json", "/tmp/a.json"], 0.8),
                                            _line(["--json=/tmp/b.json", "--n", "10"], 0.9)]})
