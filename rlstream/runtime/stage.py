@@ -106,6 +106,19 @@ class Stage:
         """Release what the stage holds (engines, pools)."""
 
 
+def each_alone(handle: Callable[[Incoming], list[Output]], items: list[Incoming]) -> list[list[Output] | Exception]:
+    """A ``handle_batch`` made of a per-record handler called on this thread, one record after another: each
+    record's outputs, or the exception it raised in its place (that record alone dead-lettered, as
+    ``Stage.handle_batch`` says)."""
+    out: list[list[Output] | Exception] = []
+    for item in items:
+        try:
+            out.append(handle(item))
+        except Exception as exc:
+            out.append(exc)
+    return out
+
+
 class StageContext:
     """What a stage may do to its own consumption: pause and resume partitions."""
 

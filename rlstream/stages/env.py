@@ -26,7 +26,7 @@ from rlstream.envs.builtin import (ENVIRONMENTS, Calculator, Environment, Python
                                    action_turns, register_environment, tool_calls, turn_budget_used)
 from rlstream.envs.live import LiveEnvs
 from rlstream.envs.remote import RemoteEnvs, TaskRetries
-from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage
+from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, each_alone
 from rlstream.sandbox import Sandbox, SandboxLimits
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Episode, Failure, Task, Trajectory, Turn, episode_key
@@ -154,15 +154,7 @@ class EnvStage(Stage):
         finished or failed, or of a built-in env whose step runs nothing (``Environment.instant``: single-turn).
         Such a step costs microseconds, less than the thread hop and event-loop turn per record of the per-record
         path. Any other batch takes that path (None), where tool calls and env servers overlap."""
-        if not all(self._instant(item.record) for item in items):
-            return None
-        out: list[list[Output] | Exception] = []
-        for item in items:
-            try:
-                out.append(self.handle(item))
-            except Exception as exc:  # this record alone is dead-lettered (InvalidRecord: reason invalid)
-                out.append(exc)
-        return out
+        return each_alone(self.handle, items) if all(self._instant(item.record) for item in items) else None
 
     def _instant(self, ep: Episode) -> bool:
         """Whether ``handle`` on this episode returns at once, running no tool, plugin or server call."""

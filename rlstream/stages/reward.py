@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from rlstream.config import knob
 from rlstream.rewards import as_result, check_turn_scores, judging, load_reward
-from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, SyncHandler
+from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, SyncHandler, each_alone
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Reward, ScoredTrajectory, Trajectory, scored_topic
 
@@ -105,15 +105,7 @@ class RewardStage(Stage):
         A sync judgement that runs past ``judge_timeout_s`` is recorded as ``judge_timeout``, as on the per-record
         path, but the batch waits for it: a sync judge that can hang belongs on the pipelined default, where its
         thread is left behind."""
-        if not self.judges_in_batches:
-            return None
-        out: list[list[Output] | Exception] = []
-        for item in items:
-            try:
-                out.append(self._handle_sync(item))
-            except Exception as exc:  # this record alone is dead-lettered (InvalidRecord: reason invalid)
-                out.append(exc)
-        return out
+        return each_alone(self._handle_sync, items) if self.judges_in_batches else None
 
     def _scored(self, item: Incoming, reward: Reward) -> list[Output]:
         traj: Trajectory = item.record
