@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from rlstream.config import KafkaSettings
 from rlstream.kafka.topics import MAX_MESSAGE_BYTES
@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 #: Replacements allowed within REPLACE_WINDOW_S before a fatal error is taken as permanent.
 MAX_REPLACEMENTS = 5
 REPLACE_WINDOW_S = 600.0
+
+#: What a transaction's offset commit answers when the consumer whose group metadata it carries no longer holds
+#: its place in the group (fenced by its own instance id, or left behind by a rebalance it did not see).
+MEMBERSHIP_LOST = (KafkaError.FENCED_INSTANCE_ID, KafkaError.UNKNOWN_MEMBER_ID, KafkaError.ILLEGAL_GENERATION)
 
 
 def group_consumer_config(kafka: KafkaSettings, group_id: str, instance: str = "",
@@ -133,6 +137,26 @@ class GroupMember:
         self.consumer = Consumer(self._config)
         if self._subscribed:
             self.consumer.subscribe(self.topics, **self._callbacks)
+
+    def rejoin(self, err: KafkaError, timeout: float = 60.0) -> set[tuple[str, int]]:
+        """Replace the consumer (``replace``) and wait until the new one holds partitions: the (topic, partition)s
+        it holds, empty if none came within ``timeout``. What it reads meanwhile is dropped, so before reading on,
+        the caller moves it back with ``seek_committed``."""
+        self.replace(err)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.consume(1, 0.2)  # joins, and runs the assignment callbacks
+            held = {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
+            if held:
+                return held
+        return set()
+
+    def seek_committed(self) -> None:
+        """Move every held partition to the group's committed offset (its start where none is committed)."""
+        held = self.consumer.assignment()
+        for tp in self.consumer.committed(held, timeout=30):
+            tp.offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+            self.consumer.seek(tp)
 
     def commit_consumed(self, msgs: list[Message]) -> bool:
         """Commit, outside any transaction, the positions past these records; False if the broker refused.

@@ -5,7 +5,8 @@ become visible together or not at all. What can go wrong, and what this module d
 
 - A broker that is still starting (or moving its transaction coordinator) answers ``init_transactions`` with
   retriable errors: the producer waits for it instead of exiting.
-- A transaction that fails with an abortable or retriable error is aborted; the caller re-reads its inputs.
+- A transaction that fails with an abortable or retriable error is aborted; the caller re-reads its inputs (or,
+  holding state it cannot re-read, tries the same outputs again: ``failure`` says why the last one failed).
 - A producer that librdkafka declares fatal (but not fenced) is replaced in-process by a new one with the same
   transactional id, whose registration aborts the open transaction; the caller re-reads its inputs.
 - A call that never returns (librdkafka can block in ``send_offsets_to_transaction`` after a broker restart,
@@ -141,6 +142,7 @@ class TransactionalProducer:
         self._bounded = Caller()
         self._kafka = kafka
         self._outside: TypedProducer | None = None
+        self.failure: KafkaError | None = None  # why the last transact() returned False, when the broker said
 
     @property
     def transaction_timeout_s(self) -> float:
@@ -188,6 +190,7 @@ class TransactionalProducer:
         Returns False when the transaction was aborted instead (the caller re-reads its inputs from before it);
         raises, after aborting, whatever ``body`` raised that is not a Kafka error; raises when fenced.
         """
+        self.failure = None
         self.producer.begin_transaction()
         try:
             offsets = [TopicPartition(t, p, o, metadata=meta) if meta is not None else TopicPartition(t, p, o)
@@ -226,7 +229,7 @@ class TransactionalProducer:
 
     def _recover(self, exc: KafkaException) -> None:
         """After a failed call in the open transaction: abort it (or replace the producer), or raise if fenced."""
-        err = exc.args[0]
+        err = self.failure = exc.args[0]
         if err.txn_requires_abort() or err.retriable():
             log.warning("%s transaction failed (%s); aborting and redoing the batch", self.who, err)
             self.abort()

@@ -64,7 +64,7 @@ import torch
 from rlstream import metrics
 from rlstream.kafka import records
 from rlstream.kafka.tail import read_from
-from rlstream.kafka.topics import MAX_MESSAGE_BYTES, topic_name
+from rlstream.kafka.topics import MAX_MESSAGE_BYTES, delete_before, topic_name
 from rlstream.kafka.transactions import transfer_timeout_s
 from rlstream.policy.deltas import ANCHOR, DELTA, Content, apply, content_hash, encode, split, write_folder
 from rlstream.policy.log_bases import BaseOnLog, adapter_base
@@ -106,6 +106,7 @@ class WeightLogWriter:
         self._positions = Positions()  # the committed versions' records, for retention
         self._partitions: int | None = None  # the weights topic's, read once
         self._pending = None
+        self._log_start: dict[int, int] = {}  # each partition's start offset after the last truncate
         self._prepared = None  # (version, content, anchor, the payload's future): prepare's
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weights-encode")
         # The last anchor's payload once produced (its records are encoded copies): the next anchor is built in it.
@@ -220,6 +221,18 @@ class WeightLogWriter:
         """partition -> offset before which no record is needed when versions from ``keep_from`` on must stay
         readable (``manifest.Positions``); empty when no anchor at or below it is known."""
         return self._positions.truncation_points(keep_from)
+
+    def truncate(self, client_config: dict, keep_from: int) -> None:
+        """Delete the log before the anchor that version ``keep_from`` builds on; housekeeping, so a failure is
+        logged and the next call tries again."""
+        for partition, offset in self.truncation_points(keep_from).items():
+            if offset <= self._log_start.get(partition, 0):
+                continue
+            try:
+                self._log_start[partition] = delete_before(client_config, self.run, "weights", partition, offset)
+            except Exception as exc:
+                log.warning("could not delete the weights log's partition %d before offset %d: %s", partition,
+                            offset, exc)
 
 
 @dataclass

@@ -4,7 +4,8 @@ A training step is a transaction: the version's folder is written to the weight 
 first (its weights every version, the optimizer state every ``--checkpoint-every``:
 ``trainer/checkpoint.py``), then the PolicyVersion record and the offsets of the samples used are
 committed together. A crash in between redoes the step; no version is announced
-whose samples were not consumed, and a restart resumes from the last announced one.
+whose samples were not consumed, and a restart resumes from the last announced one. A transaction the broker
+aborts is tried again with the same outputs before the process exits to redo the step (``trainer/announce.py``).
 
 The window trains complete groups out of log order, so a committed offset stops at the oldest sample still held;
 what was trained (or evicted) past it is listed in the offset's metadata, committed in the same transaction
@@ -35,7 +36,7 @@ from rlstream.kafka import records
 from rlstream.kafka.group import GroupMember
 from rlstream.kafka.inflight import committed_done_ahead, done_ahead_offsets
 from rlstream.kafka.records import Rejected
-from rlstream.kafka.topics import delete_before, topic_name
+from rlstream.kafka.topics import topic_name
 from rlstream.kafka.transactions import TransactionalProducer
 from rlstream.models.devices import (cpu_has_bf16, enable_gradient_checkpointing, resolve_device,
                                      resolve_threads)
@@ -50,6 +51,7 @@ from rlstream.runtime import lifecycle
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion
+from rlstream.trainer.announce import announce
 from rlstream.trainer.chain import chain_stats
 from rlstream.trainer import shards
 from rlstream.trainer.checkpoint import PendingVersion, VersionWriter, load_resumed
@@ -99,7 +101,6 @@ class TrainerService:
         self._letters: list = []  # (message, reason, error) to dead-letter in the next transaction
         # Positions trained (or evicted) beyond the committed offsets before this consumer read them (their metadata).
         self._done_ahead: set[tuple[str, int, int]] = set()
-        self._log_start: dict[int, int] = {}  # each weights partition's start offset after the last truncation
         self._commit_s: float | None = None  # the last announcing transaction's seconds
         self._writer: VersionWriter | None = None  # built at the first publish, once the model is
         # Where a version's folder is written while its weights already go into the transaction (PendingVersion).
@@ -107,6 +108,7 @@ class TrainerService:
         self._tokenizer_hash: str | None = None  # the same for every version this process writes
         self._full_checkpoint: int | None = None  # the newest announced version with the optimizer state
         self._resuming = -1  # the announced version a restarted trainer resumes
+        self._member: GroupMember | None = None  # joined once version 0 is there (serve)
         distill = DistillConfig(settings.opd_kl, settings.opd_kl_mix, settings.opd_zero_outside_topk)
         self.update_cfg = UpdateConfig(loss=settings.loss, clip_eps=settings.clip_eps, is_cap=settings.is_cap,
                                        kl_coef=settings.kl_coef, distill=distill,
@@ -407,6 +409,13 @@ class TrainerService:
         if self.weight_log is None:
             pending.uri()  # nothing to send before the folder is there: the transaction stays short
         clock = {"committing": time.monotonic()}
+        letters = self._pop_letters()
+        # The samples this version was trained on are consumed in the same transaction, those past each offset in
+        # its metadata (version 0 is announced before the trainer joins its group: no samples, no offsets).
+        points, left_out = done_ahead_offsets(offsets or {}, self.window.released_ahead() if offsets else ())
+        if left_out:
+            log.warning("%d samples trained past the held head do not fit the offsets' metadata: a restart would "
+                        "train them again (a smaller --head-timeout-s or --window-groups keeps it short)", left_out)
 
         def body():
             weights_uri = None
@@ -427,17 +436,15 @@ class TrainerService:
                                    content_hash=written["digest"], probe_token_ids=probe_ids,
                                    probe_logprobs=probe_lps, **(self.lora.fields() if self.lora else {}))
             records.produce(self.txn, self.kafka.run, "policy-versions", policy, record, version)
-            for m, reason, error in self._pop_letters():
+            for m, reason, error in letters:
                 self.txn.dead_letter("trainer", m, reason, error)
-            # The samples this version was trained on are consumed in the same transaction, those past each offset
-            # in its metadata (version 0 is announced before the trainer joins its group: no samples, no offsets).
-            points, left_out = done_ahead_offsets(offsets or {}, self.window.released_ahead() if offsets else ())
-            if left_out:
-                log.warning("%d samples trained past the held head do not fit the offsets' metadata: a restart "
-                            "would train them again (a smaller --head-timeout-s or --window-groups keeps it short)",
-                            left_out)
             return points
-        if not self.txn.transact(body, lambda: self.consumer.consumer_group_metadata()):
+        committed, rejoined = announce(self.txn, self._member, body, {(t, p) for t, p, _, _ in points},
+                                       f"trainer v{version}")
+        if rejoined:  # a new consumer, read ahead anywhere: back to what is committed now (trainer/announce.py)
+            self._member.seek_committed()
+            self._assigned(self.consumer, self.consumer.assignment())
+        if not committed:
             # The model has moved on past what the log says: exit, and a restart resumes from the last announced
             # version and the committed offsets (the step is redone).
             raise RestartToResume(f"trainer: the transaction announcing v{version} was aborted (the log above says "
@@ -456,22 +463,10 @@ class TrainerService:
                          keep_every=self.settings.keep_every)
         if self.weight_log is not None:
             self.weight_log.committed()
-            self._truncate_log(keep_from)
+            self.weight_log.truncate(self.kafka.client_config(), keep_from)
         log.info("published %s v%d %s", policy, version,
                  " ".join(f"{k}={v:.3g}" for k, v in stats.items() if k in ("reward_mean", "loss", "stale_ratio",
                                                                            "step_seconds")))
-
-    def _truncate_log(self, keep_from: int) -> None:
-        """Delete the weights log before the anchor that the oldest version η needs builds on (weight_log)."""
-        for partition, offset in self.weight_log.truncation_points(keep_from).items():
-            if offset <= self._log_start.get(partition, 0):
-                continue
-            try:
-                self._log_start[partition] = delete_before(self.kafka.client_config(), self.kafka.run, "weights",
-                                                           partition, offset)
-            except Exception as exc:  # retention is housekeeping: the next publish tries again
-                log.warning("could not delete the weights log's partition %d before offset %d: %s", partition,
-                            offset, exc)
 
     def _pop_letters(self):
         letters, self._letters = self._letters, []

@@ -63,9 +63,10 @@ def produce_groups(bootstrap, run, gids, version):
                                         for g in gids for s in scored_group(g)])
 
 
-def start(bootstrap, run, tmp_path, **kw):
+def start(bootstrap, run, tmp_path, cls=SpyTrainer, **kw):
+    """A ``cls`` (a SpyTrainer) serving in a thread; ``kw``: TrainerSettings beside the helpers' own."""
     settings = TrainerSettings(weights=str(tmp_path / "weights"), warmup_steps=0, window_groups=4, **kw)
-    trainer = SpyTrainer(settings, LoopSettings(groups_per_step=2, eta=1))
+    trainer = cls(settings, LoopSettings(groups_per_step=2, eta=1))
     thread = threading.Thread(target=trainer.serve, args=(KafkaSettings(bootstrap=bootstrap, run=run),
                                                           RuntimeSettings(poll_timeout_s=0.1)), daemon=True)
     thread.start()
