@@ -25,23 +25,30 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.harness.loop import Loop, PacedSource, Versions, cpu_seconds, log
 from benchmarks.harness.record import Goal, record
 from rlstream.trainer.chain import summarize
 
-#: mode -> (extra trainer flags, rollout backend: None for --backend).
-MODES = {"fast": ([], None),
-         "checkpoint-every-version": (["--checkpoint-every", "1", "--weights-transport", "store"], None),
+@dataclass(frozen=True)
+class Mode:
+    """What a mode changes from the demo loop."""
+    trainer_flags: tuple[str, ...] = ()
+    backend: str | None = None  # rollout's; None: --backend
+    fused: bool = False  # env and reward chained in one process and one transaction (rlstream run env+reward)
+    unpipelined: bool = False  # env and reward with --no-pipeline: each poll's records one handle_batch call
+
+
+MODES = {"fast": Mode(),
+         "checkpoint-every-version": Mode(trainer_flags=("--checkpoint-every", "1", "--weights-transport", "store")),
          # The same loop with rollout on plain transformers: what vLLM's engine costs around a 0.5 M model.
-         "fast-transformers": ([], "transformers"),
-         # fast, with env and reward chained in one process and one transaction (rlstream run env+reward).
-         "fused": ([], None),
-         # fast and fused with env and reward unpipelined (--no-pipeline): each poll's records one call per stage
-         # (EnvStage/RewardStage.handle_batch on a single-turn task and a sync judge), one transaction per poll.
-         "batch": ([], None),
-         "fused-batch": ([], None)}
+         "fast-transformers": Mode(backend="transformers"),
+         "fused": Mode(fused=True),
+         # EnvStage/RewardStage.handle_batch on a single-turn task and a sync judge: one transaction per poll.
+         "batch": Mode(unpipelined=True),
+         "fused-batch": Mode(fused=True, unpipelined=True)}
 
 
 def transactions(loop: Loop) -> dict[str, float]:
@@ -79,11 +86,11 @@ def write_profiles(before: dict, after: dict, mode: str, versions: int) -> None:
 def run_mode(mode: str, args) -> dict:
     """One fresh loop in ``mode``: skip ``--skip`` versions after rollout starts, then measure ``--versions``."""
     loop = Loop(f"loopcost-{mode[:4]}")
-    trainer_flags, backend = MODES[mode]
-    loop.trainer(eta=2, groups_per_step=16, lr=1e-4, warmup_steps=args.warmup_steps, extra=tuple(trainer_flags))
-    loop.rollout(eta=2, backend=backend or args.backend)
-    stage_flags = ("--no-pipeline",) if mode.endswith("batch") else ()
-    if mode.startswith("fused"):
+    m = MODES[mode]
+    loop.trainer(eta=2, groups_per_step=16, lr=1e-4, warmup_steps=args.warmup_steps, extra=m.trainer_flags)
+    loop.rollout(eta=2, backend=m.backend or args.backend)
+    stage_flags = ("--no-pipeline",) if m.unpipelined else ()
+    if m.fused:
         loop.env_reward("benchmarks.harness.workloads:exact", concurrency=256, extra=stage_flags)
     else:
         loop.env_stage(extra=stage_flags)

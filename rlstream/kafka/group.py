@@ -153,10 +153,12 @@ class GroupMember:
 
     def seek_committed(self) -> None:
         """Move every held partition to the group's committed offset (its start where none is committed)."""
-        held = self.consumer.assignment()
-        for tp in self.consumer.committed(held, timeout=30):
-            tp.offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-            self.consumer.seek(tp)
+        try:
+            for tp in self.consumer.committed(self.consumer.assignment(), timeout=30):
+                tp.offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+                self.consumer.seek(tp)
+        except KafkaException as exc:  # e.g. a partition not fetching yet refuses a seek
+            self.replace(exc.args[0])  # a new consumer starts from the committed offsets
 
     def commit_consumed(self, msgs: list[Message]) -> bool:
         """Commit, outside any transaction, the positions past these records; False if the broker refused.

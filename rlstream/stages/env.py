@@ -154,16 +154,16 @@ class EnvStage(Stage):
         finished or failed, or of a built-in env whose step runs nothing (``Environment.instant``: single-turn).
         Such a step costs microseconds, less than the thread hop and event-loop turn per record of the per-record
         path. Any other batch takes that path (None), where tool calls and env servers overlap."""
-        return each_alone(self.handle, items) if all(self._instant(item.record) for item in items) else None
+        # Finished and failed episodes return at once whatever their env; the others' envs are looked up once each.
+        envs = {item.record.task.env_name for item in items if item.record.failure is None and not item.record.done}
+        return each_alone(self.handle, items) if all(self._instant(name) for name in envs) else None
 
-    def _instant(self, ep: Episode) -> bool:
-        """Whether ``handle`` on this episode returns at once, running no tool, plugin or server call."""
-        if ep.failure is not None or ep.done:
-            return True
-        if self.plugin(ep.task.env_name) is not None:
+    def _instant(self, env_name: str) -> bool:
+        """Whether ``handle`` on an episode of this env returns at once, running no tool, plugin or server call."""
+        if self.plugin(env_name) is not None:
             return False
         try:
-            return self.environment(ep.task.env_name).instant
+            return self.environment(env_name).instant
         except InvalidRecord:
             return True  # handle refuses it at once (dead-lettered as invalid)
 
