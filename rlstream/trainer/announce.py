@@ -8,14 +8,20 @@ commit because the trainer's consumer lost its place in the group (``MEMBERSHIP_
 static member can be fenced by its own rejoin), the consumer is replaced and rejoins first, and the announce goes
 again only if it got back every partition the offsets name. Otherwise the process exits to resume
 (``RestartToResume``, the caller's): the step is redone from the last announced version.
+
+A version is announced once: a commit the client saw fail may have gone through on the broker (a timeout after the
+coordinator wrote it), so before each new try the log is asked whether the version is there already.
 """
 from __future__ import annotations
 
 import logging
 from typing import Callable, Iterable
 
+from rlstream.config import KafkaSettings
+from rlstream.errors import RestartToResume
 from rlstream.kafka.group import MEMBERSHIP_LOST, GroupMember
 from rlstream.kafka.transactions import Offset, TransactionalProducer
+from rlstream.policy.watcher import last_policy_version
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +30,9 @@ ATTEMPTS = 3
 
 
 def announce(txn: TransactionalProducer, member: GroupMember | None, body: Callable[[], Iterable[Offset]],
-             partitions: set[tuple[str, int]], what: str) -> tuple[bool, bool]:
+             partitions: set[tuple[str, int]], what: str, announced: Callable[[], bool]) -> tuple[bool, bool]:
     """Run ``body`` (which returns offsets in ``partitions`` only) in ``txn`` with ``member``'s group metadata
-    until it commits: (committed, rejoined). Rejoined: the member's consumer is a new one, positioned anywhere; the
+    until it commits, or ``announced()`` says an earlier try did: (committed, rejoined). Rejoined: the member's consumer is a new one, positioned anywhere; the
     caller moves it back to the committed offsets (``GroupMember.seek_committed``) and forgets what the old one
     had read."""
     rejoined = False
@@ -43,5 +49,21 @@ def announce(txn: TransactionalProducer, member: GroupMember | None, body: Calla
                 log.error("%s: the trainer's consumer rejoined its group without %s; their offsets cannot be "
                           "committed", what, sorted(missing))
                 break
+        if announced():
+            log.warning("%s: the transaction reported as failed had committed; not announcing it again", what)
+            return True, rejoined
         log.warning("%s: announcing it again with the same outputs (attempt %d of %d)", what, attempt + 1, ATTEMPTS)
     return False, rejoined
+
+
+def in_log(kafka: KafkaSettings, policy: str, version: int) -> Callable[[], bool]:
+    """``announce``'s ``announced``: whether the run's log holds ``version`` of ``policy``; when the log does not
+    answer, the process exits to resume (announcing again might announce it twice)."""
+    def announced() -> bool:
+        try:
+            pv = last_policy_version(kafka.client_config(), kafka.run, policy)
+        except TimeoutError:
+            raise RestartToResume(f"trainer: cannot tell whether {policy} v{version} was announced (the log did not "
+                                  "answer); a restart resumes from what it says") from None
+        return pv is not None and pv.version >= version
+    return announced

@@ -51,7 +51,7 @@ from rlstream.runtime import lifecycle
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
 from rlstream.schemas.records import PolicyVersion
-from rlstream.trainer.announce import announce
+from rlstream.trainer.announce import announce, in_log
 from rlstream.trainer.chain import chain_stats
 from rlstream.trainer import shards
 from rlstream.trainer.checkpoint import PendingVersion, VersionWriter, load_resumed
@@ -440,7 +440,7 @@ class TrainerService:
                 self.txn.dead_letter("trainer", m, reason, error)
             return points
         committed, rejoined = announce(self.txn, self._member, body, {(t, p) for t, p, _, _ in points},
-                                       f"trainer v{version}")
+                                       f"trainer v{version}", in_log(self.kafka, policy, version))
         if rejoined:  # a new consumer, read ahead anywhere: back to what is committed now (trainer/announce.py)
             self._member.seek_committed()
             self._assigned(self.consumer, self.consumer.assignment())

@@ -37,18 +37,24 @@ PARTS = {("r.rewards", 0), ("r.rewards", 1)}
 
 def test_an_aborted_announce_goes_again_and_a_lost_member_rejoins_first():
     txn, member = Txn(1, KafkaError.FENCED_INSTANCE_ID), Member(PARTS)
-    assert ann.announce(txn, member, lambda: [], PARTS, "v2") == (True, True)
+    assert ann.announce(txn, member, lambda: [], PARTS, "v2", lambda: False) == (True, True)
     assert (txn.tries, member.rejoins) == (2, 1)
     # A retriable failure that is not the member's: the same outputs again, no rejoin.
     txn, member = Txn(2, KafkaError._TIMED_OUT), Member(PARTS)
-    assert ann.announce(txn, member, lambda: [], PARTS, "v2") == (True, False)
+    assert ann.announce(txn, member, lambda: [], PARTS, "v2", lambda: False) == (True, False)
     assert (txn.tries, member.rejoins) == (3, 0)
 
 
 def test_it_gives_up_after_its_attempts_or_without_a_partition_it_commits():
     txn = Txn(ann.ATTEMPTS, KafkaError._TIMED_OUT)
-    assert ann.announce(txn, Member(PARTS), lambda: [], PARTS, "v2") == (False, False)
+    assert ann.announce(txn, Member(PARTS), lambda: [], PARTS, "v2", lambda: False) == (False, False)
     assert txn.tries == ann.ATTEMPTS
     txn, member = Txn(1, KafkaError.UNKNOWN_MEMBER_ID), Member({("r.rewards", 0)})
-    assert ann.announce(txn, member, lambda: [], PARTS, "v2") == (False, True)
+    assert ann.announce(txn, member, lambda: [], PARTS, "v2", lambda: False) == (False, True)
     assert txn.tries == 1, "offsets of a partition the rejoined member lacks were committed"
+
+
+def test_a_commit_reported_failed_that_went_through_is_not_announced_twice():
+    txn = Txn(1, KafkaError._TIMED_OUT)
+    assert ann.announce(txn, Member(PARTS), lambda: [], PARTS, "v2", lambda: True) == (True, False)
+    assert txn.tries == 1
