@@ -32,9 +32,9 @@ ATTEMPTS = 3
 def announce(txn: TransactionalProducer, member: GroupMember | None, body: Callable[[], Iterable[Offset]],
              partitions: set[tuple[str, int]], what: str, announced: Callable[[], bool]) -> tuple[bool, bool]:
     """Run ``body`` (which returns offsets in ``partitions`` only) in ``txn`` with ``member``'s group metadata
-    until it commits, or ``announced()`` says an earlier try did: (committed, rejoined). Rejoined: the member's consumer is a new one, positioned anywhere; the
-    caller moves it back to the committed offsets (``GroupMember.seek_committed``) and forgets what the old one
-    had read."""
+    until it commits, or ``announced()`` says an earlier try did: (committed, rejoined). Rejoined: the member's
+    consumer is a new one, positioned anywhere; the caller moves it back to the committed offsets
+    (``GroupMember.seek_committed``) and forgets what the old one had read."""
     rejoined = False
     for attempt in range(1, ATTEMPTS + 1):
         if txn.transact(body, lambda: member.consumer.consumer_group_metadata()):
