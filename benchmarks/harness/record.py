@@ -8,8 +8,9 @@ A benchmark calls ``record`` once, at its end::
 It prints the ``RESULT <name> …`` line (``result.py``: what ``make bench`` and its smoke test look for) and
 appends one line holding: ``benchmark``; ``command`` (the interpreter's whole argv) and ``args`` (the script's
 arguments, which tell one configuration from another in the tables); ``commit`` (the full hash of HEAD) and
-``dirty`` (tracked files other than the raw results differ from it: ``result.CODE``), both read when this module
-is imported, so a commit made during a long run is not taken for the code it ran; ``started`` and ``date`` (UTC,
+``dirty`` (tracked files other than the raw results differ from it: ``result.CODE``) and ``code`` (HEAD's code as
+``result.code_identity`` names it: equal for two commits that changed no file a run executes), all read when this
+module is imported, so a commit made during a long run is not taken for the code it ran; ``started`` and ``date`` (UTC,
 ISO 8601: when this module was imported, which each benchmark does at its top, and when ``record`` ran);
 ``load_before`` and ``load_after`` (1/5/15-minute load averages at those two moments); ``machine`` (cores,
 memory, CPU model, GPUs as ``nvidia-smi`` lists them); ``seed``; ``figures`` (name → value; NaN and infinities
@@ -31,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.harness.result import CODE, result
+from benchmarks.harness.result import CODE, code_identity, result
 from benchmarks.harness.verdict import Goal
 
 __all__ = ["Goal", "record", "results_dir", "unit_of"]
@@ -73,10 +74,13 @@ def _git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def _commit() -> tuple[str, bool | None]:
-    """(HEAD's full hash or 'unknown', whether tracked files differ from it; None when git cannot say)."""
+def _commit() -> tuple[str, bool | None, str | None]:
+    """(HEAD's full hash or 'unknown', whether tracked files differ from it, its code identity; None where git
+    cannot say)."""
     status = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE)
-    return _git("rev-parse", "HEAD") or "unknown", (bool(status) if status is not None else None)
+    tree = _git("ls-tree", "-r", "HEAD")
+    return (_git("rev-parse", "HEAD") or "unknown", (bool(status) if status is not None else None),
+            code_identity(tree) if tree is not None else None)
 
 
 _COMMIT = _commit()  # at import: the code a run loaded, not a commit made while it ran
@@ -128,6 +132,7 @@ def record(name: str, figures: dict, goals: list[Goal] | tuple = (), seed=None,
         "args": sys.argv[1:],
         "commit": _COMMIT[0],
         "dirty": _COMMIT[1],
+        "code": _COMMIT[2],
         "started": _STARTED.isoformat(timespec="seconds"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "load_before": [round(x, 2) for x in _LOAD_BEFORE],

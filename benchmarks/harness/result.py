@@ -6,6 +6,7 @@ so ``make bench`` (and its CI smoke test) can check that each script got as far 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import subprocess
 
@@ -13,6 +14,20 @@ import subprocess
 #: What a run's code is: every tracked file but the raw results, which each run of a queue appends to (a second
 #: benchmark of the queue ran the committed code, not a change to it).
 CODE = (":(top)", ":(top,exclude)benchmarks/results")
+
+#: What a run executes, for ``code_identity``: a commit that touches none of it (tests, docs, CI, deploy files, the
+#: raw results, the README tables' generator) leaves a figure's code as it was, so runs at two such commits are runs
+#: of one code, and a set of benchmarks re-taken over several sessions can say so.
+RUN_PATHS = ("rlstream/", "benchmarks/", "examples/", "infra/", "pyproject.toml", "constraints")
+NOT_RUN = ("benchmarks/results/", "benchmarks/README.md", "benchmarks/harness/tables.py")
+
+
+def code_identity(ls_tree: str) -> str:
+    """12 hex digits naming the run's code: a hash of ``git ls-tree -r`` lines (mode, type, blob, path) under
+    ``RUN_PATHS`` less ``NOT_RUN``."""
+    kept = [ln for ln in ls_tree.splitlines()
+            if "\t" in ln and (path := ln.split("\t", 1)[1]).startswith(RUN_PATHS) and not path.startswith(NOT_RUN)]
+    return hashlib.sha1("\n".join(sorted(kept)).encode()).hexdigest()[:12]
 
 
 def commit() -> str:

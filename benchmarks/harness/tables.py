@@ -136,6 +136,9 @@ def render_configuration(name: str, runs: list[Run]) -> str:
     first = lines[0].get("command") or ["python", "-m", f"benchmarks.{name}", *lines[0]["args"]]
     command = shlex.join(first[:len(first) - len(lines[0]["args"])] + list(configuration(lines[0]["args"])))
     commits = list(dict.fromkeys(ln["commit"][:7] + ("+dirty" if ln.get("dirty") else "") for ln in lines))
+    # Several commits of one code (result.code_identity) are one measurement of it; lines older than the field
+    # name none, and then nothing is claimed.
+    codes = list(dict.fromkeys(ln.get("code") for ln in lines))
     days = sorted(ln["date"][:10] for ln in lines)
     seeds = list(dict.fromkeys(str(seed_of(ln)) for ln in lines if seed_of(ln) is not None))
     machines = list(dict.fromkeys(
@@ -145,6 +148,7 @@ def render_configuration(name: str, runs: list[Run]) -> str:
     head = (f"`{command}`: {len(lines)} run{'s' * (len(lines) != 1)}, {days[0]}"
             + (f" to {days[-1]}" if days[-1] != days[0] else "")
             + f", commit {', '.join(commits)}"
+            + (f" (one code: {codes[0]})" if len(commits) > 1 and codes[0] and codes == codes[:1] else "")
             + (f", seed {', '.join(map(str, seeds))}" if seeds else "")
             + f"; 1-minute load {_span([ln['load_before'][0] for ln in lines])} "
             f"before, {_span([ln['load_after'][0] for ln in lines])} after; {' / '.join(machines)}")

@@ -79,3 +79,34 @@ def test_a_raw_line_that_an_earlier_run_appended_is_not_a_change_to_the_code(tmp
     assert rec._commit()[1] is False
     (tmp_path / "code.py").write_text("x = 2\n")
     assert rec._commit()[1] is True
+
+
+def test_two_commits_that_change_nothing_a_run_executes_are_one_code(tmp_path, monkeypatch):
+    """A re-take spread over sessions is one measurement when the commits between its runs touched only tests, docs
+    or the raw results; a change under rlstream/ (or a benchmark script) is another code."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+    for path, text in {"rlstream/loop.py": "x = 1\n", "benchmarks/hop.py": "y = 1\n", "docs/a.md": "a\n",
+                       "tests/test_a.py": "a = 1\n", "benchmarks/results/hop.jsonl": "{}\n"}.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "code")
+    monkeypatch.setattr(rec, "ROOT", tmp_path)
+    first = rec._commit()[2]
+    assert first and len(first) == 12
+    for path in ("docs/a.md", "tests/test_a.py", "benchmarks/results/hop.jsonl"):
+        (tmp_path / path).write_text("changed\n")
+    git("commit", "-qam", "docs, tests, results")
+    assert rec._commit()[2] == first
+    (tmp_path / "benchmarks" / "hop.py").write_text("y = 2\n")
+    git("commit", "-qam", "a benchmark script")
+    second = rec._commit()[2]
+    assert second != first
+    (tmp_path / "rlstream" / "loop.py").write_text("x = 2\n")
+    git("commit", "-qam", "the loop")
+    assert rec._commit()[2] not in (first, second)

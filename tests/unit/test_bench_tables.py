@@ -37,6 +37,19 @@ def test_configurations_apart_and_the_verdict_per_figure(tmp_path):
     assert "load 1.5 before, 2.5 after" in full
 
 
+def test_runs_at_several_commits_of_one_code_say_so(tmp_path):
+    """Commits that changed nothing a run executes (result.code_identity) are named as one code; lines from before
+    the field, or from two codes, claim nothing."""
+    def at(commit, code):
+        return {**_line(["--n", "10"], 0.8, commit=commit * 40), "code": code}
+    one = render("hop", _results(tmp_path, {"hop": [at("a", "c0de"), at("b", "c0de")]})["hop"])
+    assert "commit aaaaaaa, bbbbbbb (one code: c0de)" in one
+    two = render("hop", _results(tmp_path, {"hop": [at("a", "c0de"), at("b", "beef")]})["hop"])
+    old = render("hop", _results(tmp_path, {"hop": [_line(["--n", "10"], 0.8, commit="a" * 40),
+                                                    at("b", "c0de")]})["hop"])
+    assert "one code" not in two and "one code" not in old
+
+
 def test_a_line_rebuilt_from_its_printed_result_is_counted_in_the_head(tmp_path):
     rebuilt = {**_line(["--n", "10"], 0.9), "recovered": "from the run's RESULT line", "result_line": "RESULT hop"}
     text = render("hop", _results(tmp_path, {"hop": [_line(["--n", "10"], 0.8), rebuilt]})["hop"])
