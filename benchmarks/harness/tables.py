@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "benchmarks" / "README.md"
 RESULTS = ROOT / "benchmarks" / "results"
 INSERT = "<!-- results:insert -->"
+#: The index of every benchmark's configurations, stalest first: which figures a re-take should reach next.
+INDEX = re.compile(r"(<!-- results:index:begin -->\n)(?P<body>.*?)(<!-- results:index:end -->)", re.S)
 _SECTION = re.compile(r"<!-- results:begin (?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- results:end (?P=name) -->",
                       re.S)
 _LINK = re.compile(r"\(results/(?P<file>[\w.-]+)\.jsonl#L(?P<a>\d+)(?:-L(?P<b>\d+))?\)")
@@ -55,7 +57,7 @@ def load(results: Path = RESULTS) -> dict[str, list[Run]]:
 
 #: Arguments that say where a run writes or which broker it uses, not what it measures: left out of the
 #: configuration, so that `make bench`'s runs (each with its own --json path) are pooled.
-PLACES = ("--json", "--workdir", "--run", "--bootstrap", "--path")
+PLACES = ("--json", "--workdir", "--run", "--bootstrap", "--path", "--out")
 #: A seed is a run of its configuration, not another configuration: runs over seeds 0, 1, 2 are pooled into one
 #: median and spread (a learning comparison takes several seeds), and the table's head names the seeds. A script
 #: that takes a list (``--seeds 0,1,2``) records one line per seed with its ``seed``: the list is left out alike.
@@ -181,6 +183,27 @@ def render(name: str, runs: list[Run]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def render_index(results: dict[str, list[Run]]) -> str:
+    """One row per configuration of every benchmark, the stalest (by its newest run) first: its runs, their days,
+    commits and code (``result.code_identity``; "unrecorded" for lines older than the field)."""
+    rows = []
+    for name, runs in results.items():
+        for group in configurations(runs).values():
+            lines = [ln for _, ln in group]
+            args = " ".join(configuration(lines[0].get("args", []))) or "(defaults)"
+            days = sorted(ln["date"] for ln in lines)
+            commits = list(dict.fromkeys(ln["commit"][:7] for ln in lines))
+            codes = list(dict.fromkeys(ln.get("code") for ln in lines))
+            code = ("unrecorded" if None in codes else codes[0] if len(codes) == 1 else f"{len(codes)} codes")
+            rows.append((days[-1], name, args, len(lines), days[0], ", ".join(commits), code))
+    out = ["| benchmark | configuration | runs | days | commits | code |", "|---|---|---|---|---|---|"]
+    for last, name, args, n, first, commits, code in sorted(rows):
+        first, last = first[:10], last[:10]
+        out.append(f"| `{name}` | `{args}` | {n} | {first}{'' if first == last else ' to ' + last} | {commits} | "
+                   f"{code} |")
+    return "\n".join(out) + "\n"
+
+
 def _section(name: str, body: str) -> str:
     return f"<!-- results:begin {name} -->\n{body}<!-- results:end {name} -->"
 
@@ -188,6 +211,7 @@ def _section(name: str, body: str) -> str:
 def update(readme: str, results: dict[str, list[Run]]) -> str:
     """The README with every generated section rewritten, and the missing ones put before the insert marker."""
     text = _SECTION.sub(lambda m: _section(m["name"], render(m["name"], results.get(m["name"], []))), readme)
+    text = INDEX.sub(lambda m: m.group(1) + render_index(results) + m.group(3), text)
     present = {m["name"] for m in _SECTION.finditer(readme)}
     missing = [_section(n, render(n, runs)) + "\n\n" for n, runs in results.items() if n not in present]
     if missing:
@@ -228,6 +252,9 @@ def problems(readme: str, results: dict[str, list[Run]]) -> list[str]:
         if body != render(name, results[name]):
             out.append(f"section {name} is out of date with results/{name}.jsonl: "
                        "run python -m benchmarks.harness.tables --write")
+    index = INDEX.search(readme)
+    if index and index["body"] != render_index(results):
+        out.append("the results index is out of date with results/: run python -m benchmarks.harness.tables --write")
     for name in results:
         if name not in sections:
             out.append(f"results/{name}.jsonl has no section in benchmarks/README.md: "

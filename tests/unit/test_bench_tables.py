@@ -50,6 +50,20 @@ def test_runs_at_several_commits_of_one_code_say_so(tmp_path):
     assert "one code" not in two and "one code" not in old
 
 
+def test_the_index_lists_every_configuration_stalest_first_and_is_held_current(tmp_path):
+    old = {**_line(["--n", "10"], 0.8), "date": "2026-12-01T09:00:00+00:00"}
+    fresh = [{**_line(["--n", "11"], 0.8, commit=c * 40), "code": "c0de"} for c in "ab"]
+    results = _results(tmp_path, {"hop": [old, *fresh], "aaa": [{**_line([], 0.8), "benchmark": "aaa"}]})
+    index = tables.render_index(results).splitlines()[2:]
+    assert index[0].startswith("| `hop` | `--n 10` | 1 | 2026-12-01 | aaaaaaa | unrecorded |")
+    assert index[1].startswith("| `aaa` | `(defaults)` | 1 | 2026-12-02 |")
+    assert index[2] == "| `hop` | `--n 11` | 2 | 2026-12-02 | aaaaaaa, bbbbbbb | c0de |"
+    readme = "x\n<!-- results:index:begin -->\n<!-- results:index:end -->\n" + INSERT + "\n"
+    written = update(readme, results)
+    assert tables.render_index(results) in written and not problems(written, results)
+    assert "results index is out of date" in " ".join(problems(written.replace("c0de |", "beef |"), results))
+
+
 def test_a_line_rebuilt_from_its_printed_result_is_counted_in_the_head(tmp_path):
     rebuilt = {**_line(["--n", "10"], 0.9), "recovered": "from the run's RESULT line", "result_line": "RESULT hop"}
     text = render("hop", _results(tmp_path, {"hop": [_line(["--n", "10"], 0.8), rebuilt]})["hop"])
