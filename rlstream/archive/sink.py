@@ -300,7 +300,7 @@ class ArchiveSink:
         self._stopping.set()
 
     def serve(self, kafka: KafkaSettings, runtime=None, idle_exit_s: float | None = None) -> None:
-        """Run until ``stop()`` (or ``idle_exit_s`` without records, for tests and benchmarks)."""
+        """Run until ``stop()`` (or ``idle_exit_s`` without records once it holds partitions, for benchmarks)."""
         poll_s = getattr(runtime, "poll_timeout_s", 0.2)
         self._run = kafka.run
         if getattr(runtime, "standby", False):
@@ -372,7 +372,9 @@ class ArchiveSink:
                                       or self._pending_bytes >= self.settings.archive_batch_bytes or caught_up):
                     self._flush()
                 self._reap(block=False)
-                if fresh or self._pending or self._inflight is not None:
+                # Idle means assigned and nothing arriving: a broker's first group can take seconds to assign
+                # (it creates its offsets topic then), and that wait is not an empty topic.
+                if fresh or self._pending or self._inflight is not None or not self._member.consumer.assignment():
                     idle_since = time.monotonic()
                 elif idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
                     break
