@@ -15,10 +15,11 @@ import subprocess
 #: benchmark of the queue ran the committed code, not a change to it).
 CODE = (":(top)", ":(top,exclude)benchmarks/results")
 
-#: What a run executes, for ``code_identity``: a commit that touches none of it (tests, docs, CI, deploy files, the
-#: raw results, the README tables' generator) leaves a figure's code as it was, so runs at two such commits are runs
-#: of one code, and a set of benchmarks re-taken over several sessions can say so.
-RUN_PATHS = ("rlstream/", "benchmarks/", "examples/", "infra/", "pyproject.toml", "constraints")
+#: What a run executes, for ``code_identity`` (tests/helpers/ too: some benchmarks start servers and build models
+#: through them): a commit that touches none of it (tests, docs, CI, deploy files, the raw results, the README
+#: tables' generator) leaves a figure's code as it was, so runs at two such commits are runs of one code, and a set
+#: of benchmarks re-taken over several sessions can say so.
+RUN_PATHS = ("rlstream/", "benchmarks/", "examples/", "infra/", "tests/helpers/", "pyproject.toml", "constraints")
 NOT_RUN = ("benchmarks/results/", "benchmarks/README.md", "benchmarks/harness/tables.py")
 
 

@@ -90,7 +90,8 @@ def test_two_commits_that_change_nothing_a_run_executes_are_one_code(tmp_path, m
         subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
                        capture_output=True)
     for path, text in {"rlstream/loop.py": "x = 1\n", "benchmarks/hop.py": "y = 1\n", "docs/a.md": "a\n",
-                       "tests/test_a.py": "a = 1\n", "benchmarks/results/hop.jsonl": "{}\n"}.items():
+                       "tests/test_a.py": "a = 1\n", "tests/helpers/models.py": "m = 1\n",
+                       "benchmarks/results/hop.jsonl": "{}\n"}.items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
     git("init", "-q")
@@ -109,4 +110,8 @@ def test_two_commits_that_change_nothing_a_run_executes_are_one_code(tmp_path, m
     assert second != first
     (tmp_path / "rlstream" / "loop.py").write_text("x = 2\n")
     git("commit", "-qam", "the loop")
-    assert rec._commit()[2] not in (first, second)
+    third = rec._commit()[2]
+    assert third not in (first, second)
+    (tmp_path / "tests" / "helpers" / "models.py").write_text("m = 2\n")  # benchmarks build models through it
+    git("commit", "-qam", "a test helper")
+    assert rec._commit()[2] not in (first, second, third)
