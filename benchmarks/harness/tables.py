@@ -133,14 +133,19 @@ def _span(xs: list[float]) -> str:
     return fmt(min(xs)) if min(xs) == max(xs) else f"{fmt(min(xs))}–{fmt(max(xs))}"
 
 
+def _one_code(lines: list[dict]) -> str | None:
+    """The code (result.code_identity) every line ran, if they share one: several commits of one code are one
+    measurement of it. None for two codes, or for lines older than the field (nothing is claimed for them)."""
+    codes = {ln.get("code") for ln in lines}
+    return codes.pop() if len(codes) == 1 else None
+
+
 def render_configuration(name: str, runs: list[Run]) -> str:
     lines = [ln for _, ln in runs]
     first = lines[0].get("command") or ["python", "-m", f"benchmarks.{name}", *lines[0]["args"]]
     command = shlex.join(first[:len(first) - len(lines[0]["args"])] + list(configuration(lines[0]["args"])))
     commits = list(dict.fromkeys(ln["commit"][:7] + ("+dirty" if ln.get("dirty") else "") for ln in lines))
-    # Several commits of one code (result.code_identity) are one measurement of it; lines older than the field
-    # name none, and then nothing is claimed.
-    codes = list(dict.fromkeys(ln.get("code") for ln in lines))
+    code = _one_code(lines)
     days = sorted(ln["date"][:10] for ln in lines)
     seeds = list(dict.fromkeys(str(seed_of(ln)) for ln in lines if seed_of(ln) is not None))
     machines = list(dict.fromkeys(
@@ -150,7 +155,7 @@ def render_configuration(name: str, runs: list[Run]) -> str:
     head = (f"`{command}`: {len(lines)} run{'s' * (len(lines) != 1)}, {days[0]}"
             + (f" to {days[-1]}" if days[-1] != days[0] else "")
             + f", commit {', '.join(commits)}"
-            + (f" (one code: {codes[0]})" if len(commits) > 1 and codes[0] and codes == codes[:1] else "")
+            + (f" (one code: {code})" if len(commits) > 1 and code else "")
             + (f", seed {', '.join(map(str, seeds))}" if seeds else "")
             + f"; 1-minute load {_span([ln['load_before'][0] for ln in lines])} "
             f"before, {_span([ln['load_after'][0] for ln in lines])} after; {' / '.join(machines)}")
@@ -193,8 +198,8 @@ def render_index(results: dict[str, list[Run]]) -> str:
             args = " ".join(configuration(lines[0].get("args", []))) or "(defaults)"
             days = sorted(ln["date"] for ln in lines)
             commits = list(dict.fromkeys(ln["commit"][:7] for ln in lines))
-            codes = list(dict.fromkeys(ln.get("code") for ln in lines))
-            code = ("unrecorded" if None in codes else codes[0] if len(codes) == 1 else f"{len(codes)} codes")
+            codes = {ln.get("code") for ln in lines}
+            code = _one_code(lines) or ("unrecorded" if None in codes else f"{len(codes)} codes")
             rows.append((days[-1], name, args, len(lines), days[0], ", ".join(commits), code))
     out = ["| benchmark | configuration | runs | days | commits | code |", "|---|---|---|---|---|---|"]
     for last, name, args, n, first, commits, code in sorted(rows):
