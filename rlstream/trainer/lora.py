@@ -26,8 +26,9 @@ import torch
 
 from rlstream.errors import UserError
 from rlstream.models.devices import autocast
-from rlstream.policy.adapters import ADAPTER_CONFIG, LORA_BASE
-from rlstream.policy.deltas import content_hash, folder_hash, read_folder
+from rlstream.policy.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LORA_BASE
+from rlstream.policy.deltas import Content, content_hash, folder_hash, read_folder
+from rlstream.policy.tensorfile import save_file
 
 log = logging.getLogger(__name__)
 
@@ -125,22 +126,64 @@ def publish_base(model, tokenizer, store, policy: str, rank: int = 0, resident: 
 
 class AdapterWriter:
     """Writes a LoRA version's folder: the PEFT adapter (its config and weights) and the tokenizer; as
-    ``VersionWriter.write`` does (its content and hash handed to ``on_content`` first), the adapter is small, so
-    every version goes through ``save_pretrained``."""
+    ``VersionWriter.write`` does, its content and hash are handed to ``on_content`` before the folder is done.
+
+    The first version goes through PEFT's ``save_pretrained`` (and the tokenizer's); it says which tensors an adapter
+    folder holds, which parameter each is, and its other files (the adapter's config, the model card, the tokenizer's
+    files), which no later version changes (the config's base path is set once, by ``LoraTraining.writer``). Later
+    versions copy those parameters and write the file directly (``tensorfile``) beside the saved files' bytes, where
+    PEFT walks the whole model's state dict and the tokenizer serialises its vocabulary again, every version, on the
+    trainer's publish path, beside its load probe (``benchmarks/lora_publish.py``'s ``*_publish_p50_s``). Either
+    way the content (and so the hash) is the same: the fast path is taken only when every saved tensor is a trained
+    parameter of the model, tested against ``fast=False`` (``save_pretrained`` every time)."""
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
+        self._params: dict[str, torch.nn.Parameter] | None = None  # saved name -> parameter (None: not learned)
+        self._files: dict[str, bytes] = {}
 
     def write(self, folder: Path, full_state=None, fast: bool = True, on_content=None):
+        if self._params is not None and fast and full_state is None:
+            return self._write_fast(folder, on_content)
         self.model.save_pretrained(folder, safe_serialization=True)
         self.tokenizer.save_pretrained(folder)
         if not (folder / ADAPTER_CONFIG).exists():
             raise RuntimeError(f"PEFT wrote no {ADAPTER_CONFIG} into {folder}")
         content = read_folder(folder)
+        if self._params is None and full_state is None:
+            self._learn(content)
         digest = Future()
         digest.set_result(content_hash(content))
         if on_content is not None:
             on_content(content, digest)
+        return content, digest.result()
+
+    def _learn(self, content) -> None:
+        """Which trained parameter each saved tensor is (PEFT saves a parameter under its name less the adapter's
+        ``.<name>``), where every saved tensor is one, equal to it, in the one file PEFT writes, and every trained
+        parameter is saved: else every version goes through ``save_pretrained``."""
+        adapter = getattr(self.model, "active_adapter", "default")
+        trained = {n.replace(f".{adapter}", ""): p for n, p in self.model.named_parameters() if p.requires_grad}
+        params = {name: trained.get(name) for name in content.tensors}
+        if set(content.shards.values()) != {ADAPTER_WEIGHTS} or len(params) != len(trained) or not all(
+                p is not None and p.shape == t.shape and p.dtype == t.dtype and torch.equal(p.detach().cpu(), t)
+                for p, t in zip(params.values(), content.tensors.values())):
+            log.info("the adapter's saved tensors are not its trained parameters: every version through PEFT")
+            return
+        self._params, self._files = dict(sorted(params.items())), dict(content.files)
+
+    def _write_fast(self, folder: Path, on_content):
+        tensors = {name: p.detach().to("cpu", copy=True) for name, p in self._params.items()}
+        content = Content(tensors=tensors, shards={name: ADAPTER_WEIGHTS for name in tensors}, files=dict(self._files))
+        digest = Future()
+        digest.set_result(content_hash(content))
+        if on_content is not None:
+            on_content(content, digest)
+        folder.mkdir(parents=True, exist_ok=True)  # as save_pretrained makes it
+        save_file(tensors, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        for rel, data in self._files.items():
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            (folder / rel).write_bytes(data)
         return content, digest.result()
 
 

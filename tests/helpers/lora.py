@@ -39,10 +39,11 @@ def train_a_step(engine, seed: int) -> None:
     engine.model.eval()
 
 
-def publish(lora, model, tok, store, version):
-    """A LoRA version as the trainer publishes it: the adapter folder in the store, the PolicyVersion naming its
-    base."""
-    writer = lora.writer(model, tok)
+def publish(lora, model, tok, store, version, writer=None):
+    """A LoRA version as the trainer publishes it: the adapter folder in the store (by ``writer``, the trainer's one
+    writer for every version: PEFT's save for the first, its own after; a new one: PEFT's), the PolicyVersion naming
+    its base."""
+    writer = writer or lora.writer(model, tok)
     written = {}
 
     def write(folder):
@@ -68,11 +69,12 @@ def served_versions(tmp_path, model, tok, make_backend, versions: int = 3, eta: 
     peft_model = lora.fresh(model, tok, store, "policy", lead=True)
     engine = TorchEngine(peft_model, lr=1e-2, max_grad_norm=1.0)
     weights = PolicyWeights(tmp_path / "cache")
+    writer = lora.writer(peft_model, tok)
     backend = None
     for version in range(versions):
         if version:
             train_a_step(engine, version)
-        pv = publish(lora, peft_model, tok, store, version)
+        pv = publish(lora, peft_model, tok, store, version, writer)
         if backend is None:
             backend = make_backend(weights.engine_folder(pv))
             weights.adopt(pv, backend)

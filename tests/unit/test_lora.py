@@ -44,6 +44,37 @@ def test_each_version_served_by_the_transformers_engine_is_peft_merged_forward(t
     assert folder_hash(PolicyWeights(tmp_path / "cache").engine_folder(pv)) == pv.base_hash
 
 
+def test_the_writer_after_its_first_version_writes_what_peft_save_pretrained_writes(tmp_path):
+    """The trainer's one writer writes later versions itself (not through PEFT): each folder's content and hash
+    equal those of PEFT's ``save_pretrained`` of the same adapter, its tensors equal the adapter's parameters, and
+    PEFT loads it; a version's content stays what was written while the adapter trains on."""
+    from peft import PeftModel
+    from rlstream.policy.deltas import read_folder
+    model, tok = tiny(False)
+    lora = LoraTraining(TrainerSettings(lora_rank=4, lora_alpha=8.0))
+    peft_model = lora.fresh(model, tok, WeightStore(str(tmp_path / "store")), "policy", lead=True)
+    engine = TorchEngine(peft_model, lr=1e-2, max_grad_norm=1.0)
+    writer, reference = lora.writer(peft_model, tok), lora.writer(peft_model, tok)
+    for version in range(3):
+        if version:
+            train_a_step(engine, version)
+        (tmp_path / f"own{version}").mkdir()
+        content, digest = writer.write(tmp_path / f"own{version}")
+        _, expected = reference.write(tmp_path / f"peft{version}", fast=False)
+        assert digest == expected == folder_hash(tmp_path / f"own{version}"), f"v{version}"
+        assert sorted(p.name for p in (tmp_path / f"own{version}").iterdir()) == \
+            sorted(p.name for p in (tmp_path / f"peft{version}").iterdir())
+        if version == 1:
+            kept = {k: v.clone() for k, v in content.tensors.items()}
+            held = content
+    assert writer._params is not None, "the writer never left PEFT's save"
+    train_a_step(engine, 9)
+    assert all(torch.equal(held.tensors[k], v) for k, v in kept.items()), "a written content moved with training"
+    loaded = PeftModel.from_pretrained(tiny(False)[0], str(tmp_path / "own2"))
+    assert torch.equal(logprobs(loaded), logprobs(PeftModel.from_pretrained(tiny(False)[0], str(tmp_path / "peft2"))))
+    assert read_folder(tmp_path / "own2").tensors.keys() == read_folder(tmp_path / "peft2").tensors.keys()
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_the_transformers_engine_serving_adapters_unmerged_gives_peft_forward(tmp_path, tied):
     """``--lora-serving adapter``: PEFT's layers in the engine's model, each version's A and B copied in; its
