@@ -372,12 +372,16 @@ class ArchiveSink:
                                       or self._pending_bytes >= self.settings.archive_batch_bytes or caught_up):
                     self._flush()
                 self._reap(block=False)
-                # Idle means assigned and nothing arriving: a broker's first group can take seconds to assign
-                # (it creates its offsets topic then), and that wait is not an empty topic.
-                if fresh or self._pending or self._inflight is not None or not self._member.consumer.assignment():
+                if fresh or self._pending or self._inflight is not None:
                     idle_since = time.monotonic()
-                elif idle_exit_s is not None and time.monotonic() - idle_since > idle_exit_s:
-                    break
+                elif idle_exit_s is not None:
+                    # Idle means assigned and nothing arriving: a broker's first group can take seconds to assign
+                    # (it creates its offsets topic then), and that wait is not an empty topic. Asked only with an
+                    # idle exit: a serving sink's idle polls need not ask the client for its assignment.
+                    if not self._member.consumer.assignment():
+                        idle_since = time.monotonic()
+                    elif time.monotonic() - idle_since > idle_exit_s:
+                        break
             self._flush()
             self._reap(block=True)
         finally:

@@ -139,8 +139,9 @@ class AdapterWriter:
 
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
-        self._params: dict[str, torch.nn.Parameter] | None = None  # saved name -> parameter (None: not learned)
+        self._params: dict[str, torch.nn.Parameter] | None = None  # saved name -> parameter (None: PEFT's path)
         self._files: dict[str, bytes] = {}
+        self._learned = False  # _learn ran (once: a model it found no fast path for keeps PEFT's, unasked again)
 
     def write(self, folder: Path, full_state=None, fast: bool = True, on_content=None):
         if self._params is not None and fast and full_state is None:
@@ -150,13 +151,10 @@ class AdapterWriter:
         if not (folder / ADAPTER_CONFIG).exists():
             raise RuntimeError(f"PEFT wrote no {ADAPTER_CONFIG} into {folder}")
         content = read_folder(folder)
-        if self._params is None and full_state is None:
+        if not self._learned and full_state is None:
+            self._learned = True
             self._learn(content)
-        digest = Future()
-        digest.set_result(content_hash(content))
-        if on_content is not None:
-            on_content(content, digest)
-        return content, digest.result()
+        return _hand_over(content, on_content)
 
     def _learn(self, content) -> None:
         """Which trained parameter each saved tensor is (PEFT saves a parameter under its name less the adapter's
@@ -175,16 +173,22 @@ class AdapterWriter:
     def _write_fast(self, folder: Path, on_content):
         tensors = {name: p.detach().to("cpu", copy=True) for name, p in self._params.items()}
         content = Content(tensors=tensors, shards={name: ADAPTER_WEIGHTS for name in tensors}, files=dict(self._files))
-        digest = Future()
-        digest.set_result(content_hash(content))
-        if on_content is not None:
-            on_content(content, digest)
+        written = _hand_over(content, on_content)
         folder.mkdir(parents=True, exist_ok=True)  # as save_pretrained makes it
         save_file(tensors, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         for rel, data in self._files.items():
             (folder / rel).parent.mkdir(parents=True, exist_ok=True)
             (folder / rel).write_bytes(data)
-        return content, digest.result()
+        return written
+
+
+def _hand_over(content: Content, on_content) -> tuple[Content, str]:
+    """``content`` and its hash, handed to ``on_content`` (with the hash as a done future) first."""
+    digest = Future()
+    digest.set_result(content_hash(content))
+    if on_content is not None:
+        on_content(content, digest)
+    return content, digest.result()
 
 
 class BaseReference:
