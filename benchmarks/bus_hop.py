@@ -11,6 +11,11 @@ the project's own local broker, started if needed (``rlstream up``).
   transaction (--no-pipeline, one handler thread) and once pipelined (--concurrency records in flight).
 Raw, batch and pipelined runs alternate for --rounds rounds; prints the medians' records/s and ratios (goal: hop
 >= 0.7 x raw and >= 10,000/s).
+
+- back-to-back transactions: what a transaction of a few small records costs when the next begins as soon as the
+  last committed (a gateway's closes, a stage's small polls), p50 over --transactions, with the loop's producer
+  settings and again with librdkafka's default retry backoff (``kafka.transactions.producer_config`` says why the
+  loop's differs).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from benchmarks.harness.workloads import make_trajectory
 from rlstream.config import KafkaSettings
 from rlstream.infra import broker
 from rlstream.kafka.topics import create_topics, topic_name
+from rlstream.kafka.transactions import TXN_RETRY_BACKOFF_MS, TransactionalProducer
 from rlstream.runtime.runner import StageRunner
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.schemas import headers as hdr
@@ -99,6 +105,32 @@ def eos_hop(bootstrap: str, run: str, n: int, pipeline: bool, concurrency: int) 
     return n / (time.perf_counter() - counted["t0"])
 
 
+def back_to_back_ms(bootstrap: str, run: str, backoff_ms: int, n: int) -> float:
+    """p50 ms of a transaction of 10 small records and an input offset, each begun as the last one committed."""
+    topic, source = topic_name(run, "trajectories"), topic_name(run, "actions")
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"b2b-{uuid.uuid4().hex}"})
+    consumer.subscribe([source])
+    consumer.poll(1.0)  # joins the group: send_offsets_to_transaction needs its metadata
+    group = consumer.consumer_group_metadata()
+    txn = TransactionalProducer(KafkaSettings(bootstrap=bootstrap, run=run), f"b2b-{uuid.uuid4().hex}", who="bench",
+                                **{"retry.backoff.ms": backoff_ms})
+    txn.start()
+
+    def body():
+        for i in range(10):
+            txn.produce(topic, b"x" * 300, f"k{i}")
+        return [(source, 0, 1, None)]
+    times = []
+    for i in range(n + 10):  # the first 10 warm the connections up
+        started = time.perf_counter()
+        if not txn.transact(body, lambda: group):
+            raise RuntimeError(f"a back-to-back transaction aborted: {txn.failure}")
+        if i >= 10:
+            times.append((time.perf_counter() - started) * 1000)
+    consumer.close()
+    return statistics.median(times)
+
+
 def main() -> None:
     """Raw pass-through, then the hop in both runtime modes; print records/s and ratios."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,6 +138,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=64, help="records in flight in the pipelined hop")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of raw, batch and pipelined runs (medians)")
+    parser.add_argument("--transactions", type=int, default=100, help="back-to-back transactions timed per setting")
     args = parser.parse_args()
     bootstrap = os.environ.get("RLSTREAM_BOOTSTRAP") or broker.up()
     run = "bench-hop-" + uuid.uuid4().hex[:8]
@@ -130,6 +163,12 @@ def main() -> None:
             fill(bootstrap, topic_name(hop_run, "trajectories"), values, with_headers=True)
             rates[mode].append(eos_hop(bootstrap, hop_run, args.records, pipeline, concurrency))
         print(f"round {r}: " + ", ".join(f"{m} {v[-1]:.0f}/s" for m, v in rates.items()), flush=True)
+    b2b_run = f"{run}-b2b"
+    create_topics({"bootstrap.servers": bootstrap}, b2b_run, partitions=4)
+    b2b = {"loop": back_to_back_ms(bootstrap, b2b_run, TXN_RETRY_BACKOFF_MS, args.transactions),
+           "default": back_to_back_ms(bootstrap, b2b_run, 100, args.transactions)}
+    print(f"back-to-back transaction p50: {b2b['loop']:.1f} ms at retry.backoff.ms={TXN_RETRY_BACKOFF_MS}, "
+          f"{b2b['default']:.1f} ms at librdkafka's default 100")
     raw = statistics.median(rates["raw"])
     hops = {m: statistics.median(rates[m]) for m in ("batch", "pipelined")}
     print(f"raw pass-through      {raw:10.0f} records/s (median of {args.rounds})")
@@ -138,7 +177,9 @@ def main() -> None:
               f"{hop / 10000:4.2f}x the 10,000/s goal")
     record("bus_hop", dict(records=args.records, rounds=args.rounds, raw_per_s=raw,
                            **{f"{m}_per_s": h for m, h in hops.items()},
-                           **{f"{m}_ratio": h / raw for m, h in hops.items()}),
+                           **{f"{m}_ratio": h / raw for m, h in hops.items()},
+                           txn_b2b_p50_ms=b2b["loop"], txn_b2b_default_backoff_p50_ms=b2b["default"],
+                           txn_b2b_vs_default_ratio=b2b["loop"] / b2b["default"]),
            [Goal(f"{m}_ratio", ">=", 0.7) for m in hops] + [Goal(f"{m}_per_s", ">=", 10_000) for m in hops])
 
 if __name__ == "__main__":

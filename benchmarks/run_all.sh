@@ -66,7 +66,7 @@ bench() {
 barrier() { wait; }
 
 "$PY" -m rlstream.cli up >/dev/null
-bench bus_hop 300 "--records 5000 --rounds 3" "--records 200 --rounds 1"
+bench bus_hop 300 "--records 5000 --rounds 3" "--records 200 --rounds 1 --transactions 5"
 bench trainer_tokens 300 "--steps 10 --json $OUT/trainer_tokens.json" "--steps 2 --warmup 1 --checkpoints 1"
 bench trainer_ranks 300 "--steps 8" "--steps 2 --warmup 1 --groups-per-step 2"
 bench weight_log 300 "" "--steps 3 --anchor-every 2 --hidden 32 --layers 1 --vocab 256"
