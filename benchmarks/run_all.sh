@@ -88,7 +88,7 @@ bench chaos 600 "--kills 5 --seed 7" "--kills 1 --tasks 8"
 bench three_hosts 1200 "--target 0.5" "--target 0.3 --minutes 10"
 # A lower target and cap than the README's full run (held-out 0.5, at most 480 s a run): the time budget.
 bench vs_trl 900 "--target 0.3 --latencies 0.2,0 --max-seconds 120 --sync-probe-steps 0 --json $OUT/vs_trl.json" \
-  "--target 0.05 --max-seconds 20 --latencies 0 --sync-probe-steps 0 --eval-every 5"
+  "--target 0.05 --max-seconds 20 --latencies 0 --sync-probe-steps 0 --eval-every 5 --warmup-steps 30"
 bench loop_cost 900 "--versions 150 --modes fast,fused,checkpoint-every-version --json $OUT/loop_cost.json" \
   "--versions 3 --skip 1 --warmup-steps 5 --backend transformers --modes fused,checkpoint-every-version"
 # The distillation students as measured in the READMEs: the teacher's whole distribution (the tiny vocabulary is 47),

@@ -2,7 +2,7 @@
 
     python -m benchmarks.vs_trl [--target 0.5,0.8] [--latencies 0,0.2,heavy] [--lr 1e-4] [--max-seconds 600]
 
-Both start from the same tiny Qwen2 (rlstream.models.tiny, --seed) after the same 300-step supervised
+Both start from the same tiny Qwen2 (rlstream.models.tiny, --seed) after the same supervised (--warmup-steps, 300)
 warm-up, learn to reverse 3 letters with GRPO (groups of 8, 128 completions per update, beta 0, temperature 1,
 the same --lr), and are scored by benchmarks/harness/workloads.py:reverse_score, with an added judge latency per
 completion: a fixed one in seconds, or ``heavy``, the goodput benchmark's lognormal judge (median 0.1 s, sigma 1.5,
@@ -63,7 +63,7 @@ def trl_worker(args) -> dict:
     torch.set_num_threads(args.threads)
     tok = build_tokenizer()
     model = build_model(tok, seed=args.seed)
-    supervised_warmup(model, tok, "reverse", steps=300, seconds=None, seed=args.seed)
+    supervised_warmup(model, tok, "reverse", steps=args.warmup_steps, seconds=None, seed=args.seed)
     start = greedy_exact_match(model, tok, "reverse")
     task = get_task("reverse")
     rows = [{"prompt": p, "answer": a} for _, p, a, _ in itertools.islice(task.stream(seed=args.seed + 1), 200_000)]
@@ -165,7 +165,7 @@ def run_trl(latency: str, args, sync_reward: bool = False) -> dict:
                                  "--latency", latency, "--target", args.target, "--lr", str(args.lr),
                                  "--max-seconds", str(args.max_seconds),
                                  "--eval-every", str(args.eval_every), "--threads", str(args.threads),
-                                 "--seed", str(args.seed),
+                                 "--seed", str(args.seed), "--warmup-steps", str(args.warmup_steps),
                                  "--max-steps", str(args.sync_probe_steps if sync_reward else args.max_steps),
                                  *(["--sync-reward"] if sync_reward else [])],
                                 env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -198,7 +198,7 @@ def run_rlstream(latency: str, args) -> dict:
               else "benchmarks.harness.workloads:exact")
         name, env = f"vstrl-{int(float(latency) * 1000)}ms", {"BENCH_REWARD_LATENCY_S": latency}
     loop = Loop(name, **env)
-    loop.trainer(eta=args.eta, groups_per_step=16, lr=args.lr, warmup_steps=300,
+    loop.trainer(eta=args.eta, groups_per_step=16, lr=args.lr, warmup_steps=args.warmup_steps,
                  extra=("--seed", str(args.seed), *args.trainer_args.split()))
     loop.rollout(eta=args.eta, backend=args.backend)
     loop.env_stage()
@@ -271,6 +271,9 @@ def main(argv=None) -> dict:
     # benchmarks/README.md), so a figure at 2e-4 measures luck as much as speed.
     ap.add_argument("--lr", type=float, default=1e-4, help="learning rate of both sides")
     ap.add_argument("--seed", type=int, default=0, help="the policy's initialisation, warm-up and prompt stream")
+    ap.add_argument("--warmup-steps", type=int, default=300,
+                    help="both sides' supervised warm-up steps before RL (the smoke run's fewer: it checks the "
+                         "script runs through, not how it learns)")
     ap.add_argument("--eta", type=int, default=2, help="rlstream's staleness bound (0: every sample from the newest "
                                                       "version, one step at a time)")
     ap.add_argument("--trainer-args", default="", help="extra rlstream trainer flags, for ablations (quoted)")
