@@ -3,7 +3,7 @@ record type), and a record becomes a value and headers to produce. Every process
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -37,6 +37,9 @@ class Incoming:
     headers: dict[str, bytes]
     policy_version: int
     record: Record
+    # The single-object value the record was decoded from (None where it was not: the archive's replays): what a
+    # stage that carries the record on unchanged writes instead of encoding it again (schemas.splice).
+    wire: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def traceparent(self) -> bytes | None:
@@ -170,7 +173,7 @@ class Decoder:
                     c.rejected = Rejected(decoded.reason, str(decoded))
                     continue
                 c.item = Incoming(logical, c.partition(), c.offset(), c.key(), headers, version,
-                                  cls.from_dict(decoded[1]))
+                                  cls.from_dict(decoded[1]), c.value())
         return out
 
 

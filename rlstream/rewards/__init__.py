@@ -4,7 +4,9 @@ A reward function has one signature::
 
     def reward(trajectory: Trajectory) -> float | dict[str, float] | RewardResult
 
-It may be ``async`` (a remote judge). A dict is a breakdown whose values sum to the total; a ``RewardResult``
+It may be ``async`` (a remote judge). It reads the trajectory and never edits it: the reward stage writes the scored
+trajectory over the bytes the trajectory arrived in (``rlstream.schemas.splice``), where an edit would not show,
+and its token arrays are read-only views. A dict is a breakdown whose values sum to the total; a ``RewardResult``
 also carries violations, the verifier's and judge's versions, and per-turn scores: ``turn_scores``, one float per
 action turn of the trajectory (the turns whose role is ``action``, in order), beside the total::
 

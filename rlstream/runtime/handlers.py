@@ -230,51 +230,62 @@ class Deadlines:
     the handler's own result, if it ever comes, is then dropped (``resolve``).
 
     Entries arrive in deadline order but for the few microseconds between handlers' starts (one timeout per stage,
-    taken as each handler starts), so the watcher only ever looks at the oldest, and ``add`` drops finished ones
-    from the front: the queue holds about the records still running, not every record of the last timeout's span."""
+    taken as each handler starts), so the watcher only ever looks at the oldest. Every pool thread adds one entry
+    per record, without a lock: a deque's append and popleft are atomic, and only the watcher pops (a lock taken per
+    add, by up to ``concurrency`` threads at once, was a fifth of a pipelined hop's CPU). The watcher drops finished
+    entries from the front, waking at the oldest deadline or every ``PRUNE_S``, whichever comes first, so the queue
+    holds about the records of the last ``PRUNE_S`` and those still running."""
+
+    PRUNE_S = 0.05
 
     def __init__(self) -> None:
         self._entries: deque = deque()
-        self._cond = threading.Condition()
+        self._wake = threading.Event()
+        self._idle = False  # the watcher sleeps with no entries: the next add must wake it
         self._closed = False
         self._thread: threading.Thread | None = None  # started by the first add (a batched stage never needs it)
+        self._starting = threading.Lock()
 
     def add(self, deadline: float, future: Future, outcome) -> None:
-        with self._cond:
-            entries = self._entries
-            while entries and entries[0][1].done():
-                entries.popleft()
-            entries.append((deadline, future, outcome))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name="handler-deadlines", daemon=True)
-                self._thread.start()
-            elif len(entries) == 1:
-                self._cond.notify()
+        self._entries.append((deadline, future, outcome))
+        if self._thread is None:
+            with self._starting:
+                if self._thread is None:
+                    thread = threading.Thread(target=self._watch, name="handler-deadlines", daemon=True)
+                    thread.start()
+                    self._thread = thread
+        if self._idle:  # read after the append: see _watch for why no wake-up is lost
+            self._wake.set()
 
     def watching(self) -> bool:
         return self._thread is threading.current_thread()
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
+        self._closed = True
+        self._wake.set()
 
     def _watch(self) -> None:
-        while True:
-            with self._cond:
-                while not self._entries and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                deadline, future, outcome = self._entries[0]
-                if future.done():
-                    self._entries.popleft()
-                    continue
-                wait = deadline - time.monotonic()
-                if wait > 0:
-                    self._cond.wait(wait)
-                    continue
-                self._entries.popleft()
+        entries = self._entries
+        while not self._closed:
+            if not entries:
+                # Idle is announced before the queue is looked at again: an add that appended before this look is
+                # seen by it, and one that appends after it reads idle and sets the event.
+                self._idle = True
+                if not entries and not self._closed:
+                    self._wake.wait()
+                self._idle = False
+                self._wake.clear()
+                continue
+            deadline, future, outcome = entries[0]
+            if future.done():
+                entries.popleft()
+                continue
+            wait = deadline - time.monotonic()
+            if wait > 0:
+                if self._wake.wait(min(wait, self.PRUNE_S)):
+                    self._wake.clear()  # a late wake-up meant for an idle watcher, or close
+                continue
+            entries.popleft()
             resolve(future, outcome())
 
 

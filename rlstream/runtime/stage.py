@@ -30,6 +30,9 @@ class Output:
     policy_version: int | None = None
     reward_version: str | None = None
     extra_headers: tuple[tuple[str, str], ...] = ()  # headers of the stage's own (the teacher's version)
+    # ``record`` already encoded, by a stage that carries its input on as the bytes it arrived in
+    # (schemas.splice): produced as it is. None: the runner encodes ``record``.
+    value: bytes | None = None
 
 
 @dataclass(frozen=True)

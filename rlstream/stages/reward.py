@@ -20,6 +20,7 @@ from rlstream.rewards import as_result, check_turn_scores, judging, load_reward
 from rlstream.runtime.stage import Incoming, InvalidRecord, Output, Stage, SyncHandler, each_alone
 from rlstream.schemas.headers import now_ms
 from rlstream.schemas.records import Reward, ScoredTrajectory, Trajectory, scored_topic
+from rlstream.schemas.splice import Splice
 
 log = logging.getLogger(__name__)
 #: How much of a judge's error message its Reward keeps (in ``violations``).
@@ -63,6 +64,7 @@ class RewardStage(Stage):
     def __init__(self, settings: RewardSettings = RewardSettings()):
         self.settings = settings
         self.fn = load_reward(settings.reward)
+        self._splice = Splice("ScoredTrajectory", carried="trajectory", tail_from="stage_times")
         self._async = inspect.iscoroutinefunction(self.fn)
 
     @property
@@ -108,11 +110,15 @@ class RewardStage(Stage):
         return each_alone(self._handle_sync, items) if self.judges_in_batches else None
 
     def _scored(self, item: Incoming, reward: Reward) -> list[Output]:
+        """The scored trajectory, written over the bytes its trajectory arrived as where they can be reused
+        (schemas.splice: the stage time it adds is in the tail, which is encoded again)."""
         traj: Trajectory = item.record
+        kept = self._splice.keep(item.wire, traj)  # before the tail changes
         traj.stage_times["reward.end"] = now_ms()
+        scored = ScoredTrajectory(traj, reward)
         # Eval-lane results go where no trainer reads (records.is_eval).
-        return [Output(scored_topic(traj.task), item.key, ScoredTrajectory(traj, reward),
-                       reward_version=self.settings.reward_version)]
+        return [Output(scored_topic(traj.task), item.key, scored, reward_version=self.settings.reward_version,
+                       value=None if kept is None else self._splice.encode(kept, scored))]
 
     def _failed(self, traj: Trajectory) -> Reward:
         """A failed episode is recorded with zero reward and its class, not silently dropped."""

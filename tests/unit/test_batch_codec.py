@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlstream.schemas import records
-from rlstream.schemas.codec import (MARKER, RECORDS, Codec, DecodeError, _unpack_record, iter_history, load_current,
-                                    packed_paths, schema_fingerprint)
+from rlstream.schemas.codec import (MARKER, RECORDS, Codec, DecodeError, _pack_record, _unpack_record, iter_history,
+                                    load_current, packed_paths, schema_fingerprint)
 from rlstream.schemas.packed import TokenList, TokenView, pack, unpack
 
 CODEC = Codec()
@@ -155,3 +155,100 @@ def test_a_token_view_reads_like_the_list_of_its_elements():
     assert floats == [0.5, -2.0] and isinstance(floats[0], float)
     with pytest.raises((ValueError, TypeError)):
         unpack(b"\x01\x02\x03", "int32", view=True)
+
+
+# -- writing a scored trajectory over its trajectory's arrived bytes (schemas.splice) --------------------------------
+
+_SPLICE = None
+
+
+def _splice():
+    global _SPLICE
+    if _SPLICE is None:
+        from rlstream.schemas.splice import Splice
+        _SPLICE = Splice("ScoredTrajectory", carried="trajectory", tail_from="stage_times")
+    return _SPLICE
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(trajectory=datum(load_current("Trajectory")), reward=datum(load_current("Reward")),
+       stage_time=st.tuples(_TEXT, st.integers(-2**63, 2**63 - 1)))
+def test_a_spliced_scored_trajectory_is_the_bytes_encoding_it_whole_writes(trajectory, reward, stage_time):
+    wire = CODEC.encode("Trajectory", trajectory)
+    (_, decoded), = CODEC.decode_many([wire], expect="Trajectory", views=True)
+    typed = records.Trajectory.from_dict(decoded)
+    kept = _splice().keep(wire, typed)
+    assert kept is not None
+    typed.stage_times[stage_time[0]] = stage_time[1]  # what the reward stage changes: the tail, after keep
+    scored = records.ScoredTrajectory(typed, records.Reward.from_dict(reward))
+    assert _splice().encode(kept, scored) == CODEC.encode("ScoredTrajectory", scored.to_dict())
+
+
+def test_arrived_bytes_that_cannot_be_reused_are_refused():
+    traj = records.Trajectory("e", "g", 0, records.Task("t", "g", "n", "e", "1", "p", records.SamplingParams(), 1),
+                              "r", 0, 0, token_ids=[1, 2], loss_mask=[1, 1], behaviour_logprobs=[-0.5, -0.5],
+                              stage_times={"env.end": 5, "rollout.end": 3}, trace_id="t1")
+    wire = CODEC.encode("Trajectory", traj.to_dict())
+    assert _splice().keep(wire, traj) is not None
+    assert _splice().keep(None, traj) is None  # nothing arrived (a replay from the archive)
+    # Written with an older schema: its bytes are not the current schema's body.
+    old = _older_trajectory(traj)
+    assert _splice().keep(old, records.Trajectory.from_dict(CODEC.decode(old)[1])) is None
+    # The same values with stage_times written in two map blocks (legal Avro, not what the codec writes).
+    tail = CODEC.encode("Trajectory", records.Trajectory(**{**_fields(traj), "stage_times": {}, "trace_id": ""})
+                        .to_dict())
+    assert tail.endswith(b"\x00\x00")  # an empty map's end, then an empty string
+    block = lambda k, v: b"\x02" + bytes([len(k) * 2]) + k.encode() + bytes([v * 2])  # noqa: E731 - one entry
+    two_blocks = tail[:-2] + block("env.end", 5) + block("rollout.end", 3) + b"\x00" + b"\x04t1"
+    assert CODEC.decode(two_blocks)[1]["stage_times"] == {"env.end": 5, "rollout.end": 3}
+    assert _splice().keep(two_blocks, traj) is None
+    # A tail that changed before keep (the stage time already added) no longer matches the bytes.
+    traj.stage_times["reward.end"] = 9
+    assert _splice().keep(wire, traj) is None
+
+
+def _fields(record) -> dict:
+    return {f: getattr(record, f) for f in record.__dataclass_fields__}
+
+
+def _older_trajectory(traj) -> bytes:
+    """``traj`` written with the first frozen Trajectory schema (the fields it lacks left out)."""
+    path = next(p for n, v, p in iter_history() if n == "Trajectory")
+    schema = json.loads(path.read_text())
+    return _write(schema, _pack_record(traj.to_dict(), packed_paths(schema)))
+
+
+def test_the_reward_stage_writes_its_scored_trajectory_over_the_arrived_bytes():
+    from rlstream.kafka.records import Decoder
+    from rlstream.stages.reward import RewardSettings, RewardStage
+    traj = records.Trajectory("e", "g", 0, records.Task("t", "g", "n", "e", "1", "p", records.SamplingParams(), 1,
+                                                        answer="r"), "r", 0, 0, token_ids=[1, 2], loss_mask=[1, 1],
+                              behaviour_logprobs=[-0.5, -0.5], stage_times={"env.end": 5})
+    wire = CODEC.encode("Trajectory", traj.to_dict())
+    stage = RewardStage(RewardSettings(reward="exact"))
+    outputs = []
+    for arrived in (wire, None):  # from the topic, and from nowhere (the archive's replay)
+        item = Decoder("r", token_views=True).decode([_Message("r.trajectories", wire)])[0].item
+        item.wire = arrived
+        [[out]] = stage.handle_batch([item])
+        assert (out.value is None) == (arrived is None)
+        outputs.append(out)
+    assert outputs[0].value == CODEC.encode("ScoredTrajectory", outputs[0].record.to_dict())
+    decoded = records.ScoredTrajectory.from_dict(CODEC.decode(outputs[0].value)[1])
+    assert decoded.trajectory.stage_times.keys() == {"env.end", "reward.end"} and decoded.reward.total == 1.0
+
+
+class _Message:
+    """The little of a confluent Message that the Decoder reads (a unit test of the codec, not of Kafka)."""
+
+    def __init__(self, topic, value):
+        self._topic, self._value = topic, value
+
+    def topic(self): return self._topic
+    def partition(self): return 0
+    def offset(self): return 0
+    def key(self): return b"g"
+    def value(self): return self._value
+    def headers(self):
+        from rlstream.schemas import headers
+        return headers.build(0, headers.new_traceparent())

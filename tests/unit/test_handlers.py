@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import wait
+import time
+from concurrent.futures import Future, wait
 
 import pytest
 
 from rlstream.kafka.records import Incoming, Rejected
-from rlstream.runtime.handlers import Handlers
+from rlstream.runtime.handlers import Deadlines, Handlers, resolve
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.runtime.stage import Stage
 
@@ -322,3 +323,34 @@ def test_a_sync_chain_record_cancelled_while_its_env_runs_is_never_judged_and_le
         assert (call.outer, call.first, call.item, call.chained, call.seconds) == (None, None, None, None, [])
     finally:
         chain.close()
+
+
+@pytest.mark.timeout(60)
+def test_deadlines_added_from_many_threads_resolve_the_overdue_and_wake_an_idle_watcher():
+    """Deadlines.add takes no lock (every pool thread adds one per record): what is overdue still resolves with
+    its outcome, what finished is dropped from the queue, and an add after the watcher went idle wakes it."""
+    deadlines = Deadlines()
+    try:
+        finished, hung = [Future() for _ in range(800)], [Future() for _ in range(8)]
+
+        def add(futures, after_s, outcome):
+            for f in futures:
+                deadlines.add(time.monotonic() + after_s, f, lambda o=outcome: o)
+        threads = [threading.Thread(target=add, args=(finished[i::8], 0.3, "late")) for i in range(8)]
+        threads.append(threading.Thread(target=add, args=(hung, 0.3, "given up")))
+        for t in threads:
+            t.start()
+        for f in finished:
+            resolve(f, "own")  # each handler's own result, well before its deadline
+        for t in threads:
+            t.join()
+        assert [f.result(timeout=10) for f in hung] == ["given up"] * 8
+        assert {f.result() for f in finished} == {"own"}
+        time.sleep(2 * Deadlines.PRUNE_S)
+        assert not deadlines._entries  # finished entries pruned, overdue ones resolved and dropped
+        time.sleep(0.2)  # the watcher sleeps with nothing to watch
+        late = Future()
+        deadlines.add(time.monotonic() + 0.1, late, lambda: "given up")
+        assert late.result(timeout=5) == "given up"
+    finally:
+        deadlines.close()
