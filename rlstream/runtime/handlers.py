@@ -46,6 +46,11 @@ class Handlers:
         self._async = asyncio.iscoroutinefunction(stage.handle)
         self.sync = stage.sync_handler()
         self._deadlines = Deadlines() if self.sync is not None else None
+        # Sync records waiting for a drainer, and how many drainers run (``submit_sync``): the count changes only
+        # under the lock, so a record is never queued with no drainer left to take it.
+        self._pending: deque = deque()
+        self._drainers = 0
+        self._drain_lock = threading.Lock()
         self._seconds = metrics.HANDLER_SECONDS.labels(stage.name)  # a labels() lookup per record costs as much
 
     @property
@@ -152,10 +157,34 @@ class Handlers:
 
     def submit_sync(self, item: Incoming, future: Future | None = None) -> Future:
         """One record through the stage's sync handler on the pool; its future (``future``, else a new one)
-        resolves on the pool's thread (or the deadline watcher's, at its timeout)."""
+        resolves on the pool's thread (or the deadline watcher's, at its timeout).
+
+        The record joins a queue that up to ``concurrency`` pool tasks drain, each taking the next record as it
+        finishes one: a pool task per record (a work item, the pool's queue and a thread woken for each) was a
+        third of a pipelined reward hop's CPU with an exact-match judge. A slow record holds up only its own
+        drainer; the others go on taking records, as the pool's threads took tasks."""
         future = Future() if future is None else future
-        self.pool.submit(self._call_sync, self.sync, item, future)
+        with self._drain_lock:
+            self._pending.append((item, future))
+            start = self._drainers < self._limit
+            self._drainers += start
+        if start:
+            self.pool.submit(self._drain)
         return future
+
+    def _drain(self) -> None:
+        """On a pool thread: records from the queue until it is empty (``submit_sync``)."""
+        pending, sync = self._pending, self.sync
+        while True:
+            try:
+                item, future = pending.popleft()
+            except IndexError:
+                with self._drain_lock:
+                    if pending:
+                        continue  # appended between the pop and the lock: a submitter counted this drainer
+                    self._drainers -= 1
+                    return
+            self._call_sync(sync, item, future)
 
     def call_sync_here(self, item: Incoming, future: Future) -> None:
         """``submit_sync`` on the calling thread, which must be one of the pool's: the handler runs now, its timeout

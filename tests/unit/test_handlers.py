@@ -145,6 +145,38 @@ def test_a_sync_handler_runs_on_the_pool_without_the_event_loop_and_is_given_up_
 
 
 @pytest.mark.timeout(60)
+def test_sync_records_are_drained_by_at_most_concurrency_threads_and_a_slow_one_holds_up_no_other():
+    """Handlers.submit_sync queues records for up to ``concurrency`` drainers: every record resolves, never more
+    than ``concurrency`` run at once, and the rest go on past one that is still running."""
+    class Counting(Blocking):
+        def __init__(self):
+            super().__init__()
+            self.running = self.most = 0
+            self.lock = threading.Lock()
+
+        def handle(self, item):
+            with self.lock:
+                self.running += 1
+                self.most = max(self.most, self.running)
+            try:
+                return super().handle(item)
+            finally:
+                with self.lock:
+                    self.running -= 1
+    stage = Counting()
+    h = Handlers(stage, RuntimeSettings(concurrency=4, handler_timeout_s=30))
+    try:
+        slow, *quick = h.submit(items_of(2.0, *([0.001] * 300)))
+        assert all(f.result(timeout=10) == [] for f in quick)
+        assert not slow.done()  # all 300 done while the slow one still runs on its own drainer
+        assert slow.result(timeout=10) == [] and stage.most <= 4 and len(stage.started) == 301
+        late = h.submit(items_of(0.0))  # the drainers have all left: a new record starts one again
+        assert late[0].result(timeout=10) == []
+    finally:
+        h.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_sync_record_cancelled_while_it_waits_for_a_thread_never_starts():
     stage = Blocking()
     h = Handlers(stage, RuntimeSettings(concurrency=1, handler_timeout_s=30))
