@@ -380,7 +380,7 @@ class StageRunner:
 
     def _encode(self, item: Incoming, out: Output) -> tuple[str, Any, bytes, list]:
         try:
-            value = out.value if out.value is not None else records.encode(out.topic, out.record)
+            value = out.value() if out.value is not None else records.encode(out.topic, out.record)
         except Exception as exc:  # e.g. a str with lone surrogates, or a wrong type, from the handler
             # Raised past here it would abort the batch, crash the stage and do the same again on restart.
             raise Rejected("handler_error", f"{out.topic} output does not fit its schema: "

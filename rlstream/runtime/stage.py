@@ -30,9 +30,10 @@ class Output:
     policy_version: int | None = None
     reward_version: str | None = None
     extra_headers: tuple[tuple[str, str], ...] = ()  # headers of the stage's own (the teacher's version)
-    # ``record`` already encoded, by a stage that carries its input on as the bytes it arrived in
-    # (schemas.splice): produced as it is. None: the runner encodes ``record``.
-    value: bytes | None = None
+    # How to encode ``record`` more cheaply than whole: a stage that carries its input on as the bytes it arrived in
+    # (schemas.splice) gives a function that writes the value. The runner calls it where it encodes every output,
+    # so a value that cannot be encoded is dead-lettered the same way either way. None: the runner encodes ``record``.
+    value: Callable[[], bytes] | None = None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 from rlstream.config import knob
@@ -118,7 +119,7 @@ class RewardStage(Stage):
         scored = ScoredTrajectory(traj, reward)
         # Eval-lane results go where no trainer reads (records.is_eval).
         return [Output(scored_topic(traj.task), item.key, scored, reward_version=self.settings.reward_version,
-                       value=None if kept is None else self._splice.encode(kept, scored))]
+                       value=None if kept is None else partial(self._splice.encode, kept, scored))]
 
     def _failed(self, traj: Trajectory) -> Reward:
         """A failed episode is recorded with zero reward and its class, not silently dropped."""

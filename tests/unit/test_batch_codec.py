@@ -233,8 +233,8 @@ def test_the_reward_stage_writes_its_scored_trajectory_over_the_arrived_bytes():
         [[out]] = stage.handle_batch([item])
         assert (out.value is None) == (arrived is None)
         outputs.append(out)
-    assert outputs[0].value == CODEC.encode("ScoredTrajectory", outputs[0].record.to_dict())
-    decoded = records.ScoredTrajectory.from_dict(CODEC.decode(outputs[0].value)[1])
+    assert outputs[0].value() == CODEC.encode("ScoredTrajectory", outputs[0].record.to_dict())
+    decoded = records.ScoredTrajectory.from_dict(CODEC.decode(outputs[0].value())[1])
     assert decoded.trajectory.stage_times.keys() == {"env.end", "reward.end"} and decoded.reward.total == 1.0
 
 
