@@ -10,7 +10,8 @@ become visible together or not at all. What can go wrong, and what this module d
 - A producer that librdkafka declares fatal (but not fenced) is replaced in-process by a new one with the same
   transactional id, whose registration aborts the open transaction; the caller re-reads its inputs.
 - A call that never returns (librdkafka can block in ``send_offsets_to_transaction`` after a broker restart,
-  issues 5456 and 5511) is abandoned after its timeout plus a minute, and the producer replaced likewise.
+  issues 5456 and 5511) is abandoned past its timeout, and the producer replaced likewise (``Caller`` says how
+  long past).
 - An abort that keeps timing out past the transaction timeout is the same fault in another form (seen after a
   broker restart: the abort request queued for a coordinator connection that never came back): the producer is
   replaced, and the new one waits for the broker in ``init_transactions``.
@@ -60,13 +61,28 @@ MAX_REPLACEMENTS = 5
 Offset = tuple[str, int, int, "str | None"]
 
 
+#: How long past its own timeout a blocking producer call is given before it counts as wedged. librdkafka enforces
+#: its timeouts on its own threads, so a call that has not returned by then is stuck, not slow (a starved process
+#: is late by scheduling delays, not by seconds). A minute, for the calls after which the transaction may have
+#: committed (``commit_transaction``, ``abort_transaction``): a false alarm there replaces a producer whose commit
+#: went through. Seconds for ``send_offsets_to_transaction``, the call that wedges (issues 5456, 5511): nothing is
+#: committed before it returns, so abandoning it aborts the transaction and costs a redo at worst; a minute there
+#: held a whole loop still for 90 s after a broker died (benchmarks/three_hosts.py: v4 to v5 in 103 s).
+WEDGED_AFTER_S = 60.0
+OFFSETS_WEDGED_AFTER_S = 5.0
+#: ``send_offsets_to_transaction``'s own timeout: past it the transaction is aborted and redone (a coordinator that
+#: moved with a dead broker is found again by then: the controller fences a dead broker within its session timeout).
+OFFSETS_TIMEOUT_S = 15.0
+
+
 class Wedged(Exception):
     """A librdkafka call that did not return long after its own timeout."""
 
 
 class Caller:
     """Runs a producer's blocking calls (their last argument is their timeout) on one long-lived thread, giving each
-    a minute more than its timeout to return; Wedged if not, and the caller is then abandoned with its thread.
+    ``wedged_after`` seconds more than its timeout to return; Wedged if not, and the caller is then abandoned with
+    its thread.
 
     One thread for every call, not one per call: a thread start costs about 0.1 ms of CPU here, two per
     transaction in every stage."""
@@ -85,11 +101,11 @@ class Caller:
             finally:
                 done.set()
 
-    def __call__(self, call: Callable, *args: Any) -> Any:
+    def __call__(self, call: Callable, *args: Any, wedged_after: float = WEDGED_AFTER_S) -> Any:
         done, result = threading.Event(), {}
         self._calls.put((call, args, result, done))
-        if not done.wait(args[-1] + 60):
-            raise Wedged(f"{getattr(call, '__name__', 'call')} did not return within {args[-1] + 60}s")
+        if not done.wait(args[-1] + wedged_after):
+            raise Wedged(f"{getattr(call, '__name__', 'call')} did not return within {args[-1] + wedged_after}s")
         if "error" in result:
             raise result["error"]
         return result.get("value")
@@ -208,7 +224,8 @@ class TransactionalProducer:
             # Do not advance committed offsets outside of the transaction: the outputs and the input positions
             # become visible together or not at all.
             if offsets:
-                self._bounded(self.producer.send_offsets_to_transaction, offsets, group_metadata(), 30)
+                self._bounded(self.producer.send_offsets_to_transaction, offsets, group_metadata(),
+                              OFFSETS_TIMEOUT_S, wedged_after=OFFSETS_WEDGED_AFTER_S)
             self._bounded(self.producer.commit_transaction, 60)
         except KafkaException as exc:
             self._recover(exc)

@@ -1,8 +1,13 @@
-"""The transactional producer's librdkafka settings (``kafka.transactions.producer_config``)."""
+"""The transactional producer's librdkafka settings (``kafka.transactions.producer_config``) and the bound on its
+blocking calls (``kafka.transactions.Caller``: the calls here are plain functions, not librdkafka's)."""
 from __future__ import annotations
 
+import threading
+
+import pytest
+
 from rlstream.config import KafkaSettings
-from rlstream.kafka.transactions import TXN_RETRY_BACKOFF_MS, producer_config
+from rlstream.kafka.transactions import TXN_RETRY_BACKOFF_MS, Caller, Wedged, producer_config
 
 
 def test_a_transaction_begun_right_after_a_commit_retries_soon_not_after_librdkafkas_100_ms():
@@ -16,3 +21,25 @@ def test_kafka_config_can_set_the_retry_backoff_but_not_the_transactional_id():
     conf = producer_config(kafka, "r.stage.0")
     assert conf["retry.backoff.ms"] == "50"
     assert conf["transactional.id"] == "r.stage.0"
+
+
+def test_a_call_past_its_timeout_and_grace_is_wedged_and_a_new_caller_serves_the_next():
+    release = threading.Event()
+
+    def stuck(timeout):  # ignores its timeout, as a wedged librdkafka call does
+        release.wait()
+    caller = Caller()
+    with pytest.raises(Wedged, match="stuck did not return within 0.2s"):
+        caller(stuck, 0.1, wedged_after=0.1)
+    release.set()
+    assert Caller()(lambda timeout: timeout * 2, 0.5) == 1.0
+
+
+def test_a_call_that_returns_or_raises_within_its_grace_is_handed_back_as_it_did():
+    caller = Caller()
+    assert caller(lambda x, timeout: x + 1, 41, 0.1, wedged_after=5) == 42
+
+    def refused(timeout):
+        raise ValueError("the broker said no")
+    with pytest.raises(ValueError, match="the broker said no"):
+        caller(refused, 0.1)
