@@ -24,7 +24,8 @@ on the topics, and the archive holding every record, asked from inside host A), 
 benchmark's books run: nothing lost or duplicated on any topic or in the archive, versions in order, and the
 trainer's trained + refused + evicted + skipped equal to the rewards its group committed.
 
-The summary line is ``reached=… seconds_to_target=… versions=… lost=… duplicated=… broker_killed_at=v…``, then the
+The summary line is ``reached=… seconds_to_target=… versions=… lost=… duplicated=… broker_killed_at=v… …
+longest_pause_after_kill_s=…`` (the longest the loop went without a new version once the broker died), then the
 ``RESULT three_hosts`` line; the exit code is 1 when the target was missed or a book does not balance.
 """
 from __future__ import annotations
@@ -142,6 +143,21 @@ def in_ns(ns: str) -> tuple[str, ...]:
     return ("ip", "netns", "exec", ns)
 
 
+class Pause:
+    """The longest gap between consecutive announced versions from ``start`` (the kill) on, in seconds."""
+
+    def __init__(self):
+        self.version, self.at, self.longest = None, 0.0, 0.0
+
+    def start(self, version: int, now: float) -> None:
+        self.version, self.at = version, now
+
+    def seen(self, version: int, now: float) -> None:
+        if self.version is not None and version > self.version:
+            self.longest = max(self.longest, now - self.at)
+            self.version, self.at = version, now
+
+
 def watch(client: dict, run: str, arrived: queue.SimpleQueue, timeout: float = 120.0) -> TopicTail:
     """The driver's view of held-out rewards and versions, once it reads every partition of both topics: the
     topics were just created, and a broker of the three that does not know them yet answers with none (a view
@@ -255,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         view = watch(client, run, arrived)
         stack.callback(view.close)
         progress, best, first, reached_s, killed_at = Progress(), None, None, None, None
+        # The longest the loop stood still after the kill: seconds between one announced version and the next,
+        # from the kill on (a wedged client call shows up here, not in the time to the target alone).
+        paused = Pause()
         while time.monotonic() - started < args.minutes * 60:
             for name, code in sup.check():
                 log(f"{name} exited with {code}; restarted (see its log)")
@@ -263,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                     fold(progress, arrived.get(timeout=0.5), started)
             except queue.Empty:
                 pass
+            paused.seen(progress.version, time.monotonic())
             done = latest_complete_round(progress, args.heldout_count, time.monotonic() - started)
             if done is not None:
                 first = first if first is not None else min(progress.rounds.values())[1]
@@ -272,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 victim = max(nodes)  # not node 1, whose address the workers' bootstrap lists first
                 os.kill(nodes[victim]["pid"], signal.SIGKILL)
                 killed_at = progress.version
+                paused.start(killed_at, time.monotonic())
                 log(f"v{progress.version}: SIGKILLed broker {victim} ({nodes[victim]['bootstrap']}); it stays dead")
             if best is not None and best[0] > 0 and best[1] >= args.target:
                 reached_s = time.monotonic() - started
@@ -323,12 +344,12 @@ def main(argv: list[str] | None = None) -> int:
           f"heldout_start={first if first is not None else float('nan'):.2f} "
           f"heldout_best={best[1] if best else float('nan'):.2f} versions={n_versions} tasks={len(task_ids)} "
           f"lost={lost} duplicated={duplicated} broker_killed_at=v{killed_at} unplanned_exits={len(sup.crashes)} "
-          f"trainer_ranks={args.trainer_ranks}",
+          f"trainer_ranks={args.trainer_ranks} longest_pause_after_kill_s={paused.longest:.1f}",
           flush=True)
     record("three_hosts", dict(ok=ok, reached=reached, seconds_to_target=reached_s, versions=n_versions,
                                tasks=len(task_ids), lost=lost, duplicated=duplicated, books_equal=books_ok,
                                broker_killed_at_version=killed_at, unplanned_exits=len(sup.crashes),
-                               trainer_ranks=args.trainer_ranks),
+                               trainer_ranks=args.trainer_ranks, longest_pause_after_kill_s=paused.longest),
            [Goal("ok", ">=", 1), Goal("lost", "<=", 0), Goal("duplicated", "<=", 0)], seed=args.seed)
     return 0 if ok else 1
 

@@ -42,6 +42,7 @@ def test_three_hosts_learn_through_a_dead_broker_and_lose_nothing(tmp_path):
     assert proc.returncode == 0, out[-6000:]
     raw = [json.loads(t) for t in (raw_dir / "three_hosts.jsonl").read_text().splitlines()]
     assert len(raw) == 1 and raw[0]["figures"]["ok"] is True, raw
+    assert raw[0]["figures"]["longest_pause_after_kill_s"] > 0, raw  # versions came after the kill, and were timed
     # The trainer was one torchrun job of two ranks, on hosts B and C, and each rank said so in its own log.
     assert raw[0]["figures"]["trainer_ranks"] == 2, raw
     logs = tmp_path / "hosts" / "logs"
