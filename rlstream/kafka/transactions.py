@@ -15,6 +15,11 @@ become visible together or not at all. What can go wrong, and what this module d
 - An abort that keeps timing out past the transaction timeout is the same fault in another form (seen after a
   broker restart: the abort request queued for a coordinator connection that never came back): the producer is
   replaced, and the new one waits for the broker in ``init_transactions``.
+- A commit that times out goes on in librdkafka's background, and the next ``commit_transaction`` resumes it (an
+  abort meanwhile is refused as a conflicting call): it is called again, within the transaction timeout.
+- A commit whose answer never came by then (or whose call wedged) may have gone through: librdkafka cannot say, and
+  the caller's redo would duplicate it. The producer is replaced, whose registration ends the transaction one way
+  or the other, and the transaction's first record says which (``_settle``); ``transact`` returns that.
 - A producer fenced by a newer instance of its own transactional id is the zombie: it raises and the process
   exits, because replacing it would fence the live instance in turn.
 
@@ -37,10 +42,11 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from rlstream import metrics
 from rlstream.config import KafkaSettings
+from rlstream.errors import RestartToResume
 from rlstream.kafka.dead_letters import dead_letter
 from rlstream.kafka.records import TypedProducer, produce_waiting
 from rlstream.kafka.topics import MAX_MESSAGE_BYTES, topic_name
@@ -73,10 +79,33 @@ OFFSETS_WEDGED_AFTER_S = 5.0
 #: ``send_offsets_to_transaction``'s own timeout: past it the transaction is aborted and redone (a coordinator that
 #: moved with a dead broker is found again by then: the controller fences a dead broker within its session timeout).
 OFFSETS_TIMEOUT_S = 15.0
+#: ``commit_transaction``'s own timeout (it is called again after one, ``_commit``).
+COMMIT_TIMEOUT_S = 60.0
+#: The pause between two tries of an abort.
+ABORT_RETRY_S = 0.2
+#: How long a commit with an unknown outcome may take to show which way it went (``_settle``): the broker writes
+#: the transaction's markers after it has ended, and a broker restarting meanwhile is waited out, as ``abort`` does.
+SETTLE_TIMEOUT_S = 300.0
 
 
 class Wedged(Exception):
     """A librdkafka call that did not return long after its own timeout."""
+
+
+class _First:
+    """The delivery callback of a transaction's first record: where it landed (``_settle`` looks there), then the
+    caller's own callback, if any."""
+
+    __slots__ = ("then", "where")
+
+    def __init__(self, then: Callable | None):
+        self.then, self.where = then, None
+
+    def __call__(self, err: KafkaError | None, msg: Message) -> None:
+        if err is None:
+            self.where = (msg.topic(), msg.partition(), msg.offset())
+        if self.then is not None:
+            self.then(err, msg)
 
 
 class Caller:
@@ -169,6 +198,7 @@ class TransactionalProducer:
         self._kafka = kafka
         self._outside: TypedProducer | None = None
         self.failure: KafkaError | None = None  # why the last transact() returned False, when the broker said
+        self._first: _First | None = None  # the open transaction's first record, once produced
 
     @property
     def transaction_timeout_s(self) -> float:
@@ -213,10 +243,13 @@ class TransactionalProducer:
                  group_metadata: Callable[[], Any] | None = None) -> bool:
         """Run ``body`` in a transaction and commit what it produced with the offsets it returns.
 
-        Returns False when the transaction was aborted instead (the caller re-reads its inputs from before it);
-        raises, after aborting, whatever ``body`` raised that is not a Kafka error; raises when fenced.
+        Returns False when the transaction was aborted instead (the caller re-reads its inputs from before it), and
+        True when it committed, even if the commit call failed first (``_settle``); raises, after aborting,
+        whatever ``body`` raised that is not a Kafka error; raises when fenced.
         """
         self.failure = None
+        self._first = None
+        committing = False
         self.producer.begin_transaction()
         try:
             offsets = [TopicPartition(t, p, o, metadata=meta) if meta is not None else TopicPartition(t, p, o)
@@ -226,13 +259,20 @@ class TransactionalProducer:
             if offsets:
                 self._bounded(self.producer.send_offsets_to_transaction, offsets, group_metadata(),
                               OFFSETS_TIMEOUT_S, wedged_after=OFFSETS_WEDGED_AFTER_S)
-            self._bounded(self.producer.commit_transaction, 60)
+            committing = True
+            self._commit()
         except KafkaException as exc:
-            self._recover(exc)
-            return False
+            err = exc.args[0]
+            if committing and err.retriable() and not (err.fatal() or err.txn_requires_abort()):
+                self._replace(exc)  # a commit still pending refuses an abort; the new producer's registration ends it
+            else:
+                self._recover(exc)
+            if not (committing and self._settle(exc)):
+                return False
         except Wedged as exc:
             self._replace(exc)
-            return False
+            if not (committing and self._settle(exc)):
+                return False
         except BaseException:
             self.abort()
             raise
@@ -243,6 +283,8 @@ class TransactionalProducer:
     def produce(self, topic: str, value: bytes | None, key: Any = None, headers: list | None = None,
                 on_delivery: Any = None, partition: int | None = None) -> None:
         """Produce into the open transaction (``on_delivery``, ``partition``: see ``records.produce_waiting``)."""
+        if self._first is None:
+            self._first = on_delivery = _First(on_delivery)
         produce_waiting(self.producer, topic, value, key, headers, on_delivery, partition)
 
     def dead_letter(self, stage: str, msg: Message, reason: str, error: str,
@@ -253,6 +295,46 @@ class TransactionalProducer:
         metrics.DEAD_LETTERS.labels(stage, reason).inc()
         log.warning("%s dead-lettered %s[%d]@%d: %s: %s", stage, msg.topic(), msg.partition(), msg.offset(),
                     reason, error[:200])
+
+    def _commit(self) -> None:
+        """``commit_transaction``, called again while it fails retriably (a timeout: the commit goes on in the
+        background, and the next call resumes it), for up to the transaction timeout; what it raises past that is
+        the caller's."""
+        started = time.monotonic()
+        while True:
+            try:
+                self._bounded(self.producer.commit_transaction, COMMIT_TIMEOUT_S)
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                if (not err.retriable() or err.fatal() or err.txn_requires_abort() or self._stopping()
+                        or time.monotonic() - started > self._transaction_timeout_s):
+                    raise
+                log.warning("%s commit not done yet (%s); calling it again", self.who, err.str())
+
+    def _settle(self, exc: Exception) -> bool:
+        """After a commit call that failed, once the transaction has ended (aborted, or ended by a new producer's
+        registration): whether it committed after all.
+
+        Its first record answers: a ``read_committed`` reader gets that record at its offset only if the transaction
+        committed, and reads past it once its abort marker is written. A transaction that produced nothing carried
+        only input offsets, whose redo produces nothing either, so it counts as aborted. Where the broker does not
+        answer, the process exits to resume from what it holds: guessing either way loses or duplicates.
+        """
+        # librdkafka sends EndTxn(commit) only after a flush that served every delivery report, so a first record
+        # with no successful report (nothing produced, its delivery failed, or the flush never ended) means no
+        # commit was asked for.
+        first = self._first.where if self._first is not None else None
+        if first is None:
+            return False
+        committed = committed_at(self._kafka, *first, timeout_s=SETTLE_TIMEOUT_S)
+        if committed is None:
+            raise RestartToResume(f"{self.who}: a commit failed ({exc}) and the broker did not show within "
+                                  f"{SETTLE_TIMEOUT_S:.0f}s whether it went through; a restart resumes from its "
+                                  "offsets") from None
+        if committed:
+            log.warning("%s: the commit reported as failed (%s) had gone through; not redoing it", self.who, exc)
+        return committed
 
     def _recover(self, exc: KafkaException) -> None:
         """After a failed call in the open transaction: abort it (or replace the producer), or raise if fenced."""
@@ -296,10 +378,11 @@ class TransactionalProducer:
                     self._replace(exc)
                     return
                 log.warning("%s abort not done yet (%s); retrying", self.who, err.str())
+                time.sleep(ABORT_RETRY_S)  # some refusals come back at once: no hot loop
 
     def _replace(self, exc: Exception) -> None:
         """Fence a stuck or broken producer with a new one of the same transactional id."""
-        log.error("%s: %s; replacing the producer (the new one aborts the open transaction)", self.who, exc)
+        log.error("%s: %s; replacing the producer (its registration ends the open transaction)", self.who, exc)
         metrics.TRANSACTIONS.labels(self.who, "aborted").inc()
         self._replaced += 1
         if self._replaced > MAX_REPLACEMENTS:  # no commit since several replacements: not a passing fault
@@ -308,3 +391,26 @@ class TransactionalProducer:
         self.producer = Producer(self._config)
         self._bounded = Caller()  # the old one's thread may be stuck in the wedged call
         self.start()
+
+
+def committed_at(kafka: KafkaSettings, topic: str, partition: int, offset: int, timeout_s: float) -> bool | None:
+    """Whether the transactional record at ``topic[partition]@offset`` was committed (True) or aborted (False),
+    once its transaction has ended; None if the broker did not show it within ``timeout_s``. A ``read_committed``
+    reader returns the record itself only if committed, and otherwise skips it (and at the end of the partition,
+    reports an end past it); while its transaction's markers are not written yet, its end is still before it."""
+    consumer = Consumer({**kafka.client_config(), "group.id": f"{kafka.run}.settle", "enable.auto.commit": False,
+                         "isolation.level": "read_committed", "enable.partition.eof": True})
+    try:
+        consumer.assign([TopicPartition(topic, partition, offset)])
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            if msg.error() is None:
+                return msg.offset() == offset
+            if msg.error().code() == KafkaError._PARTITION_EOF and msg.offset() > offset:
+                return False
+        return None
+    finally:
+        consumer.close()

@@ -9,8 +9,9 @@ static member can be fenced by its own rejoin), the consumer is replaced and rej
 again only if it got back every partition the offsets name. Otherwise the process exits to resume
 (``RestartToResume``, the caller's): the step is redone from the last announced version.
 
-A version is announced once: a commit the client saw fail may have gone through on the broker (a timeout after the
-coordinator wrote it), so before each new try the log is asked whether the version is there already.
+A version is announced once. ``transact`` already tells a commit whose answer was lost from an abort (it settles it
+from the log: ``kafka.transactions``); before each new try the log is asked all the same whether the version is
+there, because announcing one version twice costs more than that read.
 """
 from __future__ import annotations
 

@@ -1,8 +1,12 @@
-"""Broker faults under a running stage, on brokers of their own (the shared one at 9092 is left alone):
-a restart of the only broker, and the loss of one broker of three. Nothing is lost or duplicated."""
+"""Broker faults, on brokers of their own (the shared one at 9092 is left alone): a restart of the only broker
+and the loss of one broker of three under a running stage, and a commit whose answer comes too late. Nothing is
+lost or duplicated."""
 from __future__ import annotations
 
 import collections
+import os
+import signal
+import threading
 import time
 import uuid
 
@@ -10,9 +14,13 @@ import pytest
 from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource
 
+from rlstream.config import KafkaSettings
 from rlstream.infra import broker
+from rlstream.kafka import transactions
 from rlstream.kafka.tail import Seen
-from rlstream.kafka.topics import create_topics, topic_name
+from rlstream.kafka.topics import TOPICS, create_topics, topic_name
+from rlstream.schemas import headers as hdr
+from rlstream.schemas.codec import default_codec
 from tests.helpers.kafka import free_base_port, make_trajectory, produce, read_all, wait_consumed
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -131,3 +139,51 @@ def test_three_brokers_replication_three_survive_losing_one(home, tmp_path, star
     finally:
         code = proc.stop(timeout=60)
     assert code == 0, log.read_text()[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_a_commit_answered_late_is_resumed_and_one_never_answered_is_settled_from_the_log(home, monkeypatch, caplog):
+    """The broker is stopped (SIGSTOP) once a transaction's record is delivered, so the commit's request waits in
+    its socket past the call's timeout (2 s here), and let go later; the broker then commits it.
+
+    Let go within the transaction timeout, the commit call is made again and finishes it (librdkafka resumes a
+    timed-out commit; an abort would be refused as a conflicting call). Let go after it, the producer is replaced
+    and the transaction's first record says that it committed. Either way ``transact`` reports it committed (its
+    caller does not redo it), each record is there once, and the next transaction goes through."""
+    port = free_base_port(2)
+    bootstrap = broker.up(home, port=port)
+    run = "co" + uuid.uuid4().hex[:8]
+    create_topics({"bootstrap.servers": bootstrap}, run, partitions=1)
+    pid = broker.status(home)[1]["pid"]
+    monkeypatch.setattr(transactions, "COMMIT_TIMEOUT_S", 2.0)
+    topic = topic_name(run, "trajectories")
+    (key, traj, _), = _trajectories(0, 1)
+    value = default_codec().encode(TOPICS["trajectories"].record, traj.to_dict())
+
+    def commit_answered_after(txn: transactions.TransactionalProducer, seconds: float) -> bool:
+        cont = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
+
+        def body() -> list:
+            txn.produce(topic, value, key, hdr.build(0, hdr.new_traceparent()))
+            assert txn.flush(30) == 0  # delivered: only the commit's own request is left
+            os.kill(pid, signal.SIGSTOP)
+            cont.start()
+            return []
+        try:
+            return txn.transact(body)
+        finally:
+            cont.join(30)
+            os.kill(pid, signal.SIGCONT)
+
+    kafka = KafkaSettings(bootstrap=bootstrap, run=run)
+    for n, (timeout_ms, late_s, sign) in enumerate([(30000, 3.0, "commit not done yet"),
+                                                    (3000, 5.0, "had gone through; not redoing it")], start=1):
+        caplog.clear()
+        txn = transactions.TransactionalProducer(kafka, f"{run}.co{n}", who=f"co{n}", transaction_timeout_ms=timeout_ms)
+        txn.start()
+        assert commit_answered_after(txn, late_s) is True
+        assert sign in caplog.text, caplog.text[-3000:]
+        assert ("replacing the producer" in caplog.text) == (n == 2), caplog.text[-3000:]
+        assert len(_read(bootstrap, run, "trajectories", expect=2 * n - 1, timeout=60)) == 2 * n - 1
+        assert txn.transact(lambda: txn.produce(topic, value, key, hdr.build(0, hdr.new_traceparent()))) is True
+        assert len(_read(bootstrap, run, "trajectories", expect=2 * n, timeout=60)) == 2 * n

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from rlstream.config import KafkaSettings
-from rlstream.kafka.transactions import TXN_RETRY_BACKOFF_MS, Caller, Wedged, producer_config
+from rlstream.kafka.transactions import TXN_RETRY_BACKOFF_MS, Caller, Wedged, _First, producer_config
 
 
 def test_a_transaction_begun_right_after_a_commit_retries_soon_not_after_librdkafkas_100_ms():
@@ -43,3 +43,28 @@ def test_a_call_that_returns_or_raises_within_its_grace_is_handed_back_as_it_did
         raise ValueError("the broker said no")
     with pytest.raises(ValueError, match="the broker said no"):
         caller(refused, 0.1)
+
+
+class _Delivered:
+    """A delivered record as librdkafka reports it (the unit under test only asks where it landed)."""
+
+    def topic(self):
+        return "t"
+
+    def partition(self):
+        return 3
+
+    def offset(self):
+        return 41
+
+
+def test_a_transactions_first_record_notes_where_it_landed_and_still_calls_the_callers_callback():
+    seen = []
+    first = _First(lambda err, msg: seen.append((err, msg.offset())))
+    first("failed", _Delivered())
+    assert first.where is None and seen == [("failed", 41)]  # a failed delivery landed nowhere
+    first(None, _Delivered())
+    assert first.where == ("t", 3, 41) and seen[-1] == (None, 41)
+    alone = _First(None)
+    alone(None, _Delivered())
+    assert alone.where == ("t", 3, 41)
