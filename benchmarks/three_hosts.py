@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     group_size = LoopSettings().group_size  # the G every stage runs with here, which the books count by
     with ExitStack() as stack:
         hosts, _ = stack.enter_context(network(tag))
-        (ns_a, addr_a, _), (ns_b, addr_b, _), (ns_c, _, _) = hosts["a"], hosts["b"], hosts["c"]
+        (ns_a, addr_a, _), (_, addr_b, _) = hosts["a"], hosts["b"]
         started = time.monotonic()
         # Host A's brokers, started inside A: they listen on A's address alone.
         up = subprocess.run([*in_ns(ns_a), sys.executable, "-m", "rlstream.infra.broker", "up", "--brokers", "3",

@@ -57,7 +57,7 @@ def load(results: Path = RESULTS) -> dict[str, list[Run]]:
 
 #: Arguments that say where a run writes or which broker it uses, not what it measures: left out of the
 #: configuration, so that `make bench`'s runs (each with its own --json path) are pooled.
-PLACES = ("--json", "--workdir", "--run", "--bootstrap", "--path", "--out")
+PLACES = ("--json", "--workdir", "--run", "--bootstrap", "--path", "--out", "--home")
 #: A seed is a run of its configuration, not another configuration: runs over seeds 0, 1, 2 are pooled into one
 #: median and spread (a learning comparison takes several seeds), and the table's head names the seeds. A script
 #: that takes a list (``--seeds 0,1,2``) records one line per seed with its ``seed``: the list is left out alike.
