@@ -92,6 +92,12 @@ class Wedged(Exception):
     """A librdkafka call that did not return long after its own timeout."""
 
 
+def _resumable(err: KafkaError) -> bool:
+    """A failed commit that is still going on in librdkafka's background: the next ``commit_transaction`` resumes
+    it, and an abort is refused meanwhile."""
+    return err.retriable() and not (err.fatal() or err.txn_requires_abort())
+
+
 class _First:
     """The delivery callback of a transaction's first record: where it landed (``_settle`` looks there), then the
     caller's own callback, if any."""
@@ -262,8 +268,7 @@ class TransactionalProducer:
             committing = True
             self._commit()
         except KafkaException as exc:
-            err = exc.args[0]
-            if committing and err.retriable() and not (err.fatal() or err.txn_requires_abort()):
+            if committing and _resumable(exc.args[0]):
                 self._replace(exc)  # a commit still pending refuses an abort; the new producer's registration ends it
             else:
                 self._recover(exc)
@@ -306,11 +311,10 @@ class TransactionalProducer:
                 self._bounded(self.producer.commit_transaction, COMMIT_TIMEOUT_S)
                 return
             except KafkaException as exc:
-                err = exc.args[0]
-                if (not err.retriable() or err.fatal() or err.txn_requires_abort() or self._stopping()
+                if (not _resumable(exc.args[0]) or self._stopping()
                         or time.monotonic() - started > self._transaction_timeout_s):
                     raise
-                log.warning("%s commit not done yet (%s); calling it again", self.who, err.str())
+                log.warning("%s commit not done yet (%s); calling it again", self.who, exc.args[0].str())
 
     def _settle(self, exc: Exception) -> bool:
         """After a commit call that failed, once the transaction has ended (aborted, or ended by a new producer's
