@@ -3,9 +3,10 @@
 Avro's binary encoding of a record is its fields' encodings one after another, with no lengths, offsets or padding.
 So a ScoredTrajectory (``trajectory``, then ``reward``) is the Trajectory's body followed by the Reward's, and a
 Trajectory whose only change is in its last fields (the reward stage adds its time to ``stage_times``; ``trace_id``
-follows) is its arrived bytes up to those fields, then those fields encoded again. The reward stage writes its
-scored trajectories so: the ~9 KB Trajectory of a 1,000-token episode is not converted to a dict and encoded field
-by field again, but copied, which was a third of that hop's Python (``benchmarks/bus_hop.py``).
+follows) is its arrived bytes up to those fields, then those fields encoded again. The reward stage (and a replay
+of a topic, through it) writes its scored trajectories so: the ~9 KB Trajectory of a 1,000-token episode is not
+converted to a dict and encoded field by field again, but copied, which was a third of that hop's Python
+(``benchmarks/bus_hop.py``).
 
 The invariant, enforced in ``Splice.keep``: arrived bytes are reused only when they were written with the carried
 record's current schema and its tail fields, encoded again from their decoded values, give exactly the bytes the

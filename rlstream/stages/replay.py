@@ -33,7 +33,6 @@ from rlstream.kafka.topics import topic_name
 from rlstream.runtime.runner import StageRunner
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.runtime.stage import Incoming, Output, Stage
-from rlstream.schemas.headers import now_ms
 from rlstream.stages.reward import RewardSettings, RewardStage
 from rlstream.stages.teacher.replay import TeacherReplayStage
 from rlstream.stages.teacher.settings import TeacherSettings
@@ -108,8 +107,10 @@ class ReplayStage(Stage):
                              "(or --teacher-version and --teacher to replay a teacher)")
         self.name = f"replay.{settings.reward_version}"
         self.versions = parse_versions(settings.policy_version)
-        # The reward logic is the reward stage's own, not a copy of it.
-        self.reward = RewardStage(RewardSettings(reward=settings.reward, reward_version=settings.reward_version))
+        # The reward logic is the reward stage's own, not a copy of it; it stamps replay.start (so the scored
+        # trajectory is still written over the bytes it arrived as: schemas.splice).
+        self.reward = RewardStage(RewardSettings(reward=settings.reward, reward_version=settings.reward_version),
+                                  start_stamp="replay.start")
         self.scored = self.skipped = 0
 
     def wanted(self, policy_version: int) -> bool:
@@ -120,7 +121,6 @@ class ReplayStage(Stage):
         if not self.wanted(item.policy_version):
             self.skipped += 1
             return []  # outside the range: consumed (its offset commits), not scored
-        item.record.stage_times["replay.start"] = now_ms()
         out = await self.reward.handle(item)
         self.scored += 1
         return out
@@ -133,9 +133,6 @@ class ReplayStage(Stage):
         results: list[list[Output] | Exception] = [[] for _ in items]  # outside the range: consumed, not scored
         keep = [i for i, item in enumerate(items) if self.wanted(item.policy_version)]
         self.skipped += len(items) - len(keep)
-        started = now_ms()
-        for i in keep:
-            items[i].record.stage_times["replay.start"] = started
         for i, result in zip(keep, self.reward.handle_batch([items[i] for i in keep]) if keep else []):
             results[i] = result
             self.scored += not isinstance(result, Exception)

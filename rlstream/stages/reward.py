@@ -62,8 +62,12 @@ class RewardStage(Stage):
     inputs = ("trajectories",)
     token_views = True  # a judge reads a trajectory's tokens; the scored trajectory carries them on unchanged
 
-    def __init__(self, settings: RewardSettings = RewardSettings()):
+    def __init__(self, settings: RewardSettings = RewardSettings(), start_stamp: str = ""):
+        """``start_stamp``: a stage time to stamp on each trajectory when its judgement starts (a replay's
+        ``replay.start``). It is written with the reward stage's own, after the arrived bytes are kept: stamped
+        before, it would change the tail, and the scored trajectory could no longer be written over them."""
         self.settings = settings
+        self._start_stamp = start_stamp
         self.fn = load_reward(settings.reward)
         self._splice = Splice("ScoredTrajectory", carried="trajectory", tail_from="stage_times")
         self._async = inspect.iscoroutinefunction(self.fn)
@@ -81,9 +85,9 @@ class RewardStage(Stage):
 
     async def handle(self, item: Incoming) -> list[Output]:
         traj: Trajectory = item.record
-        started = time.perf_counter()
+        started, started_ms = time.perf_counter(), now_ms()
         reward = self._failed(traj) if traj.status == "failed" else await self._judge(traj, started)
-        return self._scored(item, reward)
+        return self._scored(item, reward, started_ms)
 
     def sync_handler(self) -> SyncHandler | None:
         """A sync reward function is called straight on a pool thread (``handle`` awaits it through the event loop,
@@ -91,14 +95,17 @@ class RewardStage(Stage):
         with the same judge_timeout reward."""
         if self._async:
             return None
-        return SyncHandler(self._handle_sync, self.settings.judge_timeout_s,
-                           lambda item: self._scored(item, self._timed_out(
-                               time.perf_counter() - self.settings.judge_timeout_s)))
+        timeout_s = self.settings.judge_timeout_s
+        return SyncHandler(self._handle_sync, timeout_s,
+                           lambda item: self._scored(item, self._timed_out(time.perf_counter() - timeout_s),
+                                                     now_ms() - round(timeout_s * 1000)))
 
     def _handle_sync(self, item: Incoming) -> list[Output]:
         """One trajectory through a sync function on this thread (the pool's, or a batch's)."""
         traj: Trajectory = item.record
-        return self._scored(item, self._failed(traj) if traj.status == "failed" else self._judge_sync(traj))
+        started_ms = now_ms()
+        return self._scored(item, self._failed(traj) if traj.status == "failed" else self._judge_sync(traj),
+                            started_ms)
 
     def handle_batch(self, items: list[Incoming]) -> list[list[Output] | Exception] | None:
         """A whole unpipelined batch in one call when the reward function is sync: an exact-match judge costs
@@ -110,11 +117,13 @@ class RewardStage(Stage):
         thread is left behind."""
         return each_alone(self._handle_sync, items) if self.judges_in_batches else None
 
-    def _scored(self, item: Incoming, reward: Reward) -> list[Output]:
+    def _scored(self, item: Incoming, reward: Reward, started_ms: int) -> list[Output]:
         """The scored trajectory, written over the bytes its trajectory arrived as where they can be reused
-        (schemas.splice: the stage time it adds is in the tail, which is encoded again)."""
+        (schemas.splice: the stage times it adds are in the tail, which is encoded again)."""
         traj: Trajectory = item.record
         kept = self._splice.keep(item.wire, traj)  # before the tail changes
+        if self._start_stamp:
+            traj.stage_times[self._start_stamp] = started_ms
         traj.stage_times["reward.end"] = now_ms()
         scored = ScoredTrajectory(traj, reward)
         # Eval-lane results go where no trainer reads (records.is_eval).

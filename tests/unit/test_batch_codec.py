@@ -238,6 +238,26 @@ def test_the_reward_stage_writes_its_scored_trajectory_over_the_arrived_bytes():
     assert decoded.trajectory.stage_times.keys() == {"env.end", "reward.end"} and decoded.reward.total == 1.0
 
 
+def test_a_replay_writes_its_scored_trajectory_over_the_arrived_bytes_with_its_start_in_the_tail():
+    """A replay stamps replay.start after the arrived bytes are kept: stamped before (as it once was), the tail no
+    longer matched them and every replayed trajectory was encoded whole."""
+    from rlstream.kafka.records import Decoder
+    from rlstream.stages.replay import ReplaySettings, ReplayStage
+    traj = records.Trajectory("e", "g", 0, records.Task("t", "g", "n", "e", "1", "p", records.SamplingParams(), 1,
+                                                        answer="r"), "r", 0, 0, token_ids=[1, 2], loss_mask=[1, 1],
+                              behaviour_logprobs=[-0.5, -0.5], stage_times={"env.end": 5, "reward.end": 6})
+    wire = CODEC.encode("Trajectory", traj.to_dict())
+    stage = ReplayStage(ReplaySettings(reward="exact", reward_version="v2"))
+    item = Decoder("r", token_views=True).decode([_Message("r.trajectories", wire)])[0].item
+    [[out]] = stage.handle_batch([item])
+    assert out.value is not None  # spliced
+    assert out.value() == CODEC.encode("ScoredTrajectory", out.record.to_dict())
+    decoded = records.ScoredTrajectory.from_dict(CODEC.decode(out.value())[1])
+    times = decoded.trajectory.stage_times
+    assert times.keys() == {"env.end", "reward.end", "replay.start"} and times["replay.start"] <= times["reward.end"]
+    assert decoded.reward.reward_version == "v2" and decoded.reward.total == 1.0
+
+
 class _Message:
     """The little of a confluent Message that the Decoder reads (a unit test of the codec, not of Kafka)."""
 
