@@ -15,11 +15,11 @@ import logging
 import os
 import tempfile
 import time
-import uuid
 
 from confluent_kafka import Producer
 
 from benchmarks.harness.record import Goal, record
+from benchmarks.harness.scratch import discard_at_exit, run_name
 from rlstream.archive.decode import NativeTable, meta_row
 from rlstream.archive.sink import ArchiveSettings, ArchiveSink
 from rlstream.archive.tables import TABLES
@@ -88,8 +88,9 @@ class _Clock:
 
 def end_to_end(args, values: list[bytes], tmp: str, native: bool) -> tuple[float, float]:
     """(rows/s from first record consumed to last batch committed, rows per CPU-second)."""
-    run = "bench" + uuid.uuid4().hex[:8]
+    run = run_name("archive")
     create_topics({"bootstrap.servers": args.bootstrap}, run)
+    discard_at_exit(args.bootstrap, run)
     produce(args.bootstrap, run, values)
     sink = ArchiveSink(ArchiveSettings(archive_batch_rows=args.batch_rows, archive_clickhouse_decode=native),
                        LoopSettings(archive=f"chdb://{tmp}/{run}"))

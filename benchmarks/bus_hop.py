@@ -29,6 +29,7 @@ import uuid
 from confluent_kafka import Consumer, Producer
 
 from benchmarks.harness.record import Goal, record
+from benchmarks.harness.scratch import discard_at_exit, run_name
 from benchmarks.harness.workloads import make_trajectory
 from rlstream.config import KafkaSettings
 from rlstream.infra import broker
@@ -145,8 +146,9 @@ def main() -> None:
     parser.add_argument("--transactions", type=int, default=100, help="back-to-back transactions timed per setting")
     args = parser.parse_args()
     bootstrap = os.environ.get("RLSTREAM_BOOTSTRAP") or broker.up()
-    run = "bench-hop-" + uuid.uuid4().hex[:8]
+    run = run_name("hop")
     create_topics({"bootstrap.servers": bootstrap}, run, partitions=4)
+    discard_at_exit(bootstrap, run)
     codec = default_codec()
     value = codec.encode("Trajectory", make_trajectory(0, n_tokens=args.tokens).to_dict())
     values = [value] * args.records
@@ -159,12 +161,14 @@ def main() -> None:
     for r in range(args.rounds):
         raw_run = f"{run}-raw{r}"
         create_topics({"bootstrap.servers": bootstrap}, raw_run, partitions=4)
+        discard_at_exit(bootstrap, raw_run)
         fill(bootstrap, topic_name(raw_run, "prompts"), values, with_headers=False)  # any two topics will do
         rates["raw"].append(raw_pass_through(bootstrap, topic_name(raw_run, "prompts"),
                                              topic_name(raw_run, "actions"), args.records))
         for mode, pipeline, concurrency in (("batch", False, 1), ("pipelined", True, args.concurrency)):
             hop_run = f"{run}-{mode}{r}"
             create_topics({"bootstrap.servers": bootstrap}, hop_run, partitions=4)
+            discard_at_exit(bootstrap, hop_run)
             fill(bootstrap, topic_name(hop_run, "trajectories"), values, with_headers=True)
             rate, cpu = eos_hop(bootstrap, hop_run, args.records, pipeline, concurrency)
             rates[mode].append(rate)
@@ -172,6 +176,7 @@ def main() -> None:
         print(f"round {r}: " + ", ".join(f"{m} {v[-1]:.0f}/s" for m, v in rates.items()), flush=True)
     b2b_run = f"{run}-b2b"
     create_topics({"bootstrap.servers": bootstrap}, b2b_run, partitions=4)
+    discard_at_exit(bootstrap, b2b_run)
     b2b = {"loop": back_to_back_ms(bootstrap, b2b_run, TXN_RETRY_BACKOFF_MS, args.transactions),
            "default": back_to_back_ms(bootstrap, b2b_run, 100, args.transactions)}
     print(f"back-to-back transaction p50: {b2b['loop']:.1f} ms at retry.backoff.ms={TXN_RETRY_BACKOFF_MS}, "

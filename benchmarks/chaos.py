@@ -53,6 +53,7 @@ from confluent_kafka.admin import AdminClient
 from benchmarks.harness.groups import advanced, committed_with_metadata, group_offsets
 from benchmarks.harness.loop import ROOT, wait_until
 from benchmarks.harness.record import Goal, record
+from benchmarks.harness.scratch import discard_at_exit, run_name
 from benchmarks.harness.stats import percentile
 from rlstream.config import KafkaSettings
 from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
@@ -87,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=20, help="SIGKILLs to deliver (default 20)")
-    p.add_argument("--run", default="", help="run name (default: a fresh chaos-<time>)")
+    p.add_argument("--run", default="", help="run name (default: a fresh bench-chaos-<time>-<id>, deleted when it ends)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule and of the tasks")
     p.add_argument("--tasks", type=int, default=0, help="tasks to produce (default: 8 per kill, at least 24)")
     p.add_argument("--group-size", type=int, default=4, help="samples per task (G)")
@@ -376,13 +377,15 @@ def main(argv: list[str] | None = None) -> int:
     if not bootstrap:
         from rlstream.infra import broker
         bootstrap = broker.up()
-    run = args.run or time.strftime("chaos-%Y%m%d-%H%M%S")
+    run = args.run or run_name("chaos")
     workdir = Path(args.workdir or ROOT / ".rlstream" / "runs" / run).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     archive = args.archive or f"chdb://{workdir / 'archive'}"
     kafka = KafkaSettings(bootstrap=bootstrap, run=run, kafka_config=args.kafka_config)
     client = kafka.client_config()
     create_topics(client, run, partitions=args.partitions)
+    if not args.run:  # a run the user named is theirs to keep, and so is a folder they gave
+        discard_at_exit(bootstrap, run, None if args.workdir else workdir)
     admin = AdminClient(client)
     n_tasks = args.tasks or max(24, 8 * args.kills)
     # One share of the tasks to warm up, one at each kill: the killed stage always has work waiting for it.

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness.record import Goal, record
+from benchmarks.harness.scratch import discard_at_exit, run_name
 from rlstream.config import KafkaSettings
 from rlstream.infra import broker
 from rlstream.kafka.topics import create_topics
@@ -61,8 +62,9 @@ def stage_round(bootstrap: str, urls: list[str], folder: Path, root: Path, args,
     One warm-up prompt goes first: the stage starts its fleet and pushes version 0 to both servers on its first
     record, which is start-up, not the stage's cost per token; the clock starts at the first measured record.
     """
-    run = f"bench-fleet-{int(time.time())}-{k}"
+    run = run_name(f"fleet{k}")
     create_topics({"bootstrap.servers": bootstrap}, run, partitions=4)
+    discard_at_exit(bootstrap, run)
     uri = WeightStore(str(root / run)).put("policy", 0, lambda out: shutil.copytree(folder, out, dirs_exist_ok=True))
     now = hdr.now_ms()
     produce(bootstrap, run, "policy-versions", [(b"policy", PolicyVersion("policy", 0, uri, created_at=now,

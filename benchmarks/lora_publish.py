@@ -41,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -241,12 +240,13 @@ def main() -> None:
     if args.role == "trainer":
         trainer(args)
         return
-    from rlstream.kafka.topics import create_topics, delete_topics
+    from benchmarks.harness.scratch import discard_at_exit, run_name
+    from rlstream.kafka.topics import create_topics
     torch.set_num_threads(args.threads)
     client = {"bootstrap.servers": args.bootstrap}
-    run = "bench-lora-" + uuid.uuid4().hex[:8]
+    run = run_name("lora")
     create_topics(client, run)
-    atexit.register(delete_topics, client, run)  # a 1 B run's weights topic holds GBs
+    discard_at_exit(args.bootstrap, run)  # a 1 B run's weights topic holds GBs
     work = Path(tempfile.mkdtemp(prefix="lora-publish-bench-"))
     atexit.register(shutil.rmtree, work, ignore_errors=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

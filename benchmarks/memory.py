@@ -19,6 +19,8 @@ import psutil
 
 from benchmarks.harness.loop import ROOT
 from benchmarks.harness.record import record
+from benchmarks.harness.scratch import discard, run_name
+from rlstream.infra.broker import bootstrap as broker_address
 from rlstream.infra.supervisor import StageProc
 
 STAGES = ("trainer", "rollout", "env", "reward", "archive", "prompts")
@@ -66,7 +68,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    run = "mem-" + time.strftime("%H%M%S")
+    run = run_name("mem")
     # A target above 1 is never reached: the demo runs its full --minutes, then stops every stage.
     demo = StageProc("demo", ["demo", "--run", run, "--minutes", str(args.minutes), "--target", "2"], env,
                      ROOT / ".rlstream" / "runs" / run / "memory-demo.log", cwd=ROOT).start()
@@ -114,11 +116,8 @@ def main(argv=None) -> dict:
             peak[stage] = max(peak.get(stage, 0), rss)
             peak_pss[stage] = max(peak_pss.get(stage, 0), pss)
         time.sleep(args.interval)
-    tail = []
-    if demo.alive():
-        demo.terminate()  # the demo stops its stages itself; its last lines are not waited for
-    else:
-        tail = demo.log_tail().strip().splitlines()[-1:]
+    tail = [] if demo.alive() else demo.log_tail().strip().splitlines()[-1:]
+    demo.stop(60)  # SIGTERM: the demo stops its stages itself; then its run is scratch (harness/scratch.py)
     print(f"peak memory per process during a {args.minutes:g}-minute `rlstream demo` (run {run})")
     print(f"{'process':22s} {'peak RSS MiB':>12s} {'peak PSS MiB':>12s}")
     order = [s for s in (*STAGES, "other", "demo (orchestrator)", "kafka broker (JVM)") if peak.get(s)]
@@ -131,6 +130,8 @@ def main(argv=None) -> dict:
                       **{f"{s.split()[0]}_pss_mib": round(peak_pss.get(s, 0) / 2**20) for s in order}})
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    home = Path(os.environ.get("RLSTREAM_HOME") or ROOT / ".rlstream")
+    discard(broker_address(home), run, home / "runs" / run)
     return result
 
 

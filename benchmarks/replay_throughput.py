@@ -17,11 +17,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 
 from confluent_kafka import Producer
 
 from benchmarks.harness.record import record
+from benchmarks.harness.scratch import discard_at_exit, run_name
 from rlstream.archive.query import open_archive, read_endpoint
 from rlstream.config import KafkaSettings, LoopSettings
 from rlstream.kafka.topics import create_topics, topic_name
@@ -54,8 +54,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--archive", action="store_true", help="also replay from the archive (starts one)")
     args = parser.parse_args()
-    run = "replaybench-" + uuid.uuid4().hex[:8]
+    run = run_name("replay")
     create_topics({"bootstrap.servers": args.bootstrap}, run)
+    discard_at_exit(args.bootstrap, run)
     kafka = KafkaSettings(bootstrap=args.bootstrap, run=run)
     runtime = RuntimeSettings(batch_size=args.batch_size, poll_timeout_s=0.1)
 

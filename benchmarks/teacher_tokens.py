@@ -26,7 +26,6 @@ import os
 import random
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -34,6 +33,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from benchmarks.harness.record import record  # noqa: E402
+from benchmarks.harness.scratch import discard_at_exit, run_name  # noqa: E402
 from rlstream.config import KafkaSettings  # noqa: E402
 from rlstream.infra.supervisor import StageProc, stage_env  # noqa: E402
 from rlstream.kafka.records import TypedProducer  # noqa: E402
@@ -87,8 +87,9 @@ def rows_of(batch: list[ScoredTrajectory]) -> list[list[int]]:
 def time_stage(folder: Path, batch: list[ScoredTrajectory], k: int, workdir: Path) -> float:
     """Seconds from producing ``batch`` to reading back its feedback, through a running teacher stage."""
     bootstrap = os.environ.get("RLSTREAM_BOOTSTRAP") or __import__("rlstream.infra.broker", fromlist=["up"]).up()
-    run = f"bt-{uuid.uuid4().hex[:8]}"
+    run = run_name("teacher")
     create_topics({"bootstrap.servers": bootstrap}, run, partitions=2)
+    discard_at_exit(bootstrap, run)
     producer = TypedProducer(KafkaSettings(bootstrap=bootstrap, run=run))
     pv = PolicyVersion(policy="policy", version=0, weights_uri=str(folder), created_at=hdr.now_ms(),
                        published_at=hdr.now_ms(), tokenizer_hash=tokenizer_hash(folder))

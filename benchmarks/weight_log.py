@@ -47,7 +47,6 @@ import shutil
 import subprocess
 import tempfile
 import time
-import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -56,10 +55,11 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.harness.record import Goal, record
+from benchmarks.harness.scratch import discard_at_exit, run_name
 from benchmarks.harness.stats import percentile
 from rlstream.config import KafkaSettings
 from rlstream.kafka import records
-from rlstream.kafka.topics import create_topics, delete_topics, topic_name
+from rlstream.kafka.topics import create_topics, topic_name
 from rlstream.kafka.transactions import TransactionalProducer, transfer_timeout_s
 from rlstream.policy import weight_log
 from rlstream.policy.manifest import place
@@ -141,10 +141,9 @@ def main() -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # one line per version, not a bar per save
     bootstrap = os.environ.get("RLSTREAM_BOOTSTRAP", "127.0.0.1:9092")
-    run = "bench-wl-" + uuid.uuid4().hex[:8]
+    run = run_name("wl")
     create_topics({"bootstrap.servers": bootstrap}, run, overrides={"weights": args.weights_partitions})
-    # Its weights topic holds 2 GB or more at 100 M parameters: left behind, runs fill the broker's disk.
-    atexit.register(delete_topics, {"bootstrap.servers": bootstrap}, run)
+    discard_at_exit(bootstrap, run)  # its weights topic holds 2 GB or more at 100 M parameters
     kafka = KafkaSettings(bootstrap=bootstrap, run=run)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"date {datetime.datetime.now().isoformat(timespec='seconds')}  commit {commit}  "

@@ -61,7 +61,15 @@ def _topic_partitions(pairs: list[str]) -> dict[str, int]:
 
 
 def cmd_topics(args: argparse.Namespace) -> None:
-    from rlstream.kafka.topics import TOPICS, create_topics, partition_counts, topic_name
+    from rlstream.kafka.topics import TOPICS, create_topics, delete_topics, partition_counts, topic_name
+    if args.delete:
+        kafka = kafka_settings(args)
+        deleted = delete_topics(kafka.client_config(), kafka.run)
+        for name in deleted:
+            print("deleted " + name)
+        if not deleted:
+            print(f"run {kafka.run} has no topics on {kafka.bootstrap}")
+        return
     overrides = _topic_partitions(args.topic_partitions)
     counts = partition_counts(args.partitions, overrides)  # refused before the broker is asked anything
     kafka = kafka_settings(args)
@@ -149,7 +157,7 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     config.add_arguments(p, LoopSettings, only=("home",))
     p.set_defaults(func=cmd_down)
 
-    p = sub.add_parser("topics", help="create the run's topics")
+    p = sub.add_parser("topics", help="create the run's topics (or delete them: --delete)")
     config.add_arguments(p, LoopSettings, only=("run",))
     config.add_arguments(p, KafkaSettings)
     p.add_argument("--replication", type=int, default=1, help="replication factor (3 on a 3-broker cluster)")
@@ -159,6 +167,8 @@ def build_parser(stage: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--topic-partitions", action="append", default=[], metavar="TOPIC=N",
                    help="one topic's partitions (repeat the flag); prompts, eval-prompts, actions and observations "
                         "must stay equal")
+    p.add_argument("--delete", action="store_true",
+                   help="delete the run's topics instead, and their records with them (what the archive holds stays)")
     p.set_defaults(func=cmd_topics)
 
     from rlstream.runtime.chain import CHAINS

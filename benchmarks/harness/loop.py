@@ -15,10 +15,10 @@ import sys
 import threading
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 from typing import Callable
 
+from benchmarks.harness.scratch import discard_at_exit, run_name
 from rlstream.config import KafkaSettings
 from rlstream.infra import broker
 from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
@@ -65,10 +65,11 @@ class Loop:
 
     def __init__(self, prefix: str, partitions: int = 8, **extra_env: str):
         self.bootstrap = os.environ.get("RLSTREAM_BOOTSTRAP") or broker.up()
-        self.run = f"{prefix}-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
+        self.run = run_name(prefix)
         self.workdir = ROOT / ".rlstream" / "runs" / self.run
         self.workdir.mkdir(parents=True, exist_ok=True)
         create_topics({"bootstrap.servers": self.bootstrap}, self.run, partitions=partitions)
+        discard_at_exit(self.bootstrap, self.run, self.workdir)
         self.kafka = KafkaSettings(bootstrap=self.bootstrap, run=self.run)
         self.env = stage_env(self.bootstrap, self.run, **ONE_THREAD, PYTHONWARNINGS="ignore", **extra_env)
         self.sup = Supervisor()

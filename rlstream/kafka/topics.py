@@ -132,14 +132,15 @@ def create_topics(admin_config: dict, run: str, replication: int = 1, partitions
     return names
 
 
-def delete_topics(admin_config: dict, run: str, timeout: float = 30.0) -> None:
+def delete_topics(admin_config: dict, run: str, timeout: float = 30.0) -> list[str]:
     """Delete the run's topics that exist (a benchmark's run, whose records are only in the way afterwards: a
-    weights topic at 100 M parameters holds gigabytes)."""
+    weights topic at 100 M parameters holds gigabytes); the names deleted."""
     admin = AdminClient(admin_config)
     existing = set(admin.list_topics(timeout=timeout).topics)
     names = [topic_name(run, t) for t in TOPICS if topic_name(run, t) in existing]
     for future in (admin.delete_topics(names, operation_timeout=timeout).values() if names else ()):
         future.result()
+    return names
 
 
 def delete_before(admin_config: dict, run: str, logical: str, partition: int, offset: int,

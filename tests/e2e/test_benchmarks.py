@@ -11,8 +11,11 @@ import subprocess
 import sys
 
 import pytest
+from confluent_kafka.admin import AdminClient
 
+from benchmarks.harness.scratch import PREFIX
 from tests.helpers import ROOT
+from tests.helpers.kafka import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -36,6 +39,8 @@ def test_every_benchmark_script_is_in_make_bench():
 def test_every_benchmark_prints_its_result_line_at_smoke_size(tmp_path, bootstrap):
     raw_dir = tmp_path / "results"
     committed = {p.name: p.read_bytes() for p in (ROOT / "benchmarks" / "results").glob("*.jsonl")}
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    before = set(admin.list_topics(timeout=30).topics)
     env = dict(os.environ, SMOKE="1", OUT=str(tmp_path), PY=sys.executable, PYTHONPATH=str(ROOT),
                RLSTREAM_BENCH_RESULTS=str(raw_dir), BENCH_SKIP=",".join(RUN_ELSEWHERE))
     done = subprocess.run(["bash", "benchmarks/run_all.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -65,3 +70,9 @@ def test_every_benchmark_prints_its_result_line_at_smoke_size(tmp_path, bootstra
         assert not negative, f"{name}: negative rates {negative}"
     assert {p.name: p.read_bytes() for p in (ROOT / "benchmarks" / "results").glob("*.jsonl")} == committed
     assert done.returncode == 0, done.stdout[-4000:]
+    # Every run a benchmark made is deleted when it ends (benchmarks/harness/scratch.py): none left on the broker.
+    left = lambda: {t for t in admin.list_topics(timeout=30).topics if t.startswith(PREFIX)} - before  # noqa: E731
+    try:
+        wait_for(lambda: not left(), 60, "the benchmarks' runs to be deleted")
+    except AssertionError:
+        raise AssertionError(f"benchmark runs left on the broker: {sorted({t.split('.')[0] for t in left()})}")

@@ -10,7 +10,7 @@ from rlstream.infra.broker_jars import kafka_lib
 from rlstream.kafka.topics import TOPICS, topic_name
 from rlstream.schemas import headers as hdr
 from tests.helpers import ROOT
-from tests.helpers.kafka import make_trajectory, produce
+from tests.helpers.kafka import make_trajectory, produce, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -73,3 +73,24 @@ def test_rlstream_topics_creates_the_partitions_asked_for(bootstrap):
     topics = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=30).topics
     assert len(topics[f"{run}.prompts"].partitions) == 3 and len(topics[f"{run}.observations"].partitions) == 3
     assert len(topics[f"{run}.rewards"].partitions) == 5 and len(topics[f"{run}.policy-versions"].partitions) == 1
+
+
+def test_rlstream_topics_delete_removes_that_run_alone(bootstrap, capsys):
+    import uuid
+
+    from confluent_kafka.admin import AdminClient
+
+    from rlstream.cli import main
+    run, other = ("d" + uuid.uuid4().hex[:10] for _ in range(2))
+    for r in (run, other):
+        assert main(["topics", "--run", r, "--bootstrap", bootstrap, "--partitions", "1"]) == 0
+    capsys.readouterr()
+    assert main(["topics", "--run", run, "--bootstrap", bootstrap, "--delete"]) == 0
+    assert f"deleted {run}.trajectories" in capsys.readouterr().out
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    wait_for(lambda: not any(t.startswith(run + ".") for t in admin.list_topics(timeout=10).topics), 30,
+             f"{run}'s topics to go")
+    assert f"{other}.trajectories" in admin.list_topics(timeout=10).topics  # another run's stay
+    assert main(["topics", "--run", run, "--bootstrap", bootstrap, "--delete"]) == 0  # nothing left: said, no error
+    assert f"run {run} has no topics" in capsys.readouterr().out
+    assert main(["topics", "--run", other, "--bootstrap", bootstrap, "--delete"]) == 0
