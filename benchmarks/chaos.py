@@ -53,7 +53,7 @@ from confluent_kafka.admin import AdminClient
 from benchmarks.harness.groups import advanced, committed_with_metadata, group_offsets
 from benchmarks.harness.loop import ROOT, wait_until
 from benchmarks.harness.record import Goal, record
-from benchmarks.harness.scratch import discard_at_exit, run_name
+from benchmarks.harness.scratch import discard, run_name
 from benchmarks.harness.stats import percentile
 from rlstream.config import KafkaSettings
 from rlstream.infra.supervisor import ONE_THREAD, StageProc, Supervisor, stage_env
@@ -384,8 +384,6 @@ def main(argv: list[str] | None = None) -> int:
     kafka = KafkaSettings(bootstrap=bootstrap, run=run, kafka_config=args.kafka_config)
     client = kafka.client_config()
     create_topics(client, run, partitions=args.partitions)
-    if not args.run:  # a run the user named is theirs to keep, and so is a folder they gave
-        discard_at_exit(bootstrap, run, None if args.workdir else workdir)
     admin = AdminClient(client)
     n_tasks = args.tasks or max(24, 8 * args.kills)
     # One share of the tasks to warm up, one at each kill: the killed stage always has work waiting for it.
@@ -541,6 +539,12 @@ def main(argv: list[str] | None = None) -> int:
                          books_equal=books_ok, **per_stage),
            [Goal("ok", ">=", 1), Goal("lost", "<=", 0), Goal("duplicated", "<=", 0),
             Goal("recovery_p99_s", "<=", RECOVERY_GOAL_S[args.standby])], seed=args.seed)
+    # Scratch once it passed (harness/scratch.py); a failed run keeps its records to read. A run the user named is
+    # theirs to keep, and so is a folder they gave.
+    if not args.run and ok:
+        discard(bootstrap, run, None if args.workdir else workdir)
+    elif not args.run:
+        log(f"run {run} kept for its records (`rlstream topics --delete --run {run}` when done)")
     return 0 if ok else 1
 
 

@@ -1,7 +1,7 @@
 """What a benchmark leaves behind. Its raw line (``harness/record.py``) and its logs are what it keeps; its run's
 Kafka topics and the weights its trainer wrote are scratch, deleted when it is done.
 
-Every benchmark run makes a fresh run namespace (4 to 21 topics of up to 8 partitions each), and `make bench` makes
+Every benchmark run makes a fresh run namespace (11 topics of up to 8 partitions each), and `make bench` makes
 about a hundred: a local broker that had collected them over a few weeks held 12,000 partitions and took over a
 minute to start, past `rlstream up`'s wait, and a recipe's run left up to 4 GB of versions in its weights folder.
 Kafka deletes a topic's files in the background, so a deletion costs the benchmark nothing it measures.
@@ -9,7 +9,8 @@ Kafka deletes a topic's files in the background, so a deletion costs the benchma
 Every run a benchmark makes up is named by ``run_name`` (``bench-KIND-...``), so what a benchmark left behind is
 told from a user's runs and a test's by its name (``tests/e2e/test_benchmarks.py`` checks that none is left).
 ``RLSTREAM_BENCH_KEEP=1`` keeps them (to read a run's records or load a version afterwards). A run a user named
-(``chaos --run R``) is theirs and never discarded: only the names a benchmark made up are. Deletion is best effort:
+(``chaos --run R``) is theirs and never discarded: only the names a benchmark made up are; and ``chaos`` keeps a
+run that failed its checks, whose records are the finding. Deletion is best effort:
 a broker already gone is said on stderr, and ``rlstream topics --delete --run R`` does it by hand.
 """
 from __future__ import annotations
