@@ -22,6 +22,7 @@ from pathlib import Path
 
 from benchmarks.harness.record import Goal, record
 from benchmarks.harness.scratch import discard
+from rlstream.infra.broker import bootstrap as broker_address
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,8 +52,7 @@ def demo(recipe: str, size: str, seed: int, minutes: float, home: Path, extra: t
     if not summary:
         sys.exit(f"rlstream demo printed no summary line (exit {done.returncode}):\n{text[-3000:]}")
     curve = json.loads((home / "runs" / name / "heldout_curve.json").read_text())
-    on = re.search(r"rlstream demo: run \S+ on (\S+);", text)  # the broker the demo used
-    discard(on[1] if on else None, name, home / "runs" / name)
+    discard(broker_address(home), name, home / "runs" / name)  # the broker the demo started there
     start = next((reward for t, version, reward in curve if version == 0), float(summary[1]))
     best = max((reward for _, version, reward in curve if version > 0), default=float("nan"))
     return {"heldout_start": start, "heldout_best": best, "heldout_gain": best - start,

@@ -85,7 +85,7 @@ class RewardStage(Stage):
 
     async def handle(self, item: Incoming) -> list[Output]:
         traj: Trajectory = item.record
-        started, started_ms = time.perf_counter(), now_ms()
+        started, started_ms = time.perf_counter(), now_ms() if self._start_stamp else 0
         reward = self._failed(traj) if traj.status == "failed" else await self._judge(traj, started)
         return self._scored(item, reward, started_ms)
 
@@ -103,7 +103,7 @@ class RewardStage(Stage):
     def _handle_sync(self, item: Incoming) -> list[Output]:
         """One trajectory through a sync function on this thread (the pool's, or a batch's)."""
         traj: Trajectory = item.record
-        started_ms = now_ms()
+        started_ms = now_ms() if self._start_stamp else 0  # a clock read per record only where it is written
         return self._scored(item, self._failed(traj) if traj.status == "failed" else self._judge_sync(traj),
                             started_ms)
 
