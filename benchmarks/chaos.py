@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     # Scratch once it passed (harness/scratch.py); a failed run keeps its records to read. A run the user named is
     # theirs to keep, and so is a folder they gave.
     if not args.run and ok:
-        discard(bootstrap, run, None if args.workdir else workdir)
+        discard(bootstrap, run, None if args.workdir else workdir, folders=("weights", "archive"))
     elif not args.run:
         log(f"run {run} kept for its records (`rlstream topics --delete --run {run}` when done)")
     return 0 if ok else 1

@@ -48,6 +48,7 @@ from confluent_kafka.admin import AdminClient
 from benchmarks.chaos import Books, archive_check, duplicates, policy_order, trainer_books
 from benchmarks.harness.loop import ROOT, wait_until
 from benchmarks.harness.record import Goal, record
+from benchmarks.harness.scratch import discard
 from rlstream.config import LoopSettings
 from rlstream.demo import DemoSettings, Progress, fold, latest_complete_round
 from rlstream.infra import broker
@@ -351,6 +352,12 @@ def main(argv: list[str] | None = None) -> int:
                                broker_killed_at_version=killed_at, unplanned_exits=len(sup.crashes),
                                trainer_ranks=args.trainer_ranks, longest_pause_after_kill_s=paused.longest),
            [Goal("ok", ">=", 1), Goal("lost", "<=", 0), Goal("duplicated", "<=", 0)], seed=args.seed)
+    # Its brokers' data, archive and weights (the hosts' homes) are scratch once it passed; its logs stay. A failed
+    # run keeps them to read, and a folder the user gave is theirs.
+    if ok and not args.workdir:
+        discard(None, run, workdir, folders=(*(f"host-{h}" for h in HOSTS), "trainer-store"))
+    elif not ok:
+        log(f"the hosts' data kept under {workdir} for the failure's records")
     return 0 if ok else 1
 
 

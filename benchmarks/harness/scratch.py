@@ -1,5 +1,6 @@
 """What a benchmark leaves behind. Its raw line (``harness/record.py``) and its logs are what it keeps; its run's
-Kafka topics and the weights its trainer wrote are scratch, deleted when it is done.
+Kafka topics, the weights its trainer wrote and the data of an archive or brokers it started in its run's folder are
+scratch, deleted when it is done.
 
 Every benchmark run makes a fresh run namespace (11 topics of up to 8 partitions each), and `make bench` makes
 about a hundred: a local broker that had collected them over a few weeks held 12,000 partitions and took over a
@@ -41,12 +42,15 @@ def keeping() -> bool:
     return os.environ.get(KEEP_ENV, "") not in ("", "0")
 
 
-def discard(bootstrap: str | None, run: str, workdir: Path | None = None) -> None:
-    """Delete ``run``'s topics on ``bootstrap`` and ``workdir``'s weights folder now (unless kept)."""
+def discard(bootstrap: str | None, run: str, workdir: Path | None = None,
+            folders: tuple[str, ...] = ("weights",)) -> None:
+    """Delete ``run``'s topics on ``bootstrap`` and ``workdir``'s scratch ``folders`` now (unless kept): the weights a
+    trainer wrote, and where a benchmark keeps them in its run's folder, its archive and its own brokers' data."""
     if keeping():
         return
     if workdir is not None:
-        shutil.rmtree(workdir / "weights", ignore_errors=True)
+        for folder in folders:
+            shutil.rmtree(workdir / folder, ignore_errors=True)
     if not bootstrap:
         return
     try:
@@ -56,8 +60,9 @@ def discard(bootstrap: str | None, run: str, workdir: Path | None = None) -> Non
               f"`rlstream topics --delete --run {run}` deletes them", file=sys.stderr, flush=True)
 
 
-def discard_at_exit(bootstrap: str | None, run: str, workdir: Path | None = None) -> None:
+def discard_at_exit(bootstrap: str | None, run: str, workdir: Path | None = None,
+                    folders: tuple[str, ...] = ("weights",)) -> None:
     """``discard`` when this process exits (a normal end, an error, sys.exit or a SIGTERM the script turns into
     one; a SIGKILL leaves them, as it leaves everything)."""
     if not keeping():
-        atexit.register(discard, bootstrap, run, workdir)
+        atexit.register(discard, bootstrap, run, workdir, folders)

@@ -78,14 +78,16 @@ def test_a_sigtermed_archive_inserts_and_commits_what_it_holds_then_exits_0(boot
                                                                          start_stage):
     from rlstream.archive.query import open_archive
     n = 6
+    # One key, so one partition: the archive's first poll then holds all six, and the SIGTERM below finds them held
+    # (over two partitions a first poll could hold one partition's records, and the stop commit only those).
     produce(bootstrap, run_name, "trajectories",
-            [(f"g{i}".encode(), make_trajectory(i, group=i), hdr.build(0, hdr.new_traceparent())) for i in range(n)])
+            [(b"g", make_trajectory(i, group=i), hdr.build(0, hdr.new_traceparent())) for i in range(n)])
     url = f"chdb://{tmp_path / 'archive'}"
     # Held, not inserted: a batch waits ten minutes or 100000 rows; only the stop inserts and commits it.
     proc = start_stage("archive", bootstrap, run_name, "--archive", url, "--archive-flush-s", "600",
                        "--archive-batch-rows", "100000", "--stop-timeout-s", "30")
-    wait_for(lambda: "first" in proc.log_tail() and "records consumed" in proc.log_tail() or not proc.alive(), 90,
-             "the archive to consume")
+    wait_for(lambda: f"first {n} records consumed" in proc.log_tail() or not proc.alive(), 90,
+             f"the archive to consume all {n} records in its first poll")
     assert proc.alive(), proc.log_tail()
     assert committed_offsets(bootstrap, f"{run_name}.archive", run_name, "trajectories") == {}
     proc.proc.send_signal(signal.SIGTERM)
