@@ -45,7 +45,7 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
 
-from benchmarks.chaos import Books, archive_check, duplicates, policy_order, trainer_books
+from benchmarks.harness.books import Books, archive_check, duplicates, policy_order, trainer_books
 from benchmarks.harness.loop import ROOT, wait_until
 from benchmarks.harness.record import Goal, record
 from benchmarks.harness.scratch import discard
@@ -201,7 +201,7 @@ def stop_gang(sup: Supervisor, timeout: float = 60.0) -> int | None:
 
 def archive_rows(ns: str, url: str, run: str) -> dict[str, int] | None:
     """Rows per archived topic, asked inside host A (its archive's SQL endpoint is on A's loopback)."""
-    code = ("import json, sys; from benchmarks.chaos import archive_counts; "
+    code = ("import json, sys; from benchmarks.harness.books import archive_counts; "
             f"print(json.dumps(archive_counts({url!r}, {run!r})))")
     done = subprocess.run([*in_ns(ns), sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)

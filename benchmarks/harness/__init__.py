@@ -5,6 +5,9 @@
 - ``groups``: a consumer group's committed offsets, which show a stage's progress;
 - ``workloads``: the reward functions stage processes load by dotted path, the seeded latency and length draws,
   and the trajectories the bus benchmarks produce;
+- ``books``: what a loop's run is checked by (nothing lost, nothing duplicated, versions in order, the trainer's
+  train-at-most-once sum, the archive equal to the topics): chaos and three_hosts;
+- ``scratch``: a benchmark's run names, and its topics and folders deleted when it is done;
 - ``race``: a loop racing to a held-out target, versions scored off the clock (vs_trl, distill_vs_rl);
 - ``stats``: percentiles;
 - ``result``: every script's last line, ``RESULT <name> date=… commit=… load=… figures…``;
