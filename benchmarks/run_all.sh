@@ -77,7 +77,7 @@ bench reward_scaling 200 "--judge cpu --judge-s 0.01 --per-consumer 200 --json $
   reward_scaling-cpu
 bench archive_ingest 300 "--count 20000 --tokens 1000" "--count 300 --tokens 1000"
 bench analytics_queries 600 "--rows 200000" "--rows 2000 --repeat 1"
-bench replay_throughput 300 "--count 5000 --archive" "--count 200 --archive"
+bench replay_throughput 300 "--count 5000 --archive" "--count 200 --batch-size 50 --archive"
 bench teacher_tokens 600 "" "--smoke"
 bench fleet_tokens 600 "--rounds 3" "--tasks 2 --group-size 2 --max-tokens 4 --rounds 1"
 bench weight_publish 300 "--seconds 50 --json $OUT/weight_publish.json" "--seconds 5"

@@ -30,7 +30,7 @@ from rlstream.kafka import records
 from rlstream.kafka.group import GroupMember
 from rlstream.kafka.sources import BoundedTopicSource
 from rlstream.kafka.topics import topic_name
-from rlstream.runtime.runner import StageRunner
+from rlstream.runtime.runner import Counter, StageRunner
 from rlstream.runtime.settings import RuntimeSettings
 from rlstream.runtime.stage import Incoming, Output, Stage
 from rlstream.stages.reward import RewardSettings, RewardStage
@@ -194,7 +194,7 @@ class ReplayResult:
 # -- from the topic ----------------------------------------------------------------------------------------------
 
 def _replay_topic(stage: ReplayStage | TeacherReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings,
-                  s: ReplaySettings, archive_url: str = "") -> ReplayResult:
+                  s: ReplaySettings, archive_url: str = "", on_committed: Counter | None = None) -> ReplayResult:
     """The runtime over the input topic's offsets as they stand now (trajectories for a reward, rewards for a
     teacher), from the requested start."""
     started = time.monotonic()
@@ -219,8 +219,11 @@ def _replay_topic(stage: ReplayStage | TeacherReplayStage, kafka: KafkaSettings,
         raise UserError(f"no topic {topic_name(kafka.run, logical)} (is --run right?)") from exc
     progress = _Progress(total, s.progress, "offsets")
     # One batch per transaction: the range's end is checked per batch.
-    runner = StageRunner(stage, kafka, dataclasses.replace(runtime, pipeline=False), source,
-                         on_committed=lambda n: progress.update(source.done()))
+    def committed(n: int) -> None:
+        progress.update(source.done())
+        if on_committed is not None:
+            on_committed(n)
+    runner = StageRunner(stage, kafka, dataclasses.replace(runtime, pipeline=False), source, on_committed=committed)
     log.info("replaying %d offsets of %s as group %s", total, source.topic, group)
     try:
         if total:
@@ -314,7 +317,7 @@ class ArchiveSource:
 
 
 def _replay_archive(stage: ReplayStage | TeacherReplayStage, kafka: KafkaSettings, runtime: RuntimeSettings,
-                    s: ReplaySettings, archive_url: str) -> ReplayResult:
+                    s: ReplaySettings, archive_url: str, on_committed: Counter | None = None) -> ReplayResult:
     started = time.monotonic()
     group = f"{kafka.run}.{stage.name}"
     source = ArchiveSource(kafka, group, s, archive_url, stage.inputs[0])
@@ -325,6 +328,8 @@ def _replay_archive(stage: ReplayStage | TeacherReplayStage, kafka: KafkaSetting
     def committed(n: int) -> None:
         done[0] += n
         progress.update(done[0])
+        if on_committed is not None:
+            on_committed(n)
     # One page of the archive is one transaction.
     runner = StageRunner(stage, kafka, dataclasses.replace(runtime, pipeline=False), source, on_committed=committed)
     log.info("replaying %d archived trajectories of run %s as group %s", total, kafka.run, group)
@@ -338,15 +343,17 @@ def _replay_archive(stage: ReplayStage | TeacherReplayStage, kafka: KafkaSetting
 # -- entry points ------------------------------------------------------------------------------------------------
 
 def replay(settings: ReplaySettings, kafka: KafkaSettings, runtime: RuntimeSettings = RuntimeSettings(),
-           loop: LoopSettings = LoopSettings(), teacher: TeacherSettings | None = None) -> ReplayResult:
+           loop: LoopSettings = LoopSettings(), teacher: TeacherSettings | None = None,
+           on_committed: Counter | None = None) -> ReplayResult:
     """Run one replay to the end of its range; returns what it scored. With ``teacher`` (its ``teacher_version``
-    set, and no ``--reward-version``) the replay is the teacher's over the rewards topic."""
+    set, and no ``--reward-version``) the replay is the teacher's over the rewards topic. ``on_committed(n)``: after
+    each transaction, the records it committed (the runner's hook, for a benchmark's clock)."""
     if teacher is not None and teacher.teacher_version and not settings.reward_version:
         stage = TeacherReplayStage(teacher, loop, parse_versions(settings.policy_version))
     else:
         stage = ReplayStage(settings)
     run = _replay_archive if settings.source == "archive" else _replay_topic
-    return run(stage, kafka, runtime, settings, loop.archive)
+    return run(stage, kafka, runtime, settings, loop.archive, on_committed)
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
